@@ -1,0 +1,39 @@
+//! What every part of the daemon shares: the config, the store and the data-plane hub.
+
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::dataplane::Hub;
+use crate::store::Store;
+
+pub struct App {
+    pub config: Config,
+    pub store: Store,
+    pub hub: Hub,
+    pub connector_id: String,
+    /// One HTTP client for every outbound call (reply_url, provider APIs).
+    pub http: ureq::Agent,
+}
+
+impl App {
+    pub fn new(config: Config, store: Store) -> Result<Arc<App>, crate::store::StoreError> {
+        let connector_id = store.connector_id()?;
+        let http_config = ureq::Agent::config_builder()
+            .timeout_global(Some(std::time::Duration::from_secs(15)))
+            .timeout_connect(Some(std::time::Duration::from_secs(5)))
+            .http_status_as_error(false)
+            .user_agent(format!("imgate/{}", crate::protocol::card::VERSION))
+            .build();
+        Ok(Arc::new(App {
+            config,
+            store,
+            hub: Hub::default(),
+            connector_id,
+            http: ureq::Agent::new_with_config(http_config),
+        }))
+    }
+
+    pub fn ttl_ms(&self) -> u64 {
+        self.config.queue.ttl.as_millis() as u64
+    }
+}

@@ -1,0 +1,339 @@
+//! The front door: owns the one TCP port. It reads each connection's request head, completes
+//! WebSocket upgrades for `{prefix}/ws` itself and relays every other connection to the
+//! tiny_http server on a private Unix socket (tiny_http cannot hand over an upgraded socket).
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_tungstenite::tungstenite::handshake::server::{Request, Response};
+use async_tungstenite::tungstenite::http::HeaderValue;
+use smol::future::FutureExt;
+use smol::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use smol::net::unix::UnixStream;
+use smol::net::{TcpListener, TcpStream};
+
+use crate::app::App;
+use crate::ids;
+use crate::protocol::SUBPROTOCOL;
+
+/// Longest request head accepted; beyond it the answer is 431.
+const MAX_HEAD: usize = 16 * 1024;
+/// A client must finish its request head within this time (slow clients are cut off).
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest data-plane packet; a bigger frame closes that connection, not the process.
+pub const MAX_PACKET: usize = 1 << 20;
+
+/// Accepts connections forever.
+pub async fn serve(app: Arc<App>, listener: TcpListener, backend: PathBuf, prefix: String) {
+    let active = Arc::new(AtomicUsize::new(0));
+    let backend = Arc::new(backend);
+    let prefix = Arc::new(prefix);
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(v) => v,
+            Err(e) => {
+                // Typically EMFILE: wait a moment instead of spinning.
+                log::warn!("listener: accept failed: {e}");
+                smol::Timer::after(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let max = app.config.server.max_connections;
+        if active.fetch_add(1, Ordering::SeqCst) >= max {
+            active.fetch_sub(1, Ordering::SeqCst);
+            log::warn!("listener: {max} connections open; refusing {peer} with 503");
+            smol::spawn(async move {
+                let mut s = stream;
+                let _ = s
+                    .write_all(&plain(
+                        503,
+                        "Service Unavailable",
+                        "{\"error\":\"too_many_connections\"}",
+                    ))
+                    .await;
+            })
+            .detach();
+            continue;
+        }
+        let guard = Slot(active.clone());
+        let (app, backend, prefix) = (app.clone(), backend.clone(), prefix.clone());
+        smol::spawn(async move {
+            let _guard = guard;
+            handle(app, stream, peer.to_string(), &backend, &prefix).await;
+        })
+        .detach();
+    }
+}
+
+/// Frees a connection slot when the connection ends, however it ends.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn plain(status: u16, reason: &str, body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// The parts of a request head the front door decides on.
+struct Head {
+    method: String,
+    path: String,
+    upgrade_websocket: bool,
+    authorization: Option<String>,
+    protocols: Vec<String>,
+}
+
+fn parse_head(buf: &[u8]) -> Option<Head> {
+    let text = std::str::from_utf8(buf).ok()?;
+    let mut lines = text.split("\r\n");
+    let mut first = lines.next()?.split(' ');
+    let method = first.next()?.to_string();
+    let target = first.next()?;
+    let path = target.split('?').next().unwrap_or(target).to_string();
+    let mut head = Head {
+        method,
+        path,
+        upgrade_websocket: false,
+        authorization: None,
+        protocols: Vec::new(),
+    };
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        match name.trim().to_ascii_lowercase().as_str() {
+            "upgrade" => head.upgrade_websocket = value.eq_ignore_ascii_case("websocket"),
+            "authorization" => head.authorization = Some(value.to_string()),
+            "sec-websocket-protocol" => head
+                .protocols
+                .extend(value.split(',').map(|p| p.trim().to_string())),
+            _ => {}
+        }
+    }
+    Some(head)
+}
+
+/// Reads until the end of the request head; `None` on timeout, EOF or an oversized head.
+async fn read_head(stream: &mut TcpStream) -> Result<Vec<u8>, u16> {
+    let mut buf = Vec::with_capacity(1024);
+    let read = async {
+        let mut chunk = [0u8; 2048];
+        loop {
+            let n = stream.read(&mut chunk).await.map_err(|_| 0u16)?;
+            if n == 0 {
+                return Err(0);
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                return Ok(());
+            }
+            if buf.len() > MAX_HEAD {
+                return Err(431);
+            }
+        }
+    };
+    let outcome: Result<(), u16> = read
+        .or(async {
+            smol::Timer::after(HEAD_TIMEOUT).await;
+            Err(408)
+        })
+        .await;
+    outcome.map(|()| buf)
+}
+
+async fn handle(
+    app: Arc<App>,
+    mut stream: TcpStream,
+    peer: String,
+    backend: &PathBuf,
+    prefix: &str,
+) {
+    let buf = match read_head(&mut stream).await {
+        Ok(b) => b,
+        Err(0) => return,
+        Err(431) => {
+            let _ = stream
+                .write_all(&plain(
+                    431,
+                    "Request Header Fields Too Large",
+                    "{\"error\":\"header_too_large\"}",
+                ))
+                .await;
+            return;
+        }
+        Err(code) => {
+            log::debug!("listener: {peer}: request head not finished in time");
+            let _ = stream
+                .write_all(&plain(code, "Request Timeout", "{\"error\":\"timeout\"}"))
+                .await;
+            return;
+        }
+    };
+    let Some(head) = parse_head(&buf) else {
+        let _ = stream
+            .write_all(&plain(400, "Bad Request", "{\"error\":\"bad_request\"}"))
+            .await;
+        return;
+    };
+    let route = head
+        .path
+        .strip_prefix(prefix)
+        .filter(|r| r.starts_with('/'))
+        .unwrap_or(&head.path);
+    if route == "/ws" && head.method == "GET" {
+        upgrade(app, stream, buf, head, peer).await;
+    } else {
+        relay(stream, buf, backend, &peer).await;
+    }
+}
+
+async fn upgrade(app: Arc<App>, mut stream: TcpStream, buf: Vec<u8>, head: Head, peer: String) {
+    if !head.upgrade_websocket {
+        let _ = stream
+            .write_all(&plain(
+                426,
+                "Upgrade Required",
+                "{\"error\":\"websocket_upgrade_required\"}",
+            ))
+            .await;
+        return;
+    }
+    if let Some(key) = &app.config.server.api_key {
+        let given = head
+            .authorization
+            .as_deref()
+            .and_then(|a| a.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !ids::secret_eq(given.trim(), key.expose()) {
+            log::warn!("data plane: {peer}: /ws refused: missing or wrong API key");
+            let _ = stream
+                .write_all(&plain(401, "Unauthorized", "{\"error\":\"unauthorized\"}"))
+                .await;
+            return;
+        }
+    }
+    if !head.protocols.iter().any(|p| p == SUBPROTOCOL) {
+        log::warn!("data plane: {peer}: /ws refused: subprotocol {SUBPROTOCOL} not offered");
+        let body =
+            format!("{{\"error\":\"subprotocol_required\",\"detail\":\"offer {SUBPROTOCOL}\"}}");
+        let _ = stream.write_all(&plain(400, "Bad Request", &body)).await;
+        return;
+    }
+    let callback = |_req: &Request, mut resp: Response| {
+        resp.headers_mut().insert(
+            "Sec-WebSocket-Protocol",
+            HeaderValue::from_static(SUBPROTOCOL),
+        );
+        Ok(resp)
+    };
+    let stream = Replay {
+        head: buf,
+        pos: 0,
+        inner: stream,
+    };
+    match async_tungstenite::accept_hdr_async_with_config(stream, callback, Some(ws_config())).await
+    {
+        Ok(ws) => super::session::run(app, ws, peer).await,
+        Err(e) => log::info!("data plane: {peer}: WebSocket handshake failed: {e}"),
+    }
+}
+
+/// WebSocket limits shared by both transports.
+pub fn ws_config() -> async_tungstenite::tungstenite::protocol::WebSocketConfig {
+    async_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .max_message_size(Some(MAX_PACKET))
+        .max_frame_size(Some(MAX_PACKET))
+}
+
+/// Passes the connection to tiny_http, bytes both ways, until either side is done.
+async fn relay(client: TcpStream, head: Vec<u8>, backend: &PathBuf, peer: &str) {
+    let mut server = match UnixStream::connect(backend).await {
+        Ok(s) => s,
+        Err(e) => {
+            log::error!("listener: internal HTTP server unreachable: {e}");
+            let mut c = client;
+            let _ = c
+                .write_all(&plain(
+                    503,
+                    "Service Unavailable",
+                    "{\"error\":\"unavailable\"}",
+                ))
+                .await;
+            return;
+        }
+    };
+    if server.write_all(&head).await.is_err() {
+        return;
+    }
+    let (mut c_read, mut c_write) = (client.clone(), client);
+    let (mut s_read, mut s_write) = (server.clone(), server);
+    let upstream = async {
+        let _ = smol::io::copy(&mut c_read, &mut s_write).await;
+        // The client finished sending: let tiny_http see EOF, keep relaying its answer.
+        let _ = s_write.shutdown(std::net::Shutdown::Write);
+        std::future::pending::<()>().await;
+    };
+    let downstream = async {
+        let _ = smol::io::copy(&mut s_read, &mut c_write).await;
+        let _ = c_write.shutdown(std::net::Shutdown::Both);
+    };
+    downstream.or(upstream).await;
+    log::trace!("listener: {peer}: HTTP connection done");
+}
+
+/// A stream that first yields the bytes already read, then the socket.
+struct Replay<S> {
+    head: Vec<u8>,
+    pos: usize,
+    inner: S,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Replay<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut [u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.pos < self.head.len() {
+            let n = (self.head.len() - self.pos).min(out.len());
+            let start = self.pos;
+            out[..n].copy_from_slice(&self.head[start..start + n]);
+            self.pos += n;
+            if self.pos == self.head.len() {
+                self.head = Vec::new();
+                self.pos = 0;
+            }
+            return Poll::Ready(Ok(n));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, out)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Replay<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_close(cx)
+    }
+}

@@ -1,0 +1,131 @@
+//! The data plane: one packet engine (`session`) behind two transports, `listen` (xAgent dials
+//! our `/ws`) and `dial` (we connect out). The `Hub` knows which session holds which channel.
+//!
+//! Invariant: a channel is open on at most one session; the newest `channel.open` takes it over.
+
+pub mod dial;
+pub mod listen;
+pub mod session;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use crate::protocol::Packet;
+use crate::store::Store;
+
+/// What the hub needs to reach a session.
+#[derive(Clone)]
+pub struct SessionLink {
+    /// Wakes the session's delivery loop (capacity 1: wake-ups coalesce).
+    pub wake: smol::channel::Sender<()>,
+    /// The session's outgoing packet queue.
+    pub out: smol::channel::Sender<Outgoing>,
+}
+
+/// What a session's writer sends.
+pub enum Outgoing {
+    Packet(Packet),
+    /// Send a close frame and stop.
+    Close(String),
+}
+
+#[derive(Default)]
+pub struct Hub {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    next_id: u64,
+    sessions: HashMap<u64, SessionLink>,
+    /// channel ID → session holding it open.
+    open: HashMap<String, u64>,
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic elsewhere must not take the data plane down with a poisoned lock.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn register(&self, link: SessionLink) -> u64 {
+        let mut g = self.lock();
+        g.next_id += 1;
+        let id = g.next_id;
+        g.sessions.insert(id, link);
+        id
+    }
+
+    /// Removes a session and every channel it held open.
+    pub fn unregister(&self, session: u64) {
+        let mut g = self.lock();
+        g.sessions.remove(&session);
+        g.open.retain(|_, s| *s != session);
+    }
+
+    /// Opens `cch` on `session`; returns the session that held it before, if another one did.
+    pub fn open(&self, cch: &str, session: u64) -> Option<u64> {
+        let mut g = self.lock();
+        g.open
+            .insert(cch.to_string(), session)
+            .filter(|s| *s != session)
+    }
+
+    pub fn close(&self, cch: &str, session: u64) -> bool {
+        let mut g = self.lock();
+        if g.open.get(cch) == Some(&session) {
+            g.open.remove(cch);
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn is_open_on(&self, cch: &str, session: u64) -> bool {
+        self.lock().open.get(cch) == Some(&session)
+    }
+
+    pub fn is_open(&self, cch: &str) -> bool {
+        self.lock().open.contains_key(cch)
+    }
+
+    pub fn channels_of(&self, session: u64) -> Vec<String> {
+        let g = self.lock();
+        let mut v: Vec<String> = g
+            .open
+            .iter()
+            .filter(|(_, s)| **s == session)
+            .map(|(c, _)| c.clone())
+            .collect();
+        v.sort();
+        v
+    }
+
+    pub fn connections(&self) -> usize {
+        self.lock().sessions.len()
+    }
+
+    /// Wakes the delivery loop of the session that holds `cch`.
+    pub fn wake_channel(&self, cch: &str) {
+        let g = self.lock();
+        if let Some(link) = g.open.get(cch).and_then(|s| g.sessions.get(s)) {
+            let _ = link.wake.try_send(());
+        }
+    }
+
+    /// A message was accepted for `source`: wake whoever delivers it.
+    pub fn notify_source(&self, store: &Store, source: &str) {
+        if let Ok(Some(cch)) = store.bound_channel(source) {
+            self.wake_channel(&cch);
+        }
+    }
+
+    /// Queues a packet to the session holding `cch`; false when the channel is not open anywhere.
+    pub fn send_to_channel(&self, cch: &str, packet: Packet) -> bool {
+        let g = self.lock();
+        match g.open.get(cch).and_then(|s| g.sessions.get(s)) {
+            Some(link) => link.out.try_send(Outgoing::Packet(packet)).is_ok(),
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,738 @@
+//! The packet engine: one WebSocket session, whoever dialled whom.
+//!
+//! Three tasks per session: the reader (this function's loop, answers requests), the writer
+//! (the only one touching the socket's send half) and the delivery loop (pushes the outbox and
+//! runs the `ping`/`pong` delivery barrier).
+//!
+//! Delivery boundary: messages pushed in a round stay pending until a `pong` answers the `ping`
+//! sent after them on this connection; only then are they removed, in one commit. If the session
+//! ends first they stay pending with `attempts + 1` and the next connection pushes them again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_tungstenite::tungstenite::protocol::CloseFrame;
+use async_tungstenite::tungstenite::Message;
+use async_tungstenite::WebSocketStream;
+use smol::future::FutureExt;
+use smol::io::{AsyncRead, AsyncWrite};
+use smol::stream::StreamExt;
+
+use super::{Outgoing, SessionLink};
+use crate::app::App;
+use crate::ids;
+use crate::json::{self, obj, s, Object, Value};
+use crate::protocol::{code, version_at_least, Packet, CARD_ID, PROFILE, PROTOCOL_VERSION};
+use crate::providers::{self, Failure};
+
+/// Pushes per channel per delivery round.
+const BATCH: usize = 64;
+/// A `ping` is sent at least this often, pushed or not, to notice dead peers.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+/// How long a `pong` may take before the connection is considered dead.
+const BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
+/// Successful tool results are kept this long to answer a repeated `tool_call_id`.
+const TOOL_RESULT_TTL_MS: u64 = 24 * 3600 * 1000;
+
+/// Per-session state shared by the reader and the delivery loop.
+#[derive(Default)]
+struct State {
+    /// Profiles enabled by `connector.hello` (intersection with the Card); `None` before hello.
+    profiles: Mutex<Option<Vec<String>>>,
+    /// `ping` request IDs awaiting their `pong`.
+    barriers: Mutex<HashMap<String, smol::channel::Sender<()>>>,
+    /// Messages pushed but not yet past the boundary: (source, seqs).
+    in_flight: Mutex<Vec<(String, Vec<u64>)>>,
+    /// Auth sessions of this connection: auth_session_id → (channel, flow_id, status, message).
+    auth: Mutex<HashMap<String, AuthSession>>,
+}
+
+#[derive(Clone)]
+struct AuthSession {
+    cch: String,
+    flow_id: String,
+    status: &'static str,
+    message: String,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs blocking store or network work off the async threads.
+async fn blocking<T: Send + 'static>(
+    app: &Arc<App>,
+    f: impl FnOnce(&App) -> T + Send + 'static,
+) -> T {
+    let app = app.clone();
+    smol::unblock(move || f(&app)).await
+}
+
+/// Serves one data-plane connection until it closes.
+pub async fn run<S>(app: Arc<App>, ws: WebSocketStream<S>, peer: String)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut tx, mut rx) = ws.split();
+    let (out_tx, out_rx) = smol::channel::bounded::<Outgoing>(256);
+    let (wake_tx, wake_rx) = smol::channel::bounded::<()>(1);
+    let (stop_tx, stop_rx) = smol::channel::bounded::<()>(1);
+    let id = app.hub.register(SessionLink {
+        wake: wake_tx,
+        out: out_tx.clone(),
+    });
+    log::info!("data plane: session {id} with {peer} started");
+    let state = Arc::new(State::default());
+
+    let writer = smol::spawn(async move {
+        while let Ok(item) = out_rx.recv().await {
+            match item {
+                Outgoing::Packet(p) => {
+                    log::trace!("data plane: -> {}", p.kind);
+                    if tx.send(Message::text(p.to_json())).await.is_err() {
+                        break;
+                    }
+                }
+                Outgoing::Close(reason) => {
+                    let frame = CloseFrame {
+                        code: async_tungstenite::tungstenite::protocol::frame::coding::CloseCode::Normal,
+                        reason: reason.into(),
+                    };
+                    let _ = tx.close(Some(frame)).await;
+                    break;
+                }
+            }
+        }
+    });
+    let delivery = smol::spawn(deliver_loop(
+        app.clone(),
+        id,
+        state.clone(),
+        out_tx.clone(),
+        wake_rx,
+        stop_tx.clone(),
+    ));
+
+    let reason = loop {
+        let next = async { Some(rx.next().await) }.or(async {
+            let _ = stop_rx.recv().await;
+            None
+        });
+        match next.await {
+            None => break "delivery barrier timed out".to_string(),
+            Some(None) => break "peer closed the connection".to_string(),
+            Some(Some(Err(e))) => break format!("read error: {e}"),
+            Some(Some(Ok(Message::Text(text)))) => {
+                let replies = handle(&app, id, &state, &out_tx, text.as_str()).await;
+                for p in replies {
+                    if out_tx.send(Outgoing::Packet(p)).await.is_err() {
+                        break;
+                    }
+                }
+            }
+            Some(Some(Ok(Message::Binary(_)))) => {
+                let p = Packet::error_for(
+                    None,
+                    code::INVALID_PACKET,
+                    "data-plane packets are text frames",
+                );
+                let _ = out_tx.send(Outgoing::Packet(p)).await;
+            }
+            Some(Some(Ok(Message::Close(_)))) => break "peer sent close".to_string(),
+            Some(Some(Ok(_))) => {} // WebSocket-level ping/pong are answered by tungstenite.
+        }
+    };
+
+    delivery.cancel().await;
+    app.hub.unregister(id);
+    let _ = out_tx.send(Outgoing::Close("session ended".into())).await;
+    drop(out_tx);
+    let _ = writer.await;
+    // Whatever was pushed but not confirmed goes back to pending with one more attempt.
+    let in_flight = std::mem::take(&mut *lock(&state.in_flight));
+    if !in_flight.is_empty() {
+        let why = format!("connection lost before the delivery barrier: {reason}");
+        blocking(&app, move |app| {
+            for (source, seqs) in in_flight {
+                if let Err(e) = app.store.mark_attempt_failed(&source, &seqs, &why) {
+                    log::error!("outbox: cannot record failed attempt for {source}: {e}");
+                }
+            }
+        })
+        .await;
+    }
+    log::info!("data plane: session {id} with {peer} ended: {reason}");
+}
+
+/// Pushes pending messages of every open bound channel, then runs the delivery barrier.
+async fn deliver_loop(
+    app: Arc<App>,
+    id: u64,
+    state: Arc<State>,
+    out: smol::channel::Sender<Outgoing>,
+    wake: smol::channel::Receiver<()>,
+    stop: smol::channel::Sender<()>,
+) {
+    let mut pushed_last_round = false;
+    loop {
+        if !pushed_last_round {
+            let woken = async {
+                let _ = wake.recv().await;
+                true
+            }
+            .or(async {
+                smol::Timer::after(KEEPALIVE).await;
+                false
+            })
+            .await;
+            if woken && lock(&state.profiles).is_none() {
+                continue;
+            }
+        }
+        let hello_done = lock(&state.profiles).is_some();
+        let mut round: Vec<(String, Vec<u64>)> = Vec::new();
+        if hello_done {
+            let channels = app.hub.channels_of(id);
+            let batches = blocking(&app, move |app| {
+                let now = ids::now_ms();
+                let mut out = Vec::new();
+                for cch in channels {
+                    let Ok(Some(rec)) = app.store.channel(&cch) else {
+                        continue;
+                    };
+                    let Some(source) = rec.source else { continue };
+                    match app.store.pending(&source, BATCH, now) {
+                        Ok(p) if !p.is_empty() => out.push((cch, source, p)),
+                        Ok(_) => {}
+                        Err(e) => log::error!("outbox: cannot read {source}: {e}"),
+                    }
+                }
+                out
+            })
+            .await;
+            for (cch, source, pending) in batches {
+                let mut seqs = Vec::with_capacity(pending.len());
+                for p in pending {
+                    let payload = json::parse(&p.message.payload).unwrap_or_else(|_| obj([]));
+                    let packet = Packet::new("message.push")
+                        .with_channel(&cch)
+                        .with_payload(payload);
+                    if out.send(Outgoing::Packet(packet)).await.is_err() {
+                        return;
+                    }
+                    seqs.push(p.seq);
+                }
+                round.push((source, seqs));
+            }
+        }
+        pushed_last_round = !round.is_empty();
+        *lock(&state.in_flight) = round.clone();
+
+        // The barrier doubles as keepalive: one ping per round, answered by one pong.
+        let request_id = ids::short("req_");
+        let (tx, rx) = smol::channel::bounded::<()>(1);
+        lock(&state.barriers).insert(request_id.clone(), tx);
+        let mut ping = Packet::new("ping");
+        ping.request_id = Some(request_id.clone());
+        if out.send(Outgoing::Packet(ping)).await.is_err() {
+            return;
+        }
+        let answered = async { rx.recv().await.is_ok() }
+            .or(async {
+                smol::Timer::after(BARRIER_TIMEOUT).await;
+                false
+            })
+            .await;
+        lock(&state.barriers).remove(&request_id);
+        if !answered {
+            log::warn!("data plane: session {id}: no pong within {BARRIER_TIMEOUT:?}; closing the connection");
+            let _ = stop.try_send(());
+            return;
+        }
+        if !round.is_empty() {
+            let n: usize = round.iter().map(|(_, s)| s.len()).sum();
+            let done = round.clone();
+            blocking(&app, move |app| {
+                for (source, seqs) in done {
+                    if let Err(e) = app.store.mark_delivered(&source, &seqs) {
+                        log::error!("outbox: cannot record delivery for {source}: {e}");
+                    }
+                }
+            })
+            .await;
+            lock(&state.in_flight).clear();
+            log::debug!("data plane: session {id}: {n} message(s) delivered");
+        }
+    }
+}
+
+/// Answers one incoming text frame; returns the packets to send back.
+async fn handle(
+    app: &Arc<App>,
+    id: u64,
+    state: &Arc<State>,
+    out: &smol::channel::Sender<Outgoing>,
+    text: &str,
+) -> Vec<Packet> {
+    let p = match Packet::parse(text) {
+        Ok(p) => p,
+        Err(why) => {
+            log::debug!("data plane: session {id}: invalid packet: {why}");
+            return vec![Packet::error_for(None, code::INVALID_PACKET, why)];
+        }
+    };
+    log::trace!("data plane: <- {}", p.kind);
+    match p.kind.as_str() {
+        "connector.hello" => return vec![hello(app, state, &p)],
+        "ping" => return vec![Packet::answer(&p, "pong")],
+        "pong" => {
+            if let Some(tx) = p
+                .request_id
+                .as_ref()
+                .and_then(|r| lock(&state.barriers).remove(r))
+            {
+                let _ = tx.try_send(());
+            }
+            return vec![];
+        }
+        "error" => {
+            let (c, m) = p.error.clone().unwrap_or_default();
+            log::warn!("data plane: session {id}: peer reported error {c}: {m}");
+            return vec![];
+        }
+        _ => {}
+    }
+    let Some(profiles) = lock(&state.profiles).clone() else {
+        return vec![Packet::error_for(
+            Some(&p),
+            code::HELLO_REQUIRED,
+            "connector.hello must complete before any other packet",
+        )];
+    };
+    match p.kind.as_str() {
+        "channel.open" => vec![channel_open(app, id, &p, &profiles).await],
+        "channel.close" => match p.channel_id() {
+            None => vec![Packet::error_for(
+                Some(&p),
+                code::CHANNEL_ID_REQUIRED,
+                "channel.close needs connector_channel_id",
+            )],
+            Some(cch) => {
+                app.hub.close(cch, id);
+                vec![Packet::answer(&p, "channel.close.ack")
+                    .with_payload(obj([("status", s("ok"))]))]
+            }
+        },
+        "connection.descriptor.get"
+        | "auth.start"
+        | "auth.status"
+        | "auth.cancel"
+        | "auth.logout"
+        | "tool.invoke" => {
+            let cch = match open_channel_of(app, id, &p) {
+                Ok(c) => c,
+                Err(e) => return vec![e],
+            };
+            match p.kind.as_str() {
+                "connection.descriptor.get" => {
+                    let d = descriptor(app, &cch, &profiles).await;
+                    vec![Packet::answer(&p, "connection.descriptor.get.ack")
+                        .with_payload(obj([("connection_descriptor", d)]))]
+                }
+                "auth.start" => vec![auth_start(app, state, &p, &cch, &profiles).await],
+                "auth.status" => vec![auth_status(app, state, &p, &cch, &profiles).await],
+                "auth.cancel" => vec![auth_cancel(app, state, &p, &cch, &profiles).await],
+                "auth.logout" => vec![auth_logout(app, &p, &cch, &profiles).await],
+                _ => {
+                    tool_invoke(app, &p, cch, out.clone());
+                    vec![]
+                }
+            }
+        }
+        other => vec![Packet::error_for(
+            Some(&p),
+            code::UNSUPPORTED_PACKET,
+            format!("packet type `{other}` is not supported by this connector"),
+        )],
+    }
+}
+
+/// User-level packets need an envelope channel that is open on this session.
+fn open_channel_of(app: &App, id: u64, p: &Packet) -> Result<String, Packet> {
+    let Some(cch) = p.channel_id() else {
+        return Err(Packet::error_for(
+            Some(p),
+            code::CHANNEL_ID_REQUIRED,
+            format!("{} needs connector_channel_id in the envelope", p.kind),
+        ));
+    };
+    if !app.hub.is_open_on(cch, id) {
+        return Err(Packet::error_for(
+            Some(p),
+            code::CHANNEL_NOT_OPEN,
+            format!(
+                "channel.open must complete on this connection before {}",
+                p.kind
+            ),
+        ));
+    }
+    Ok(cch.to_string())
+}
+
+fn hello(app: &App, state: &State, p: &Packet) -> Packet {
+    let pl = &p.payload;
+    let card_id = json::get_str(pl, "connector_card_id").unwrap_or_default();
+    if card_id != CARD_ID {
+        return Packet::error_for(
+            Some(p),
+            code::CARD_ID_MISMATCH,
+            format!("this connector is {CARD_ID}, hello named `{card_id}`"),
+        );
+    }
+    match json::get_str(pl, "protocol_version") {
+        Some(v) if version_at_least(v, PROTOCOL_VERSION) => {}
+        Some(v) => {
+            return Packet::error_for(
+                Some(p),
+                code::UNSUPPORTED_PROTOCOL_VERSION,
+                format!("protocol_version {v} is below {PROTOCOL_VERSION}"),
+            )
+        }
+        None => return Packet::error_for(
+            Some(p),
+            code::UNSUPPORTED_PROTOCOL_VERSION,
+            format!(
+                "hello must declare protocol_version (this connector speaks {PROTOCOL_VERSION})"
+            ),
+        ),
+    }
+    let supported: Vec<String> = match json::get(pl, "supported_profiles") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|v| match v {
+                Value::String(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect(),
+        _ => {
+            return Packet::error_for(
+                Some(p),
+                code::INVALID_PACKET,
+                "hello must list supported_profiles",
+            )
+        }
+    };
+    let enabled: Vec<String> = supported
+        .into_iter()
+        .filter(|s| s == PROFILE)
+        .take(1)
+        .collect();
+    if enabled.is_empty() {
+        return Packet::error_for(
+            Some(p),
+            "profile_not_supported",
+            format!("this connector serves only {PROFILE}, which hello did not list"),
+        );
+    }
+    if let Some(prev) =
+        json::get_str(pl, "connector_id").filter(|c| !c.is_empty() && *c != app.connector_id)
+    {
+        log::info!(
+            "data plane: xAgent knew connector_id {prev}; this device's state says {}",
+            app.connector_id
+        );
+    }
+    *lock(&state.profiles) = Some(enabled);
+    Packet::answer(p, "connector.hello.ack").with_payload(obj([
+        ("connector_card_id", s(CARD_ID)),
+        ("connector_id", s(&app.connector_id)),
+        ("protocol_version", s(PROTOCOL_VERSION)),
+    ]))
+}
+
+async fn descriptor(app: &Arc<App>, cch: &str, profiles: &[String]) -> Value {
+    let (cch, profiles) = (cch.to_string(), profiles.to_vec());
+    blocking(app, move |app| {
+        let rec = app
+            .store
+            .channel(&cch)
+            .ok()
+            .flatten()
+            .unwrap_or(crate::store::ChannelRecord {
+                source: None,
+                created_at: 0,
+            });
+        providers::describe(app, &cch, &rec, &profiles)
+    })
+    .await
+}
+
+async fn channel_open(app: &Arc<App>, id: u64, p: &Packet, profiles: &[String]) -> Packet {
+    let requested = p.channel_id().map(str::to_string);
+    let opened = blocking(app, move |app| app.store.open_channel(requested.as_deref())).await;
+    let (cch, _rec, reused) = match opened {
+        Ok(v) => v,
+        Err(e) => {
+            log::error!("data plane: cannot persist channel: {e}");
+            return Packet::error_for(
+                Some(p),
+                code::CHANNEL_UNAVAILABLE,
+                "the connector cannot store channels right now",
+            );
+        }
+    };
+    if let Some(prev) = app.hub.open(&cch, id) {
+        log::info!("data plane: channel {cch} moved from session {prev} to session {id}");
+    }
+    log::info!(
+        "data plane: channel {cch} opened ({})",
+        if reused { "reused" } else { "new" }
+    );
+    let d = descriptor(app, &cch, profiles).await;
+    app.hub.wake_channel(&cch);
+    let mut ack = Packet::answer(p, "channel.open.ack").with_payload(obj([
+        ("connector_channel_id", s(&cch)),
+        ("connection_descriptor", d),
+    ]));
+    ack.channel = Some(cch);
+    ack
+}
+
+fn auth_ack(
+    p: &Packet,
+    kind: &str,
+    cch: &str,
+    auth: &str,
+    a: &AuthSession,
+    d: Option<Value>,
+) -> Packet {
+    Packet::answer(p, kind).with_payload(obj([
+        ("connector_channel_id", s(cch)),
+        ("flow_id", s(&a.flow_id)),
+        ("auth_session_id", s(auth)),
+        ("status", s(a.status)),
+        ("message", s(&a.message)),
+        ("connection_descriptor", d.unwrap_or(Value::Null)),
+    ]))
+}
+
+async fn auth_start(
+    app: &Arc<App>,
+    state: &State,
+    p: &Packet,
+    cch: &str,
+    profiles: &[String],
+) -> Packet {
+    let flow_id = json::get_str(&p.payload, "flow_id")
+        .unwrap_or_default()
+        .to_string();
+    let input = json::get_obj(&p.payload, "input")
+        .cloned()
+        .unwrap_or_default();
+    let auth_id = ids::short("auth_");
+    let (cch_owned, flow) = (cch.to_string(), flow_id.clone());
+    let result = blocking(
+        app,
+        move |app| -> Result<(String, Option<String>), Failure> {
+            let source = providers::authenticate(app, &flow, &input)?;
+            let previous = app.store.bind(&cch_owned, &source).map_err(|e| {
+                Failure::new(
+                    code::TOOL_INVOKE_FAILED,
+                    format!("cannot store the binding: {e}"),
+                )
+            })?;
+            Ok((source, previous))
+        },
+    )
+    .await;
+    let session = match &result {
+        Ok((source, previous)) => {
+            log::info!("data plane: channel {cch} bound to {source}");
+            if let Some(prev) = previous {
+                log::info!("data plane: channel {prev} lost {source} to channel {cch}");
+                let d = descriptor(app, prev, profiles).await;
+                let push = Packet::new("connection.descriptor.push")
+                    .with_channel(prev)
+                    .with_payload(obj([("connection_descriptor", d)]));
+                app.hub.send_to_channel(prev, push);
+            }
+            app.hub.wake_channel(cch);
+            AuthSession {
+                cch: cch.to_string(),
+                flow_id,
+                status: "authenticated",
+                message: format!("Bound to {source}"),
+            }
+        }
+        Err(f) => {
+            log::info!(
+                "data plane: channel {cch}: auth flow `{flow_id}` failed: {}",
+                f.message
+            );
+            AuthSession {
+                cch: cch.to_string(),
+                flow_id,
+                status: "failed",
+                message: f.message.clone(),
+            }
+        }
+    };
+    lock(&state.auth).insert(auth_id.clone(), session.clone());
+    let d = descriptor(app, cch, profiles).await;
+    auth_ack(p, "auth.start.ack", cch, &auth_id, &session, Some(d))
+}
+
+fn find_auth(state: &State, p: &Packet, cch: &str) -> Option<(String, AuthSession)> {
+    let auth_id = json::get_str(&p.payload, "auth_session_id")?;
+    let a = lock(&state.auth).get(auth_id).cloned()?;
+    (a.cch == cch).then(|| (auth_id.to_string(), a))
+}
+
+async fn auth_status(
+    app: &Arc<App>,
+    state: &State,
+    p: &Packet,
+    cch: &str,
+    profiles: &[String],
+) -> Packet {
+    match find_auth(state, p, cch) {
+        Some((auth_id, a)) => {
+            let d = descriptor(app, cch, profiles).await;
+            auth_ack(p, "auth.status.ack", cch, &auth_id, &a, Some(d))
+        }
+        None => Packet::answer(p, "auth.status.ack").with_error(
+            code::AUTH_SESSION_NOT_FOUND,
+            "no such auth session on this channel",
+        ),
+    }
+}
+
+async fn auth_cancel(
+    app: &Arc<App>,
+    state: &State,
+    p: &Packet,
+    cch: &str,
+    profiles: &[String],
+) -> Packet {
+    let auth_id = json::get_str(&p.payload, "auth_session_id")
+        .unwrap_or_default()
+        .to_string();
+    // Form flows finish inside auth.start, so there is never anything left to cancel.
+    let (status, auth_status, d) = match find_auth(state, p, cch) {
+        Some((_, a)) if a.status == "authenticated" => (
+            "ignored",
+            "authenticated",
+            Some(descriptor(app, cch, profiles).await),
+        ),
+        Some(_) => ("ignored", "unauthenticated", None),
+        None => ("not_found", "unauthenticated", None),
+    };
+    Packet::answer(p, "auth.cancel.ack").with_payload(obj([
+        ("connector_channel_id", s(cch)),
+        ("auth_session_id", s(auth_id)),
+        ("status", s(status)),
+        ("auth_status", s(auth_status)),
+        ("connection_descriptor", d.unwrap_or(Value::Null)),
+    ]))
+}
+
+async fn auth_logout(app: &Arc<App>, p: &Packet, cch: &str, profiles: &[String]) -> Packet {
+    let c = cch.to_string();
+    match blocking(app, move |app| app.store.unbind(&c)).await {
+        Ok(old) => {
+            if let Some(src) = old {
+                log::info!("data plane: channel {cch} unbound from {src}");
+            }
+            let d = descriptor(app, cch, profiles).await;
+            Packet::answer(p, "auth.logout.ack")
+                .with_payload(obj([("status", s("ok")), ("connection_descriptor", d)]))
+        }
+        Err(e) => {
+            log::error!("data plane: cannot unbind {cch}: {e}");
+            Packet::answer(p, "auth.logout.ack").with_error(
+                code::TOOL_INVOKE_FAILED,
+                "cannot store the change right now",
+            )
+        }
+    }
+}
+
+/// Runs a tool in the background; its ack is queued when it finishes.
+fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Sender<Outgoing>) {
+    let app = app.clone();
+    let p = p.clone();
+    smol::spawn(async move {
+        let tool_id = json::get_str(&p.payload, "tool_id")
+            .unwrap_or_default()
+            .to_string();
+        let args: Object = json::get_obj(&p.payload, "arguments")
+            .cloned()
+            .unwrap_or_default();
+        let call_id = json::get_obj(&p.payload, "context")
+            .and_then(|c| json::get_str(c, "tool_call_id"))
+            .filter(|c| !c.is_empty())
+            .map(str::to_string);
+        let (t, c) = (tool_id.clone(), cch.clone());
+        let outcome = blocking(&app, move |app| {
+            run_tool(app, &c, &t, &args, call_id.as_deref())
+        })
+        .await;
+        let ack = Packet::answer(&p, "tool.invoke.ack");
+        let ack = match outcome {
+            Ok(result) => ack.with_payload(obj([("tool_id", s(&tool_id)), ("result", result)])),
+            Err(f) => {
+                log::info!(
+                    "data plane: channel {cch}: {tool_id} failed: {} ({})",
+                    f.code,
+                    f.message
+                );
+                ack.with_payload(obj([("tool_id", s(&tool_id))]))
+                    .with_error(f.code, f.message)
+            }
+        };
+        let _ = out.send(Outgoing::Packet(ack)).await;
+    })
+    .detach();
+}
+
+fn run_tool(
+    app: &App,
+    cch: &str,
+    tool_id: &str,
+    args: &Object,
+    call_id: Option<&str>,
+) -> Result<Value, Failure> {
+    let storage = |e: crate::store::StoreError| {
+        Failure::new(code::TOOL_INVOKE_FAILED, format!("storage error: {e}"))
+    };
+    let rec = app.store.channel(cch).map_err(storage)?;
+    let Some(source) = rec.and_then(|r| r.source) else {
+        return Err(Failure::new(
+            code::CONNECTION_NOT_AUTHENTICATED,
+            "the channel is not bound; complete an auth flow first",
+        ));
+    };
+    // A repeated tool_call_id answers with the first result and sends nothing.
+    let key = call_id.map(|c| format!("{cch}:{tool_id}:{c}"));
+    if let Some(k) = &key {
+        if let Some(prev) = app.store.tool_result(k).map_err(storage)? {
+            log::info!("data plane: {tool_id} call repeated; answering with the first result");
+            return json::parse(&prev).map_err(|_| {
+                Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable")
+            });
+        }
+    }
+    let idempotency_key = key.clone().unwrap_or_else(|| ids::token("call_"));
+    let result = providers::invoke(app, &source, tool_id, args, &idempotency_key)?;
+    if let Some(k) = &key {
+        if let Err(e) = app.store.save_tool_result(
+            k,
+            &json::to_string(&result),
+            ids::now_ms() + TOOL_RESULT_TTL_MS,
+        ) {
+            log::error!("data plane: cannot remember result of {tool_id}: {e}");
+        }
+    }
+    Ok(result)
+}

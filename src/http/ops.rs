@@ -1,0 +1,190 @@
+//! `/status` (JSON, contract section 6) and `/metrics` (Prometheus text).
+
+use crate::app::App;
+use crate::json::{arr, n, obj, opt_s, s, Value};
+use crate::outbox::SourceStats;
+use crate::store::StoreError;
+
+/// One row per channel plus the unbound sources, as both endpoints report them.
+struct Snapshot {
+    channels: Vec<ChannelRow>,
+    unbound: SourceStats,
+}
+
+struct ChannelRow {
+    cch: String,
+    provider: &'static str,
+    status: &'static str,
+    stats: SourceStats,
+}
+
+fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
+    let mut per_source = app.store.stats()?;
+    let mut channels = Vec::new();
+    for (cch, rec) in app.store.channels()? {
+        let stats = match &rec.source {
+            Some(src) => per_source
+                .iter()
+                .position(|(s, _)| s == src)
+                .map(|i| per_source.swap_remove(i).1)
+                .unwrap_or_default(),
+            None => SourceStats::default(),
+        };
+        let status = match (&rec.source, app.hub.is_open(&cch)) {
+            (None, _) => "created",
+            (Some(_), true) => "connected",
+            (Some(_), false) => "offline",
+        };
+        channels.push(ChannelRow {
+            cch,
+            provider: provider_of(rec.source.as_deref()),
+            status,
+            stats,
+        });
+    }
+    // What is left belongs to sources no channel is bound to.
+    let mut unbound = SourceStats::default();
+    for (_, st) in per_source {
+        unbound.pending += st.pending;
+        unbound.pending_bytes += st.pending_bytes;
+        unbound.counters.expired += st.counters.expired;
+        unbound.counters.evicted += st.counters.evicted;
+    }
+    Ok(Snapshot { channels, unbound })
+}
+
+fn provider_of(source: Option<&str>) -> &'static str {
+    match source {
+        Some(s) if s.starts_with("webhook:") => "webhook",
+        Some(s) if s.starts_with("telegram:") => "telegram",
+        _ => "none",
+    }
+}
+
+pub fn status(app: &App) -> Result<Value, StoreError> {
+    let snap = snapshot(app)?;
+    let q = &app.config.queue;
+    Ok(obj([
+        ("connector_id", s(&app.connector_id)),
+        ("version", s(crate::protocol::card::VERSION)),
+        (
+            "dataplane",
+            obj([("connections", n(app.hub.connections() as u64))]),
+        ),
+        (
+            "policy",
+            obj([
+                ("ttl_ms", n(q.ttl.as_millis() as u64)),
+                ("max_messages_per_channel", n(q.max_messages_per_channel)),
+                ("max_bytes_per_channel", n(q.max_bytes_per_channel)),
+                ("max_bytes_total", n(q.max_bytes_total)),
+                ("overflow", s(q.overflow.as_str())),
+                (
+                    "cleanup_interval_ms",
+                    n(q.cleanup_interval.as_millis() as u64),
+                ),
+            ]),
+        ),
+        (
+            "channels",
+            arr(snap.channels.iter().map(|c| {
+                obj([
+                    ("connector_channel_id", s(&c.cch)),
+                    ("provider", s(c.provider)),
+                    ("status", s(c.status)),
+                    ("pending", n(c.stats.pending)),
+                    ("pending_bytes", n(c.stats.pending_bytes)),
+                    ("delivered", n(c.stats.counters.delivered)),
+                    ("expired", n(c.stats.counters.expired)),
+                    ("evicted", n(c.stats.counters.evicted)),
+                    ("attempts", n(c.stats.counters.attempts)),
+                ])
+                .with_null_default("last_error", opt_s(c.stats.counters.last_error.clone()))
+            })),
+        ),
+        (
+            "unbound",
+            obj([
+                ("pending", n(snap.unbound.pending)),
+                ("pending_bytes", n(snap.unbound.pending_bytes)),
+                ("expired", n(snap.unbound.counters.expired)),
+                ("evicted", n(snap.unbound.counters.evicted)),
+            ]),
+        ),
+    ]))
+}
+
+/// `obj` leaves `Null` out; the contract shows `last_error: null`, so it is set explicitly.
+trait WithNull {
+    fn with_null_default(self, key: &str, v: Value) -> Value;
+}
+
+impl WithNull for Value {
+    fn with_null_default(mut self, key: &str, v: Value) -> Value {
+        if let Value::Object(o) = &mut self {
+            o.insert(key.to_string(), v);
+        }
+        self
+    }
+}
+
+pub fn metrics(app: &App) -> Result<String, StoreError> {
+    let snap = snapshot(app)?;
+    let mut out = String::new();
+    let q = &app.config.queue;
+    out.push_str("# TYPE imgate_dataplane_connections gauge\n");
+    out.push_str(&format!(
+        "imgate_dataplane_connections {}\n",
+        app.hub.connections()
+    ));
+    out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");
+    out.push_str(&format!("imgate_queue_ttl_seconds {}\n", q.ttl.as_secs()));
+    out.push_str(&format!(
+        "imgate_queue_max_messages_per_channel {}\n",
+        q.max_messages_per_channel
+    ));
+    out.push_str(&format!(
+        "imgate_queue_max_bytes_per_channel {}\n",
+        q.max_bytes_per_channel
+    ));
+    out.push_str(&format!(
+        "imgate_queue_max_bytes_total {}\n",
+        q.max_bytes_total
+    ));
+    out.push_str(&format!(
+        "imgate_queue_cleanup_interval_seconds {}\n",
+        q.cleanup_interval.as_secs()
+    ));
+    let series: [(&str, &str, fn(&SourceStats) -> u64); 6] = [
+        ("imgate_channel_pending", "gauge", |s| s.pending),
+        ("imgate_channel_pending_bytes", "gauge", |s| s.pending_bytes),
+        ("imgate_channel_delivered_total", "counter", |s| {
+            s.counters.delivered
+        }),
+        ("imgate_channel_expired_total", "counter", |s| {
+            s.counters.expired
+        }),
+        ("imgate_channel_evicted_total", "counter", |s| {
+            s.counters.evicted
+        }),
+        ("imgate_channel_attempts_total", "counter", |s| {
+            s.counters.attempts
+        }),
+    ];
+    for (name, kind, get) in series {
+        out.push_str(&format!("# TYPE {name} {kind}\n"));
+        for c in &snap.channels {
+            out.push_str(&format!(
+                "{name}{{channel=\"{}\",provider=\"{}\"}} {}\n",
+                c.cch,
+                c.provider,
+                get(&c.stats)
+            ));
+        }
+        out.push_str(&format!(
+            "{name}{{channel=\"unbound\",provider=\"none\"}} {}\n",
+            get(&snap.unbound)
+        ));
+    }
+    Ok(out)
+}

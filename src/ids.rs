@@ -1,0 +1,82 @@
+//! Random identifiers and opaque references from the OS CSPRNG.
+
+use ring::rand::{SecureRandom, SystemRandom};
+
+/// `bytes` random bytes as lowercase hex.
+pub fn random_hex(bytes: usize) -> String {
+    let mut buf = vec![0u8; bytes];
+    SystemRandom::new()
+        .fill(&mut buf)
+        .expect("the OS random source must work");
+    hex(&buf)
+}
+
+/// A fresh ID with `prefix`, 64 random bits (packet IDs, auth sessions).
+pub fn short(prefix: &str) -> String {
+    format!("{prefix}{}", random_hex(8))
+}
+
+/// A fresh unguessable reference with `prefix`, 128 random bits (reply_ref, file_ref, channel IDs).
+pub fn token(prefix: &str) -> String {
+    format!("{prefix}{}", random_hex(16))
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 15) as usize] as char);
+    }
+    out
+}
+
+/// A random number in `0..n` for backoff jitter.
+pub fn below(n: u64) -> u64 {
+    let mut buf = [0u8; 8];
+    SystemRandom::new()
+        .fill(&mut buf)
+        .expect("the OS random source must work");
+    if n == 0 {
+        0
+    } else {
+        u64::from_le_bytes(buf) % n
+    }
+}
+
+/// Compares secrets in time independent of where they differ.
+pub fn secret_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    // Length is not secret enough to hide; the content comparison is constant time.
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_unique_and_carry_128_bits() {
+        let a = token("rr_");
+        assert_eq!(a.len(), 3 + 32);
+        assert_ne!(a, token("rr_"));
+    }
+
+    #[test]
+    fn secret_eq_matches_only_equal_strings() {
+        assert!(secret_eq("abc", "abc"));
+        assert!(!secret_eq("abc", "abd"));
+        assert!(!secret_eq("abc", "abcd"));
+    }
+}

@@ -1,0 +1,339 @@
+//! imgate: an xAgent IM Connector Server for edge devices. CLI and wiring only.
+
+mod app;
+mod config;
+mod dataplane;
+mod http;
+mod ids;
+mod json;
+mod outbox;
+mod protocol;
+mod providers;
+mod store;
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+const USAGE: &str = "usage:
+  imgate [run] [--config FILE]   run the daemon in the foreground
+  imgate check [--config FILE]   validate the config and print the effective policy
+  imgate init [FILE|-]           write the commented default config (never overwrites)
+  imgate status [--config FILE]  show channels and queues of the running daemon
+  imgate --version               name, version, git rev, build time";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (cmd, rest) = match args.first().map(String::as_str) {
+        None => ("run", &args[..]),
+        Some(a)
+            if a.starts_with('-')
+                && a != "--version"
+                && a != "-V"
+                && a != "--help"
+                && a != "-h" =>
+        {
+            ("run", &args[..])
+        }
+        Some(a) => (a, &args[1..]),
+    };
+    match cmd {
+        "--version" | "-V" | "version" => {
+            println!("{}", protocol::card::version_line());
+            ExitCode::SUCCESS
+        }
+        "--help" | "-h" | "help" => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        "init" => init(rest),
+        "run" | "check" | "status" => {
+            let explicit = match config_flag(rest) {
+                Ok(p) => p,
+                Err(msg) => {
+                    eprintln!("imgate: {msg}\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            };
+            let path = config::locate(explicit.as_deref());
+            let cfg = match config::load(path.as_deref()) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match cmd {
+                "check" => {
+                    print!("{}", cfg.summary());
+                    println!("config is valid");
+                    ExitCode::SUCCESS
+                }
+                "status" => status(&cfg),
+                _ => run(cfg),
+            }
+        }
+        other => {
+            eprintln!("imgate: unknown command `{other}`\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn config_flag(rest: &[String]) -> Result<Option<PathBuf>, String> {
+    match rest {
+        [] => Ok(None),
+        [flag, file] if flag == "--config" || flag == "-c" => Ok(Some(PathBuf::from(file))),
+        [one] if one.starts_with("--config=") => Ok(Some(PathBuf::from(&one["--config=".len()..]))),
+        _ => Err(format!("unexpected arguments: {}", rest.join(" "))),
+    }
+}
+
+fn init(rest: &[String]) -> ExitCode {
+    let target = rest.first().map(String::as_str).unwrap_or("imgate.conf");
+    if target == "-" {
+        print!("{}", config::TEMPLATE);
+        return ExitCode::SUCCESS;
+    }
+    let path = Path::new(target);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path);
+    match file.and_then(|mut f| f.write_all(config::TEMPLATE.as_bytes())) {
+        Ok(()) => {
+            println!(
+                "wrote {}; edit it, then `imgate check --config {}`",
+                path.display(),
+                path.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            eprintln!(
+                "imgate: {} already exists; not overwriting it",
+                path.display()
+            );
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("imgate: cannot write {}: {e}", path.display());
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(level: &str) {
+    let mut b = env_logger::Builder::new();
+    match std::env::var("RUST_LOG") {
+        Ok(filters) if !filters.trim().is_empty() => b.parse_filters(&filters),
+        _ => b.parse_filters(level),
+    };
+    // journald stamps each line itself.
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        b.format_timestamp(None);
+    }
+    b.target(env_logger::Target::Stderr).init();
+}
+
+fn run(cfg: config::Config) -> ExitCode {
+    init_logging(&cfg.server.log_level);
+    if cfg.source == config::EMBEDDED {
+        log::info!("no config file found; running with the embedded defaults");
+    } else {
+        log::info!("config: {}", cfg.source);
+    }
+    log::info!("{}", protocol::card::version_line());
+    let state_dir = cfg.server.state_dir.clone();
+    let store = match store::Store::open(&state_dir) {
+        Ok(s) => s,
+        Err(e) => {
+            log::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    // Expiry is enforced at startup, not only by the periodic sweep.
+    match store.sweep_expired(ids::now_ms()) {
+        Ok(0) => {}
+        Ok(n) => log::warn!("outbox: {n} message(s) expired while imgate was stopped"),
+        Err(e) => log::error!("outbox: startup sweep failed: {e}"),
+    }
+    let app = match app::App::new(cfg, store) {
+        Ok(a) => a,
+        Err(e) => {
+            log::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    let listener = match std::net::TcpListener::bind(app.config.server.listen) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("cannot listen on {}: {e}", app.config.server.listen);
+            return ExitCode::from(1);
+        }
+    };
+    let socket = internal_socket(&state_dir);
+    if let Err(e) = http::start(app.clone(), &socket) {
+        log::error!("{e}");
+        return ExitCode::from(1);
+    }
+    log::info!(
+        "listening on {} (connector_id {}, {} webhook endpoint(s))",
+        app.config.server.listen,
+        app.connector_id,
+        app.config.webhooks.len()
+    );
+    if app.config.server.api_key.is_none() && !app.config.server.listen.ip().is_loopback() {
+        log::warn!("api_key is empty on a non-loopback listener: anyone who can reach it can act as xAgent");
+    }
+    start_maintenance(app.clone());
+    if let Some(url) = app.config.xagent.dial.clone() {
+        smol::spawn(dataplane::dial::run(app.clone(), url)).detach();
+    }
+    let prefix = http::base_path(&app);
+    smol::block_on(async {
+        let listener =
+            smol::net::TcpListener::try_from(listener).expect("a bound listener converts");
+        dataplane::listen::serve(app, listener, socket, prefix).await;
+    });
+    ExitCode::SUCCESS
+}
+
+/// The Unix socket between the front door and tiny_http. In the state dir when its path fits
+/// `sun_path` (108 bytes), else in the temp dir.
+fn internal_socket(state_dir: &Path) -> PathBuf {
+    let p = state_dir.join("http.sock");
+    if p.as_os_str().len() < 100 {
+        p
+    } else {
+        std::env::temp_dir().join(format!("imgate-{}.sock", std::process::id()))
+    }
+}
+
+/// Periodic expiry sweep every `cleanup_interval` (already at most ttl/2).
+fn start_maintenance(app: Arc<app::App>) {
+    let every = app.config.queue.cleanup_interval;
+    let spawned = std::thread::Builder::new()
+        .name("maintenance".into())
+        .spawn(move || loop {
+            std::thread::sleep(every);
+            let now = ids::now_ms();
+            if let Err(e) = app.store.sweep_expired(now) {
+                log::error!("outbox: sweep failed: {e}");
+            }
+            if let Err(e) = app.store.sweep_refs(now) {
+                log::error!("store: reference sweep failed: {e}");
+            }
+        });
+    if let Err(e) = spawned {
+        log::error!("cannot start maintenance thread: {e}");
+    }
+}
+
+fn status(cfg: &config::Config) -> ExitCode {
+    let listen = cfg.server.listen;
+    let host = if listen.ip().is_unspecified() {
+        "127.0.0.1".to_string()
+    } else {
+        listen.ip().to_string()
+    };
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    let url = format!("http://{host}:{}/status", listen.port());
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(std::time::Duration::from_secs(5)))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let mut req = agent.get(&url);
+    if let Some(k) = &cfg.server.api_key {
+        req = req.header("Authorization", &format!("Bearer {}", k.expose()));
+    }
+    let mut resp = match req.call() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("imgate: cannot reach the daemon at {url}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = resp.status().as_u16();
+    let body = resp.body_mut().read_to_string().unwrap_or_default();
+    if code != 200 {
+        eprintln!("imgate: {url} answered HTTP {code}: {body}");
+        return ExitCode::from(1);
+    }
+    match json::parse(&body) {
+        Ok(v) => {
+            print!("{}", render_status(&v));
+            ExitCode::SUCCESS
+        }
+        Err(_) => {
+            eprintln!("imgate: {url} did not answer JSON");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The human table `imgate status` prints.
+fn render_status(v: &json::Value) -> String {
+    let Some(o) = json::as_object(v) else {
+        return String::new();
+    };
+    let mut out = String::new();
+    let conns = json::get_obj(o, "dataplane")
+        .and_then(|d| json::get_u64(d, "connections"))
+        .unwrap_or(0);
+    out.push_str(&format!(
+        "connector_id {}  data-plane connections {conns}\n",
+        json::get_str(o, "connector_id").unwrap_or("?")
+    ));
+    out.push_str(&format!(
+        "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  last_error\n",
+        "channel",
+        "provider",
+        "status",
+        "pending",
+        "bytes",
+        "delivered",
+        "expired",
+        "evicted",
+        "attempts"
+    ));
+    if let Some(json::Value::Array(chs)) = o.get("channels") {
+        for c in chs.iter().filter_map(json::as_object) {
+            let num = |k: &str| json::get_u64(c, k).unwrap_or(0);
+            out.push_str(&format!(
+                "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  {}\n",
+                json::get_str(c, "connector_channel_id").unwrap_or("?"),
+                json::get_str(c, "provider").unwrap_or("?"),
+                json::get_str(c, "status").unwrap_or("?"),
+                num("pending"),
+                num("pending_bytes"),
+                num("delivered"),
+                num("expired"),
+                num("evicted"),
+                num("attempts"),
+                json::get_str(c, "last_error").unwrap_or("-"),
+            ));
+        }
+    }
+    if let Some(u) = json::get_obj(o, "unbound") {
+        let num = |k: &str| json::get_u64(u, k).unwrap_or(0);
+        out.push_str(&format!(
+            "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7}\n",
+            "(unbound)",
+            "-",
+            "-",
+            num("pending"),
+            num("pending_bytes"),
+            "-",
+            num("expired"),
+            num("evicted")
+        ));
+    }
+    out
+}

@@ -1,0 +1,243 @@
+//! The wire: packet envelope, Card, Skill, health, Descriptor and payload builders.
+//!
+//! Everything here follows `reference/xagent/connector-common-protocol-3.0.md` and IM Profile v1;
+//! nothing here knows about sockets or storage.
+
+pub mod card;
+pub mod descriptor;
+
+use crate::ids;
+use crate::json::{self, Object, Value};
+
+pub const PACKET_SCHEMA: &str = "xagent.connector.packet/v1";
+pub const SUBPROTOCOL: &str = "xagent.connector.packet.v1";
+pub const PROTOCOL_VERSION: &str = "3.0";
+pub const PROFILE: &str = "xagent.im.v1";
+pub const CARD_ID: &str = "im.imgate";
+pub const SKILL_NAME: &str = "connector-im-imgate";
+
+pub const TOOL_SEND: &str = "imgate_message_send";
+pub const TOOL_REPLY: &str = "imgate_message_reply";
+
+/// Protocol error codes (common protocol section 8.23) plus imgate's own stable ones.
+pub mod code {
+    pub const INVALID_PACKET: &str = "invalid_packet";
+    pub const HELLO_REQUIRED: &str = "hello_required";
+    pub const CARD_ID_MISMATCH: &str = "connector_card_id_mismatch";
+    pub const UNSUPPORTED_PROTOCOL_VERSION: &str = "unsupported_protocol_version";
+    pub const CHANNEL_NOT_OPEN: &str = "channel_not_open";
+    pub const CHANNEL_ID_REQUIRED: &str = "connector_channel_id_required";
+    pub const CHANNEL_UNAVAILABLE: &str = "connector_channel_unavailable";
+    pub const CONNECTION_NOT_AUTHENTICATED: &str = "connection_not_authenticated";
+    pub const AUTH_SESSION_NOT_FOUND: &str = "auth_session_not_found";
+    pub const TOOL_INVOKE_FAILED: &str = "tool_invoke_failed";
+    pub const UNSUPPORTED_PACKET: &str = "unsupported_packet";
+    pub const UNKNOWN_TOOL: &str = "unknown_tool";
+    pub const INVALID_ARGUMENTS: &str = "invalid_arguments";
+    pub const REPLY_REF_INVALID: &str = "reply_ref_invalid";
+    pub const UPSTREAM_REJECTED: &str = "upstream_rejected";
+    pub const UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
+}
+
+/// One data-plane packet (common protocol section 7).
+#[derive(Debug, Clone)]
+pub struct Packet {
+    pub packet_id: String,
+    pub request_id: Option<String>,
+    pub reply_to: Option<String>,
+    pub channel: Option<String>,
+    pub kind: String,
+    pub time: Option<u64>,
+    pub payload: Object,
+    pub error: Option<(String, String)>,
+}
+
+impl Packet {
+    /// A new packet from imgate with a fresh `packet_id` and the current time.
+    pub fn new(kind: &str) -> Packet {
+        Packet {
+            packet_id: ids::short("pkt_"),
+            request_id: None,
+            reply_to: None,
+            channel: None,
+            kind: kind.to_string(),
+            time: Some(ids::now_ms()),
+            payload: Object::new(),
+            error: None,
+        }
+    }
+
+    /// The answer to `req`: `request_id` unchanged, `reply_to` its `packet_id`, same channel.
+    pub fn answer(req: &Packet, kind: &str) -> Packet {
+        let mut p = Packet::new(kind);
+        p.request_id = req.request_id.clone();
+        p.reply_to = Some(req.packet_id.clone());
+        p.channel = req.channel.clone().filter(|c| !c.is_empty());
+        p
+    }
+
+    /// A `type = error` packet answering `req` (protocol, identity, routing and order errors).
+    pub fn error_for(req: Option<&Packet>, code: &str, message: impl Into<String>) -> Packet {
+        let mut p = match req {
+            Some(r) => Packet::answer(r, "error"),
+            None => Packet::new("error"),
+        };
+        p.error = Some((code.to_string(), message.into()));
+        p
+    }
+
+    pub fn with_channel(mut self, cch: &str) -> Packet {
+        self.channel = Some(cch.to_string());
+        self
+    }
+
+    pub fn with_payload(mut self, payload: Value) -> Packet {
+        if let Value::Object(o) = payload {
+            self.payload = o;
+        }
+        self
+    }
+
+    pub fn with_error(mut self, code: &str, message: impl Into<String>) -> Packet {
+        self.error = Some((code.to_string(), message.into()));
+        self
+    }
+
+    /// Parses one text frame; the `Err` is the message for an `invalid_packet` error.
+    pub fn parse(text: &str) -> Result<Packet, String> {
+        let v = json::parse(text).map_err(|_| "packet is not valid JSON".to_string())?;
+        let Value::Object(mut o) = v else {
+            return Err("packet must be a JSON object".into());
+        };
+        if json::get_str(&o, "schema") != Some(PACKET_SCHEMA) {
+            return Err(format!("schema must be {PACKET_SCHEMA}"));
+        }
+        let text_field = |o: &Object, k: &str| -> Result<Option<String>, String> {
+            match o.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(_) => Err(format!("{k} must be a string")),
+            }
+        };
+        let packet_id = text_field(&o, "packet_id")?.filter(|s| !s.is_empty());
+        let kind = text_field(&o, "type")?.filter(|s| !s.is_empty());
+        let (Some(packet_id), Some(kind)) = (packet_id, kind) else {
+            return Err("packet_id and type are required".into());
+        };
+        let payload = match o.remove("payload") {
+            None | Some(Value::Null) => Object::new(),
+            Some(Value::Object(p)) => p,
+            Some(_) => return Err("payload must be an object".into()),
+        };
+        let error = json::get_obj(&o, "error").map(|e| {
+            (
+                json::get_str(e, "code").unwrap_or_default().to_string(),
+                json::get_str(e, "message").unwrap_or_default().to_string(),
+            )
+        });
+        Ok(Packet {
+            request_id: text_field(&o, "request_id")?,
+            reply_to: text_field(&o, "reply_to")?,
+            channel: text_field(&o, "connector_channel_id")?,
+            time: json::get_u64(&o, "time"),
+            packet_id,
+            kind,
+            payload,
+            error,
+        })
+    }
+
+    pub fn to_json(&self) -> String {
+        let mut o = Object::new();
+        o.insert("schema".into(), json::s(PACKET_SCHEMA));
+        o.insert("packet_id".into(), json::s(&self.packet_id));
+        if let Some(r) = &self.request_id {
+            o.insert("request_id".into(), json::s(r));
+        }
+        if let Some(r) = &self.reply_to {
+            o.insert("reply_to".into(), json::s(r));
+        }
+        if let Some(c) = &self.channel {
+            o.insert("connector_channel_id".into(), json::s(c));
+        }
+        o.insert("type".into(), json::s(&self.kind));
+        if let Some(t) = self.time {
+            o.insert("time".into(), json::n(t));
+        }
+        if !self.payload.is_empty() || self.error.is_none() {
+            o.insert("payload".into(), Value::Object(self.payload.clone()));
+        }
+        if let Some((code, message)) = &self.error {
+            o.insert(
+                "error".into(),
+                json::obj([("code", json::s(code)), ("message", json::s(message))]),
+            );
+        }
+        json::to_string(&Value::Object(o))
+    }
+
+    /// The non-empty envelope channel, if any.
+    pub fn channel_id(&self) -> Option<&str> {
+        self.channel.as_deref().filter(|c| !c.is_empty())
+    }
+}
+
+/// Compares dotted versions numerically: "3.0" < "3.1" < "10.0".
+pub fn version_at_least(v: &str, floor: &str) -> bool {
+    let parse =
+        |s: &str| -> Option<Vec<u64>> { s.split('.').map(|p| p.trim().parse().ok()).collect() };
+    match (parse(v), parse(floor)) {
+        (Some(a), Some(b)) => {
+            let len = a.len().max(b.len());
+            let pad = |x: &Vec<u64>, i: usize| x.get(i).copied().unwrap_or(0);
+            (0..len)
+                .map(|i| pad(&a, i).cmp(&pad(&b, i)))
+                .find(|o| o.is_ne())
+                != Some(std::cmp::Ordering::Less)
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_rejects_each_broken_envelope_with_a_reason() {
+        for bad in [
+            "not json",
+            "[]",
+            r#"{"packet_id":"p","type":"ping"}"#,
+            r#"{"schema":"xagent.connector.packet/v1","type":"ping"}"#,
+            r#"{"schema":"xagent.connector.packet/v1","packet_id":"p"}"#,
+            r#"{"schema":"xagent.connector.packet/v1","packet_id":"p","type":"ping","payload":3}"#,
+            r#"{"schema":"xagent.connector.packet/v1","packet_id":7,"type":"ping"}"#,
+        ] {
+            assert!(Packet::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn answer_keeps_request_id_and_points_reply_to_at_the_request() {
+        let req = Packet::parse(
+            r#"{"schema":"xagent.connector.packet/v1","packet_id":"p1","request_id":"r1","connector_channel_id":"c","type":"ping"}"#,
+        )
+        .unwrap();
+        let a = Packet::answer(&req, "pong");
+        assert_eq!(a.request_id.as_deref(), Some("r1"));
+        assert_eq!(a.reply_to.as_deref(), Some("p1"));
+        let back = Packet::parse(&a.to_json()).unwrap();
+        assert_eq!(back.kind, "pong");
+        assert_eq!(back.channel.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn versions_compare_numerically() {
+        assert!(version_at_least("3.0", "3.0"));
+        assert!(version_at_least("3.1", "3.0"));
+        assert!(version_at_least("10.0", "3.0"));
+        assert!(!version_at_least("2.9", "3.0"));
+        assert!(!version_at_least("three", "3.0"));
+    }
+}
