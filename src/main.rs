@@ -130,6 +130,19 @@ fn init_logging(level: &str) {
         Ok(filters) if !filters.trim().is_empty() => b.parse_filters(&filters),
         _ => b.parse_filters(level),
     };
+    // Dependencies log whole packets and request heads (with Bearer keys) at debug and trace;
+    // only their warnings and errors get through, whatever RUST_LOG says.
+    for noisy in [
+        "tungstenite",
+        "async_tungstenite",
+        "tiny_http",
+        "ureq",
+        "ureq_proto",
+        "rustls",
+        "redb",
+    ] {
+        b.filter_module(noisy, log::LevelFilter::Warn);
+    }
     // journald stamps each line itself.
     if std::env::var_os("JOURNAL_STREAM").is_some() {
         b.format_timestamp(None);

@@ -176,8 +176,10 @@ async fn deliver_loop(
 ) {
     let mut pushed_last_round = false;
     loop {
+        // After a round that pushed, look again at once: more may be pending.
+        let mut woken = true;
         if !pushed_last_round {
-            let woken = async {
+            woken = async {
                 let _ = wake.recv().await;
                 true
             }
@@ -227,6 +229,10 @@ async fn deliver_loop(
             }
         }
         pushed_last_round = !round.is_empty();
+        if round.is_empty() && woken {
+            // Nothing to confirm and no keepalive due.
+            continue;
+        }
         *lock(&state.in_flight) = round.clone();
 
         // The barrier doubles as keepalive: one ping per round, answered by one pong.
@@ -399,13 +405,15 @@ fn hello(app: &App, state: &State, p: &Packet) -> Packet {
                 format!("protocol_version {v} is below {PROTOCOL_VERSION}"),
             )
         }
-        None => return Packet::error_for(
-            Some(p),
-            code::UNSUPPORTED_PROTOCOL_VERSION,
-            format!(
+        None => {
+            return Packet::error_for(
+                Some(p),
+                code::UNSUPPORTED_PROTOCOL_VERSION,
+                format!(
                 "hello must declare protocol_version (this connector speaks {PROTOCOL_VERSION})"
             ),
-        ),
+            )
+        }
     }
     let supported: Vec<String> = match json::get(pl, "supported_profiles") {
         Some(Value::Array(a)) => a

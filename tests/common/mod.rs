@@ -1,0 +1,583 @@
+//! Test harness: a real `imgate` child process, an xAgent simulator written from the public
+//! Connector Protocol 3.0 documents (`../shared/reference/xagent/`), a `reply_url` receiver,
+//! and JSON Schema validation of everything imgate emits.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tungstenite::{Message, WebSocket};
+
+pub const SUBPROTOCOL: &str = "xagent.connector.packet.v1";
+
+// ---------- schemas ----------
+
+fn schema_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/reference/xagent/schemas")
+}
+
+fn validator(name: &str) -> &'static jsonschema::Validator {
+    static CACHE: OnceLock<Mutex<Vec<(String, &'static jsonschema::Validator)>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(Vec::new()));
+    let mut g = cache.lock().unwrap();
+    if let Some((_, v)) = g.iter().find(|(n, _)| n == name) {
+        return v;
+    }
+    let path = schema_dir().join(name);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "reference schema {} must exist (shared/ beside the repo): {e}",
+            path.display()
+        )
+    });
+    let schema: Value = serde_json::from_str(&text).unwrap();
+    let v: &'static jsonschema::Validator =
+        Box::leak(Box::new(jsonschema::validator_for(&schema).unwrap()));
+    g.push((name.to_string(), v));
+    v
+}
+
+pub fn assert_valid(schema: &str, instance: &Value) {
+    let v = validator(schema);
+    let errors: Vec<String> = v
+        .iter_errors(instance)
+        .map(|e| format!("{e} at {}", e.instance_path()))
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{schema} rejects {instance}:\n{}",
+        errors.join("\n")
+    );
+}
+
+pub fn assert_card(card: &Value) {
+    assert_valid("xagent.connector.v1.schema.json", card);
+}
+
+pub fn assert_descriptor(d: &Value) {
+    assert_valid("xagent.connection.v2.schema.json", d);
+}
+
+/// Every packet is checked against the envelope schema; every Descriptor inside one too.
+pub fn assert_packet(p: &Value) {
+    assert_valid("xagent.connector.packet.v1.schema.json", p);
+    if let Some(d) = p.pointer("/payload/connection_descriptor") {
+        assert_descriptor(d);
+    }
+}
+
+// ---------- the daemon ----------
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub fn temp_dir(tag: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!("imgate-it-{tag}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_imgate")
+}
+
+/// A running `imgate run` child with its stderr collected.
+pub struct Daemon {
+    pub child: Child,
+    pub port: u16,
+    pub dir: PathBuf,
+    pub config: PathBuf,
+    pub log: Arc<Mutex<String>>,
+}
+
+pub const API_KEY: &str = "test-api-key-7f3a";
+pub const HOOK_SECRET: &str = "hook-secret-91bc";
+
+/// A config with an API key, one webhook endpoint `alerts` (with `reply_url` when given) and `extra`.
+pub fn config_text(port: u16, dir: &Path, reply_url: Option<&str>, extra: &str) -> String {
+    let reply = reply_url
+        .map(|u| format!("reply_url = {u}\n"))
+        .unwrap_or_default();
+    format!(
+        "[server]\nlisten = 127.0.0.1:{port}\napi_key = {API_KEY}\nstate_dir = {}\nlog_level = debug\n\n\
+         [webhook.alerts]\nsecret = {HOOK_SECRET}\nlabel = Alerts\n{reply}\n{extra}",
+        dir.join("state").display()
+    )
+}
+
+impl Daemon {
+    pub fn start(dir: &Path, config: &str) -> Daemon {
+        let path = dir.join("imgate.conf");
+        std::fs::write(&path, config).unwrap();
+        let port = config
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("listen = 127.0.0.1:"))
+            .and_then(|p| p.trim().parse().ok())
+            .expect("test configs listen on 127.0.0.1:PORT");
+        Self::spawn(dir, path, port)
+    }
+
+    /// Starts again on the same config and state (after `kill`).
+    pub fn restart(self) -> Daemon {
+        let (dir, config, port, log) = (
+            self.dir.clone(),
+            self.config.clone(),
+            self.port,
+            self.log.clone(),
+        );
+        drop(self);
+        let d = Self::spawn(&dir, config, port);
+        let old = log.lock().unwrap().clone();
+        d.log.lock().unwrap().insert_str(0, &old);
+        d
+    }
+
+    fn spawn(dir: &Path, config: PathBuf, port: u16) -> Daemon {
+        let mut child = Command::new(bin())
+            .args(["run", "--config"])
+            .arg(&config)
+            .env_remove("RUST_LOG")
+            .env("RUST_LOG", "trace")
+            .env_remove("IMGATE_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("imgate starts");
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut g = sink.lock().unwrap();
+                g.push_str(&line);
+                g.push('\n');
+            }
+        });
+        let d = Daemon {
+            child,
+            port,
+            dir: dir.to_path_buf(),
+            config,
+            log,
+        };
+        d.wait_ready();
+        d
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "imgate did not listen on {} in time; log:\n{}",
+            self.port,
+            self.log()
+        );
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Connects an xAgent simulator to `/ws` with the API key.
+    pub fn xagent(&self) -> Sim {
+        Sim::connect(self.port, Some(API_KEY))
+    }
+
+    /// POSTs a webhook message authenticated with the endpoint's Bearer secret.
+    pub fn post_hook(&self, name: &str, body: &Value) -> (u16, Value) {
+        http_post(
+            &self.url(&format!("/hooks/{name}")),
+            &[("Authorization", &format!("Bearer {HOOK_SECRET}"))],
+            &body.to_string(),
+        )
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+// ---------- plain HTTP ----------
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into()
+}
+
+pub fn http_get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut req = agent().get(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let mut resp = req.call().expect("GET reaches imgate");
+    let status = resp.status().as_u16();
+    (status, resp.body_mut().read_to_string().unwrap_or_default())
+}
+
+pub fn http_post(url: &str, headers: &[(&str, &str)], body: &str) -> (u16, Value) {
+    let mut req = agent().post(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let mut resp = req
+        .header("Content-Type", "application/json")
+        .send(body)
+        .expect("POST reaches imgate");
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap_or_default();
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+pub fn get_json(url: &str) -> Value {
+    let (status, body) = http_get(url, &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert_eq!(status, 200, "{url}: {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+// ---------- the reply_url receiver ----------
+
+/// One outbound request imgate made to a `reply_url`.
+#[derive(Debug, Clone)]
+pub struct Outbound {
+    pub signature: Option<String>,
+    pub body: String,
+}
+
+pub struct ReplyReceiver {
+    pub url: String,
+    pub rx: mpsc::Receiver<Outbound>,
+}
+
+impl ReplyReceiver {
+    /// Answers every POST with `status` (200 → `{"message_id":"out-N"}`).
+    pub fn start(status: u16) -> ReplyReceiver {
+        let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+        let port = server.server_addr().to_ip().unwrap().port();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut n = 0;
+            for mut req in server.incoming_requests() {
+                n += 1;
+                let mut body = String::new();
+                let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                let signature = req
+                    .headers()
+                    .iter()
+                    .find(|h| h.field.equiv("X-Imgate-Signature"))
+                    .map(|h| h.value.to_string());
+                let _ = tx.send(Outbound { signature, body });
+                let answer = json!({"message_id": format!("out-{n}")}).to_string();
+                let _ =
+                    req.respond(tiny_http::Response::from_string(answer).with_status_code(status));
+            }
+        });
+        ReplyReceiver {
+            url: format!("http://127.0.0.1:{port}/reply"),
+            rx,
+        }
+    }
+}
+
+// ---------- the xAgent simulator ----------
+
+/// xAgent's side of the data plane, as the protocol documents describe it.
+pub struct Sim {
+    ws: WebSocket<TcpStream>,
+    n: u64,
+    /// Answer imgate's `ping` with `pong` (the delivery barrier) automatically.
+    pub auto_pong: bool,
+    /// Unsolicited packets (pushes, descriptor pushes) seen while waiting for something else.
+    pub inbox: Vec<Value>,
+    /// Every packet received, for secret scans.
+    pub seen: Vec<Value>,
+}
+
+impl Sim {
+    pub fn connect(port: u16, api_key: Option<&str>) -> Sim {
+        let ws = try_connect(port, api_key, Some(SUBPROTOCOL)).expect("the /ws upgrade succeeds");
+        Sim::from_ws(ws)
+    }
+
+    pub fn from_ws(ws: WebSocket<TcpStream>) -> Sim {
+        ws.get_ref()
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        Sim {
+            ws,
+            n: 0,
+            auto_pong: true,
+            inbox: Vec::new(),
+            seen: Vec::new(),
+        }
+    }
+
+    fn next_id(&mut self, prefix: &str) -> String {
+        self.n += 1;
+        format!("{prefix}_sim_{}", self.n)
+    }
+
+    /// Sends a packet; returns its `(packet_id, request_id)`.
+    pub fn send(&mut self, kind: &str, cch: Option<&str>, payload: Value) -> (String, String) {
+        let packet_id = self.next_id("pkt");
+        let request_id = self.next_id("req");
+        let mut p = json!({
+            "schema": "xagent.connector.packet/v1",
+            "packet_id": packet_id,
+            "request_id": request_id,
+            "type": kind,
+            "time": 1_790_000_000_000u64,
+            "payload": payload,
+        });
+        if let Some(c) = cch {
+            p["connector_channel_id"] = json!(c);
+        }
+        self.send_raw(&p.to_string());
+        (packet_id, request_id)
+    }
+
+    pub fn send_raw(&mut self, text: &str) {
+        self.ws
+            .send(Message::text(text.to_string()))
+            .expect("send to imgate");
+    }
+
+    /// The next packet from imgate, answering pings on the way; `None` after `timeout`.
+    pub fn recv_within(&mut self, timeout: Duration) -> Option<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.ws.read() {
+                Ok(Message::Text(t)) => {
+                    let v: Value = serde_json::from_str(t.as_str()).expect("imgate sends JSON");
+                    assert_packet(&v);
+                    self.seen.push(v.clone());
+                    if v["type"] == "ping" && self.auto_pong {
+                        let mut pong = json!({
+                            "schema": "xagent.connector.packet/v1",
+                            "packet_id": self.next_id("pkt"),
+                            "type": "pong",
+                            "reply_to": v["packet_id"],
+                        });
+                        if let Some(r) = v.get("request_id") {
+                            pong["request_id"] = r.clone();
+                        }
+                        self.send_raw(&pong.to_string());
+                        continue;
+                    }
+                    return Some(v);
+                }
+                Ok(Message::Close(_)) => return None,
+                Ok(_) => {}
+                Err(tungstenite::Error::Io(e))
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut =>
+                {
+                    if Instant::now() >= deadline {
+                        return None;
+                    }
+                }
+                Err(_) => return None,
+            }
+        }
+    }
+
+    /// Waits for the answer to `request_id`, keeping pushes aside.
+    pub fn answer_to(&mut self, request_id: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let Some(v) = self.recv_within(Duration::from_secs(1)) else {
+                continue;
+            };
+            if v["request_id"] == request_id {
+                return v;
+            }
+            self.inbox.push(v);
+        }
+        panic!("no answer to {request_id}");
+    }
+
+    /// Sends a request and returns its answer, checking `request_id` and `reply_to`.
+    pub fn request(&mut self, kind: &str, cch: Option<&str>, payload: Value) -> Value {
+        let (packet_id, request_id) = self.send(kind, cch, payload);
+        let a = self.answer_to(&request_id);
+        assert_eq!(
+            a["reply_to"],
+            json!(packet_id),
+            "answers point reply_to at the request: {a}"
+        );
+        a
+    }
+
+    pub fn hello(&mut self, connector_id: &str) -> Value {
+        let a = self.request(
+            "connector.hello",
+            None,
+            json!({
+                "connector_card_id": "im.imgate",
+                "connector_id": connector_id,
+                "protocol_version": "3.0",
+                "supported_profiles": ["xagent.im.v1", "xagent.im.v2"],
+            }),
+        );
+        assert_eq!(a["type"], "connector.hello.ack", "{a}");
+        a
+    }
+
+    /// `channel.open`; returns the channel ID and the ack.
+    pub fn open(&mut self, cch: Option<&str>) -> (String, Value) {
+        let a = self.request("channel.open", cch, json!({}));
+        assert_eq!(a["type"], "channel.open.ack", "{a}");
+        let cch = a["payload"]["connector_channel_id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(a["connector_channel_id"], json!(cch));
+        (cch, a)
+    }
+
+    pub fn bind_webhook(&mut self, cch: &str, endpoint: &str, secret: &str) -> Value {
+        self.request(
+            "auth.start",
+            Some(cch),
+            json!({"flow_id": "webhook_binding", "input": {"endpoint": endpoint, "secret": secret}}),
+        )
+    }
+
+    /// The next `message.push`, from the kept-aside ones first.
+    pub fn next_push(&mut self, timeout: Duration) -> Option<Value> {
+        self.next_of("message.push", timeout)
+    }
+
+    /// The next packet of type `kind`, from the kept-aside ones first; others are kept aside.
+    pub fn next_of(&mut self, kind: &str, timeout: Duration) -> Option<Value> {
+        if let Some(i) = self.inbox.iter().position(|v| v["type"] == kind) {
+            return Some(self.inbox.remove(i));
+        }
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(v) = self.recv_within(Duration::from_millis(300)) {
+                if v["type"] == kind {
+                    return Some(v);
+                }
+                self.inbox.push(v);
+            }
+        }
+        None
+    }
+
+    pub fn tool(&mut self, cch: &str, tool_id: &str, args: Value, call_id: &str) -> Value {
+        self.request(
+            "tool.invoke",
+            Some(cch),
+            json!({"tool_id": tool_id, "arguments": args, "context": {"session_id": "s1", "tool_call_id": call_id}}),
+        )
+    }
+
+    pub fn close(mut self) {
+        let _ = self.ws.close(None);
+        let _ = self.ws.flush();
+    }
+}
+
+/// A raw upgrade attempt: `Err` carries the HTTP status imgate answered.
+pub fn try_connect(
+    port: u16,
+    api_key: Option<&str>,
+    protocol: Option<&str>,
+) -> Result<WebSocket<TcpStream>, u16> {
+    use tungstenite::client::IntoClientRequest;
+    let mut req = format!("ws://127.0.0.1:{port}/ws")
+        .into_client_request()
+        .unwrap();
+    if let Some(k) = api_key {
+        req.headers_mut()
+            .insert("Authorization", format!("Bearer {k}").parse().unwrap());
+    }
+    if let Some(p) = protocol {
+        req.headers_mut()
+            .insert("Sec-WebSocket-Protocol", p.parse().unwrap());
+    }
+    let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    match tungstenite::client(req, stream) {
+        Ok((ws, resp)) => {
+            let proto = resp
+                .headers()
+                .get("Sec-WebSocket-Protocol")
+                .map(|v| v.to_str().unwrap().to_string());
+            assert_eq!(
+                proto.as_deref(),
+                Some(SUBPROTOCOL),
+                "imgate selects the packet subprotocol"
+            );
+            Ok(ws)
+        }
+        Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(resp))) => {
+            Err(resp.status().as_u16())
+        }
+        Err(e) => panic!("unexpected handshake error: {e}"),
+    }
+}
+
+/// xAgent's listening side for imgate's dial transport: accepts one connection, checking the
+/// subprotocol and returning the Authorization header imgate sent.
+pub fn accept_dial(listener: &TcpListener) -> (Sim, Option<String>) {
+    let (stream, _) = listener.accept().unwrap();
+    let auth = Arc::new(Mutex::new(None));
+    let seen = auth.clone();
+    let callback = move |req: &tungstenite::handshake::server::Request,
+                         mut resp: tungstenite::handshake::server::Response| {
+        *seen.lock().unwrap() = req
+            .headers()
+            .get("Authorization")
+            .map(|v| v.to_str().unwrap().to_string());
+        let offered = req
+            .headers()
+            .get("Sec-WebSocket-Protocol")
+            .map(|v| v.to_str().unwrap().to_string());
+        assert_eq!(
+            offered.as_deref(),
+            Some(SUBPROTOCOL),
+            "imgate offers the packet subprotocol when dialling"
+        );
+        resp.headers_mut()
+            .insert("Sec-WebSocket-Protocol", SUBPROTOCOL.parse().unwrap());
+        Ok(resp)
+    };
+    let ws =
+        tungstenite::accept_hdr(stream, callback).expect("imgate completes the dial handshake");
+    let auth = auth.lock().unwrap().clone();
+    (Sim::from_ws(ws), auth)
+}
