@@ -232,6 +232,8 @@ async fn upgrade(app: Arc<App>, mut stream: TcpStream, buf: Vec<u8>, head: Head,
         let _ = stream.write_all(&plain(400, "Bad Request", &body)).await;
         return;
     }
+    // tungstenite's callback signature fixes the large error type.
+    #[allow(clippy::result_large_err)]
     let callback = |_req: &Request, mut resp: Response| {
         resp.headers_mut().insert(
             "Sec-WebSocket-Protocol",

@@ -338,7 +338,7 @@ async fn handle(
         | "tool.invoke" => {
             let cch = match open_channel_of(app, id, &p) {
                 Ok(c) => c,
-                Err(e) => return vec![e],
+                Err(e) => return vec![*e],
             };
             match p.kind.as_str() {
                 "connection.descriptor.get" => {
@@ -365,23 +365,23 @@ async fn handle(
 }
 
 /// User-level packets need an envelope channel that is open on this session.
-fn open_channel_of(app: &App, id: u64, p: &Packet) -> Result<String, Packet> {
+fn open_channel_of(app: &App, id: u64, p: &Packet) -> Result<String, Box<Packet>> {
     let Some(cch) = p.channel_id() else {
-        return Err(Packet::error_for(
+        return Err(Box::new(Packet::error_for(
             Some(p),
             code::CHANNEL_ID_REQUIRED,
             format!("{} needs connector_channel_id in the envelope", p.kind),
-        ));
+        )));
     };
     if !app.hub.is_open_on(cch, id) {
-        return Err(Packet::error_for(
+        return Err(Box::new(Packet::error_for(
             Some(p),
             code::CHANNEL_NOT_OPEN,
             format!(
                 "channel.open must complete on this connection before {}",
                 p.kind
             ),
-        ));
+        )));
     }
     Ok(cch.to_string())
 }

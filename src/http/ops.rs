@@ -128,6 +128,9 @@ impl WithNull for Value {
     }
 }
 
+/// A metric name, its Prometheus type and how to read it from a source's stats.
+type Series = (&'static str, &'static str, fn(&SourceStats) -> u64);
+
 pub fn metrics(app: &App) -> Result<String, StoreError> {
     let snap = snapshot(app)?;
     let mut out = String::new();
@@ -155,7 +158,7 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
         "imgate_queue_cleanup_interval_seconds {}\n",
         q.cleanup_interval.as_secs()
     ));
-    let series: [(&str, &str, fn(&SourceStats) -> u64); 6] = [
+    let series: [Series; 6] = [
         ("imgate_channel_pending", "gauge", |s| s.pending),
         ("imgate_channel_pending_bytes", "gauge", |s| s.pending_bytes),
         ("imgate_channel_delivered_total", "counter", |s| {

@@ -72,6 +72,13 @@ pub fn assert_packet(p: &Value) {
     }
 }
 
+/// Fails naming the first line of `text` that contains any of `secrets`.
+pub fn assert_no_secret(text: &str, secrets: &[&str], what: &str) {
+    if let Some(line) = text.lines().find(|l| secrets.iter().any(|s| l.contains(s))) {
+        panic!("a secret reached {what}: {line}");
+    }
+}
+
 // ---------- the daemon ----------
 
 pub fn free_port() -> u16 {
@@ -557,6 +564,7 @@ pub fn accept_dial(listener: &TcpListener) -> (Sim, Option<String>) {
     let (stream, _) = listener.accept().unwrap();
     let auth = Arc::new(Mutex::new(None));
     let seen = auth.clone();
+    #[allow(clippy::result_large_err)] // tungstenite fixes the callback's error type
     let callback = move |req: &tungstenite::handshake::server::Request,
                          mut resp: tungstenite::handshake::server::Response| {
         *seen.lock().unwrap() = req

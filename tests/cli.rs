@@ -1,0 +1,163 @@
+//! The command line as the contract fixes it: check, init, --version, config errors.
+
+mod common;
+
+use std::process::Command;
+
+use common::*;
+
+fn imgate(args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args(args)
+        .env_remove("IMGATE_CONFIG")
+        .env_remove("CREDENTIALS_DIRECTORY")
+        .env_remove("STATE_DIRECTORY")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn version_names_version_git_rev_and_build_time() {
+    let out = imgate(&["--version"]);
+    assert!(out.status.success());
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        line.starts_with(&format!("imgate {} (git ", env!("CARGO_PKG_VERSION"))),
+        "{line}"
+    );
+    assert!(line.contains("built "));
+}
+
+#[test]
+fn check_prints_the_effective_policy_for_a_valid_file() {
+    let dir = temp_dir("check-ok");
+    let conf = dir.join("ok.conf");
+    std::fs::write(
+        &conf,
+        "[queue]\nttl = 20m\ncleanup_interval = 1h\n[webhook.door]\nsecret = s\n",
+    )
+    .unwrap();
+    let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("queue ttl:         20m"), "{text}");
+    assert!(
+        text.contains("cleanup_interval:  10m"),
+        "clamped to ttl/2: {text}"
+    );
+    assert!(text.contains("webhook door"));
+    assert!(text.contains("listen:            127.0.0.1:8787"));
+}
+
+#[test]
+fn check_reports_every_bad_line_as_file_line_message_and_exits_2() {
+    let dir = temp_dir("check-bad");
+    let conf = dir.join("bad.conf");
+    std::fs::write(
+        &conf,
+        "[server]\nlisten = somewhere\nmax_body = huge\n[queue]\noverflow = explode\ncolour = blue\n[nope]\n[webhook.x]\nlabel = X\n",
+    )
+    .unwrap();
+    let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let name = conf.display().to_string();
+    for line in [2, 3, 5, 6, 7, 8] {
+        assert!(
+            err.contains(&format!("{name}:{line}: ")),
+            "line {line} missing in:\n{err}"
+        );
+    }
+    assert!(err.contains("unknown key `colour`"));
+    assert!(err.contains("needs `secret`"));
+}
+
+#[test]
+fn a_missing_secret_file_is_an_error_naming_the_key() {
+    let dir = temp_dir("check-file");
+    let conf = dir.join("f.conf");
+    std::fs::write(&conf, "[server]\napi_key_file = /nonexistent/imgate-key\n").unwrap();
+    let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("{}:2: api_key_file", conf.display())),
+        "{err}"
+    );
+}
+
+#[test]
+fn secret_file_bare_name_comes_from_the_credentials_directory() {
+    let dir = temp_dir("cred");
+    std::fs::write(dir.join("imgate-api-key"), "from-credentials\n").unwrap();
+    let conf = dir.join("c.conf");
+    std::fs::write(&conf, "[server]\napi_key_file = imgate-api-key\n").unwrap();
+    let out = Command::new(bin())
+        .args(["check", "--config", conf.to_str().unwrap()])
+        .env("CREDENTIALS_DIRECTORY", &dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("api_key:           set"));
+    assert!(
+        !text.contains("from-credentials"),
+        "check never prints a secret"
+    );
+}
+
+#[test]
+fn init_writes_the_shipped_example_config_and_never_overwrites() {
+    let dir = temp_dir("init");
+    let target = dir.join("imgate.conf");
+    let out = imgate(&["init", target.to_str().unwrap()]);
+    assert!(out.status.success());
+    let written = std::fs::read_to_string(&target).unwrap();
+    let shipped =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/imgate.conf"))
+            .unwrap();
+    assert_eq!(
+        written, shipped,
+        "systemd/imgate.conf is exactly what init writes"
+    );
+    let again = imgate(&["init", target.to_str().unwrap()]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    let stdout = imgate(&["init", "-"]);
+    assert_eq!(String::from_utf8_lossy(&stdout.stdout), shipped);
+    let check = imgate(&["check", "--config", target.to_str().unwrap()]);
+    assert!(check.status.success(), "the written config is valid");
+}
+
+#[test]
+fn no_config_file_means_embedded_defaults() {
+    let dir = temp_dir("defaults");
+    let out = Command::new(bin())
+        .arg("check")
+        .current_dir(&dir)
+        .env_remove("IMGATE_CONFIG")
+        .output()
+        .unwrap();
+    // /etc/imgate/imgate.conf may exist on a developer box; only assert when it does not.
+    if !std::path::Path::new("/etc/imgate/imgate.conf").exists() {
+        assert!(out.status.success());
+        assert!(String::from_utf8_lossy(&out.stdout).contains("<embedded defaults>"));
+    }
+}
+
+#[test]
+fn unknown_commands_and_arguments_exit_2_with_usage() {
+    let out = imgate(&["frobnicate"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("usage:"));
+    let out = imgate(&["check", "--config"]);
+    assert_eq!(out.status.code(), Some(2));
+}
