@@ -1,20 +1,31 @@
-//! The durable outbox: per-source FIFO of accepted inbound messages, dedupe and counters.
+//! The durable outbox: per-source FIFO of accepted inbound messages with TTL, caps, dedupe and
+//! counters (IM profile v1 sections 7 and 8).
 //!
 //! A *source* is where messages come from (`webhook:NAME`); the channel bound to a source
-//! receives its queue. Messages accepted before any binding wait here under the same TTL.
+//! receives its queue, so per-source is per-channel. Messages accepted before any binding wait
+//! here under the same TTL and caps.
 //!
 //! Invariants:
 //! - A message is accepted (and its sender told so) only after the commit that stores it.
+//!   Enqueues from all HTTP threads go through one committer thread that groups whatever is
+//!   waiting into one transaction (group commit): one fsync for many senders.
 //! - `expires_at = accepted_at + ttl` is written once, at acceptance, and never changed.
-//! - A message leaves the queue in exactly three ways, each counted: delivered (a `pong` answered
-//!   a `ping` sent after its push), expired, or evicted.
+//! - A message leaves the queue in exactly three ways, each counted and logged: delivered (a
+//!   `pong` answered a `ping` sent after its push), expired, or evicted (`capacity_exceeded`).
+//!   Expired and evicted messages take their reply reference with them.
+//! - `COUNTERS.pending/pending_bytes` and `TOTALS` always equal what `MESSAGES` holds: every
+//!   change to `MESSAGES` updates them in the same transaction. Bytes are stored record sizes.
 //! - Dedupe entries live until the message's `expires_at`, so a sender retry within the TTL is
-//!   answered `duplicate` even after delivery.
+//!   answered `duplicate` even after delivery; the sweep removes them afterwards.
+
+use std::sync::mpsc;
+use std::sync::Mutex;
 
 use miniserde::{Deserialize, Serialize};
 use redb::{ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
 
-use crate::store::{ReplyRef, Result, Store, REPLY_REFS};
+use crate::config::Overflow;
+use crate::store::{ReplyRef, Result, Store, StoreError, REPLY_REFS};
 
 /// `(source, seq)` → `StoredMessage` JSON. `seq` grows per source, so key order is acceptance order.
 const MESSAGES: TableDefinition<(&str, u64), &str> = TableDefinition::new("messages");
@@ -22,11 +33,18 @@ const MESSAGES: TableDefinition<(&str, u64), &str> = TableDefinition::new("messa
 const DEDUPE: TableDefinition<(&str, &str), u64> = TableDefinition::new("dedupe");
 /// source → `Counters` JSON.
 const COUNTERS: TableDefinition<&str, &str> = TableDefinition::new("counters");
+/// `"pending_bytes"` → bytes held over all sources.
+const TOTALS: TableDefinition<&str, u64> = TableDefinition::new("totals");
+const TOTAL_KEY: &str = "pending_bytes";
+
+/// Most enqueues folded into one transaction.
+const MAX_GROUP: usize = 256;
 
 pub(crate) fn create_tables(txn: &WriteTransaction) -> Result<()> {
     txn.open_table(MESSAGES)?;
     txn.open_table(DEDUPE)?;
     txn.open_table(COUNTERS)?;
+    txn.open_table(TOTALS)?;
     Ok(())
 }
 
@@ -36,12 +54,16 @@ pub struct StoredMessage {
     pub accepted_at: u64,
     pub expires_at: u64,
     pub attempts: u64,
+    /// The reply reference minted for this message, removed with it on expiry or eviction.
+    pub reply_ref: Option<String>,
     /// The rendered `message.push` payload, exactly as it will go on the wire.
     pub payload: String,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
 pub struct Counters {
+    pub pending: u64,
+    pub pending_bytes: u64,
     pub delivered: u64,
     pub expired: u64,
     pub evicted: u64,
@@ -49,11 +71,25 @@ pub struct Counters {
     pub last_error: Option<String>,
 }
 
+/// The capacity policy, from `[queue]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Policy {
+    pub max_messages_per_channel: u64,
+    pub max_bytes_per_channel: u64,
+    pub max_bytes_total: u64,
+    pub overflow: Overflow,
+}
+
 /// What an enqueue did.
 #[derive(Debug, PartialEq)]
 pub enum Enqueued {
-    Accepted { expires_at: u64 },
+    Accepted {
+        expires_at: u64,
+        evicted: u64,
+    },
     Duplicate,
+    /// `reject_new` with full caps, or a message that cannot fit at all: nothing stored.
+    CapacityExceeded,
 }
 
 /// A pending message as delivery sees it.
@@ -63,64 +99,88 @@ pub struct Pending {
     pub message: StoredMessage,
 }
 
-/// Per-source view for `/status`.
-#[derive(Debug, Default, Clone)]
-pub struct SourceStats {
-    pub pending: u64,
-    pub pending_bytes: u64,
-    pub counters: Counters,
-}
-
 /// A message to accept.
-pub struct NewMessage<'a> {
-    pub source: &'a str,
-    pub message_id: &'a str,
+pub struct NewMessage {
+    pub source: String,
+    pub message_id: String,
     pub payload: String,
     pub reply_ref: Option<(String, ReplyRef)>,
     pub accepted_at: u64,
     pub expires_at: u64,
 }
 
-impl Store {
-    /// Accepts a message durably, or answers `Duplicate` and stores nothing.
-    pub fn enqueue(&self, m: NewMessage<'_>) -> Result<Enqueued> {
-        let txn = self.db.begin_write()?;
-        let outcome = {
-            let mut dedupe = txn.open_table(DEDUPE)?;
-            let seen = dedupe.get((m.source, m.message_id))?.map(|v| v.value());
-            if seen.is_some_and(|exp| exp > m.accepted_at) {
-                Enqueued::Duplicate
-            } else {
-                dedupe.insert((m.source, m.message_id), m.expires_at)?;
-                let mut messages = txn.open_table(MESSAGES)?;
-                let next = messages
-                    .range((m.source, 0)..=(m.source, u64::MAX))?
-                    .next_back()
-                    .transpose()?
-                    .map_or(0, |(k, _)| k.value().1 + 1);
-                let rec = StoredMessage {
-                    message_id: m.message_id.to_string(),
-                    accepted_at: m.accepted_at,
-                    expires_at: m.expires_at,
-                    attempts: 0,
-                    payload: m.payload,
-                };
-                messages.insert((m.source, next), miniserde::json::to_string(&rec).as_str())?;
-                if let Some((token, r)) = &m.reply_ref {
-                    txn.open_table(REPLY_REFS)?
-                        .insert(token.as_str(), miniserde::json::to_string(r).as_str())?;
-                }
-                Enqueued::Accepted {
-                    expires_at: m.expires_at,
-                }
-            }
-        };
-        if outcome == Enqueued::Duplicate {
-            txn.abort()?;
-        } else {
-            txn.commit()?;
+struct Job {
+    message: NewMessage,
+    policy: Policy,
+    done: mpsc::SyncSender<Result<Enqueued>>,
+}
+
+/// The sending side of the committer thread. Dropping it stops the thread and waits for it, so
+/// the database is closed when the `Store` is gone.
+pub(crate) struct Committer {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Committer {
+    fn drop(&mut self) {
+        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
-        Ok(outcome)
+    }
+}
+
+fn record_bytes(source: &str, value: &str) -> u64 {
+    (source.len() + 8 + value.len()) as u64
+}
+
+impl Store {
+    /// Starts the committer thread; called once by `Store::open`.
+    pub(crate) fn start_committer(db: std::sync::Arc<redb::Database>) -> Committer {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name("outbox-commit".into())
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    let mut jobs = vec![first];
+                    while jobs.len() < MAX_GROUP {
+                        match rx.try_recv() {
+                            Ok(j) => jobs.push(j),
+                            Err(_) => break,
+                        }
+                    }
+                    commit_group(&db, jobs);
+                }
+            })
+            .expect("the outbox committer thread starts");
+        Committer {
+            tx: Mutex::new(Some(tx)),
+            thread: Some(thread),
+        }
+    }
+
+    /// Accepts a message durably (the call returns after the commit), answers `Duplicate`, or
+    /// `CapacityExceeded` with nothing stored.
+    pub fn enqueue(&self, message: NewMessage, policy: Policy) -> Result<Enqueued> {
+        let (done, result) = mpsc::sync_channel(1);
+        let sender = self
+            .committer
+            .tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        sender
+            .ok_or_else(|| StoreError("the outbox committer stopped".into()))?
+            .send(Job {
+                message,
+                policy,
+                done,
+            })
+            .map_err(|_| StoreError("the outbox committer stopped".into()))?;
+        result
+            .recv()
+            .map_err(|_| StoreError("the outbox committer stopped".into()))?
     }
 
     /// Up to `limit` unexpired pending messages of `source`, oldest first.
@@ -132,7 +192,7 @@ impl Store {
             let Ok(message) = miniserde::json::from_str::<StoredMessage>(v.value()) else {
                 continue;
             };
-            // Expired heads are skipped here and removed by the next sweep: never delivered.
+            // Expired messages are skipped here and removed by the next sweep: never delivered.
             if message.expires_at <= now {
                 continue;
             }
@@ -153,10 +213,19 @@ impl Store {
         let mut n = 0;
         {
             let mut messages = txn.open_table(MESSAGES)?;
+            let mut freed = 0;
             for &seq in seqs {
-                n += u64::from(messages.remove((source, seq))?.is_some());
+                if let Some(v) = messages.remove((source, seq))? {
+                    n += 1;
+                    freed += record_bytes(source, v.value());
+                }
             }
-            bump(&txn, source, |c| c.delivered += n)?;
+            bump(&txn, source, |c| {
+                c.delivered += n;
+                c.pending = c.pending.saturating_sub(n);
+                c.pending_bytes = c.pending_bytes.saturating_sub(freed);
+            })?;
+            add_total(&txn, -(freed as i64))?;
         }
         txn.commit()?;
         Ok(n)
@@ -167,21 +236,25 @@ impl Store {
         let txn = self.db.begin_write()?;
         {
             let mut messages = txn.open_table(MESSAGES)?;
-            let mut n = 0;
+            let (mut n, mut delta) = (0u64, 0i64);
             for &seq in seqs {
-                let rec = messages
-                    .get((source, seq))?
-                    .and_then(|v| miniserde::json::from_str::<StoredMessage>(v.value()).ok());
-                if let Some(mut rec) = rec {
-                    rec.attempts += 1;
-                    n += 1;
-                    messages.insert((source, seq), miniserde::json::to_string(&rec).as_str())?;
-                }
+                let old = messages.get((source, seq))?.map(|v| v.value().to_string());
+                let Some(old) = old else { continue };
+                let Ok(mut rec) = miniserde::json::from_str::<StoredMessage>(&old) else {
+                    continue;
+                };
+                rec.attempts += 1;
+                n += 1;
+                let new = miniserde::json::to_string(&rec);
+                delta += new.len() as i64 - old.len() as i64;
+                messages.insert((source, seq), new.as_str())?;
             }
             bump(&txn, source, |c| {
                 c.attempts += n;
+                c.pending_bytes = c.pending_bytes.saturating_add_signed(delta);
                 c.last_error = Some(error.to_string());
             })?;
+            add_total(&txn, delta)?;
         }
         txn.commit()?;
         Ok(())
@@ -190,74 +263,293 @@ impl Store {
     /// Removes every message and dedupe entry past its `expires_at`; returns messages expired.
     pub fn sweep_expired(&self, now: u64) -> Result<u64> {
         let txn = self.db.begin_write()?;
-        let mut expired_per_source: Vec<(String, u64)> = Vec::new();
-        {
-            let mut messages = txn.open_table(MESSAGES)?;
-            messages.retain(|(source, _), v| {
-                let keep =
-                    miniserde::json::from_str::<StoredMessage>(v).is_ok_and(|m| m.expires_at > now);
-                if !keep {
-                    match expired_per_source.last_mut() {
-                        Some((s, n)) if s == source => *n += 1,
-                        _ => expired_per_source.push((source.to_string(), 1)),
-                    }
-                }
-                keep
-            })?;
-            txn.open_table(DEDUPE)?.retain(|_, exp| exp > now)?;
-            for (source, n) in &expired_per_source {
-                bump(&txn, source, |c| c.expired += n)?;
-            }
-        }
+        let n = expire_all(&txn, now)?;
+        txn.open_table(DEDUPE)?.retain(|_, exp| exp > now)?;
         txn.commit()?;
-        let total = expired_per_source.iter().map(|(_, n)| n).sum();
-        for (source, n) in &expired_per_source {
-            log::warn!("outbox: {n} message(s) of {source} expired undelivered");
-        }
-        Ok(total)
+        Ok(n)
     }
 
-    /// Pending count, pending bytes and counters of every source that has any.
-    pub fn stats(&self) -> Result<Vec<(String, SourceStats)>> {
-        let txn = self.db.begin_read()?;
-        let mut out: Vec<(String, SourceStats)> = Vec::new();
-        for row in txn.open_table(COUNTERS)?.iter()? {
+    /// Counters of every source that has any, including pending count and bytes.
+    pub fn stats(&self) -> Result<Vec<(String, Counters)>> {
+        let t = self.db.begin_read()?.open_table(COUNTERS)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
             let (k, v) = row?;
-            let counters = miniserde::json::from_str(v.value()).unwrap_or_default();
             out.push((
                 k.value().to_string(),
-                SourceStats {
-                    counters,
-                    ..Default::default()
-                },
+                miniserde::json::from_str(v.value()).unwrap_or_default(),
             ));
-        }
-        for row in txn.open_table(MESSAGES)?.iter()? {
-            let (k, v) = row?;
-            let source = k.value().0;
-            let bytes = (v.value().len() + source.len() + 8) as u64;
-            let idx = match out.iter().position(|(s, _)| s == source) {
-                Some(i) => i,
-                None => {
-                    out.push((source.to_string(), SourceStats::default()));
-                    out.len() - 1
-                }
-            };
-            out[idx].1.pending += 1;
-            out[idx].1.pending_bytes += bytes;
         }
         Ok(out)
     }
+
+    /// Bytes held by the outbox over all sources.
+    pub fn total_bytes(&self) -> Result<u64> {
+        let t = self.db.begin_read()?.open_table(TOTALS)?;
+        let v = t.get(TOTAL_KEY)?.map_or(0, |v| v.value());
+        Ok(v)
+    }
 }
 
-fn bump(txn: &WriteTransaction, source: &str, f: impl FnOnce(&mut Counters)) -> Result<()> {
-    let mut t = txn.open_table(COUNTERS)?;
-    let mut c: Counters = t
-        .get(source)?
+/// One transaction for a group of enqueues; every job learns the commit's outcome.
+fn commit_group(db: &redb::Database, jobs: Vec<Job>) {
+    let run = || -> Result<(WriteTransaction, Vec<Enqueued>)> {
+        let txn = db.begin_write()?;
+        let mut outcomes = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            outcomes.push(enqueue_in(&txn, &job.message, job.policy)?);
+        }
+        Ok((txn, outcomes))
+    };
+    let result = run().and_then(|(txn, outcomes)| {
+        txn.commit()?;
+        Ok(outcomes)
+    });
+    match result {
+        Ok(outcomes) => {
+            for (job, outcome) in jobs.into_iter().zip(outcomes) {
+                let _ = job.done.send(Ok(outcome));
+            }
+        }
+        Err(e) => {
+            log::error!("outbox: commit of {} message(s) failed: {e}", jobs.len());
+            for job in jobs {
+                let _ = job.done.send(Err(StoreError(e.0.clone())));
+            }
+        }
+    }
+}
+
+/// The enqueue rules of one message inside a (group) transaction.
+fn enqueue_in(txn: &WriteTransaction, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
+    let src = m.source.as_str();
+    {
+        let dedupe = txn.open_table(DEDUPE)?;
+        let seen = dedupe.get((src, m.message_id.as_str()))?.map(|v| v.value());
+        if seen.is_some_and(|exp| exp > m.accepted_at) {
+            return Ok(Enqueued::Duplicate);
+        }
+    }
+    // Expiry at enqueue: this source's expired head goes first (FIFO with one TTL means the
+    // expired messages are the oldest ones).
+    expire_head(txn, src, m.accepted_at)?;
+
+    let rec = StoredMessage {
+        message_id: m.message_id.clone(),
+        accepted_at: m.accepted_at,
+        expires_at: m.expires_at,
+        attempts: 0,
+        reply_ref: m.reply_ref.as_ref().map(|(t, _)| t.clone()),
+        payload: m.payload.clone(),
+    };
+    let value = miniserde::json::to_string(&rec);
+    let size = record_bytes(src, &value);
+    if size > policy.max_bytes_per_channel || size > policy.max_bytes_total {
+        log::warn!(
+            "outbox: {src}: message {} of {size} bytes can never fit the caps; refused",
+            m.message_id
+        );
+        return Ok(Enqueued::CapacityExceeded);
+    }
+    let fits = |c: &Counters, total: u64| {
+        c.pending < policy.max_messages_per_channel
+            && c.pending_bytes + size <= policy.max_bytes_per_channel
+            && total + size <= policy.max_bytes_total
+    };
+    let mut counters = counters_of(txn, src)?;
+    let mut total = total_of(txn)?;
+    if !fits(&counters, total) && total + size > policy.max_bytes_total {
+        // Over the global cap: first reclaim expired messages everywhere.
+        expire_all(txn, m.accepted_at)?;
+        counters = counters_of(txn, src)?;
+        total = total_of(txn)?;
+    }
+    let mut evicted = 0;
+    if !fits(&counters, total) {
+        if policy.overflow == Overflow::RejectNew {
+            log::warn!(
+                "outbox: {src}: caps full, overflow = reject_new: message {} refused",
+                m.message_id
+            );
+            return Ok(Enqueued::CapacityExceeded);
+        }
+        // drop_oldest: evict this source's oldest pending messages until the new one fits.
+        let mut messages = txn.open_table(MESSAGES)?;
+        let mut refs = txn.open_table(REPLY_REFS)?;
+        let mut freed = 0;
+        while !fits(&counters, total) {
+            let head = messages
+                .range((src, 0)..=(src, u64::MAX))?
+                .next()
+                .transpose()?
+                .map(|(k, v)| (k.value().1, v.value().to_string()));
+            let Some((seq, old)) = head else { break };
+            messages.remove((src, seq))?;
+            let bytes = record_bytes(src, &old);
+            if let Ok(r) = miniserde::json::from_str::<StoredMessage>(&old) {
+                if let Some(t) = r.reply_ref {
+                    refs.remove(t.as_str())?;
+                }
+            }
+            counters.pending = counters.pending.saturating_sub(1);
+            counters.pending_bytes = counters.pending_bytes.saturating_sub(bytes);
+            total = total.saturating_sub(bytes);
+            freed += bytes;
+            evicted += 1;
+        }
+        drop((messages, refs));
+        counters.evicted += evicted;
+        put_counters(txn, src, &counters)?;
+        add_total(txn, -(freed as i64))?;
+        if evicted > 0 {
+            log::warn!(
+                "outbox: {src}: evicted {evicted} oldest pending message(s): capacity_exceeded"
+            );
+        }
+        if !fits(&counters, total) {
+            // This source is empty and the others fill the global cap.
+            log::warn!(
+                "outbox: {src}: max_bytes_total reached by other channels: message {} refused",
+                m.message_id
+            );
+            return Ok(Enqueued::CapacityExceeded);
+        }
+    }
+
+    txn.open_table(DEDUPE)?
+        .insert((src, m.message_id.as_str()), m.expires_at)?;
+    let mut messages = txn.open_table(MESSAGES)?;
+    let next = messages
+        .range((src, 0)..=(src, u64::MAX))?
+        .next_back()
+        .transpose()?
+        .map_or(0, |(k, _)| k.value().1 + 1);
+    messages.insert((src, next), value.as_str())?;
+    drop(messages);
+    if let Some((token, r)) = &m.reply_ref {
+        txn.open_table(REPLY_REFS)?
+            .insert(token.as_str(), miniserde::json::to_string(r).as_str())?;
+    }
+    bump(txn, src, |c| {
+        c.pending += 1;
+        c.pending_bytes += size;
+    })?;
+    add_total(txn, size as i64)?;
+    Ok(Enqueued::Accepted {
+        expires_at: m.expires_at,
+        evicted,
+    })
+}
+
+/// Removes the expired messages at the head of one source.
+fn expire_head(txn: &WriteTransaction, src: &str, now: u64) -> Result<u64> {
+    let mut gone = Vec::new();
+    {
+        let messages = txn.open_table(MESSAGES)?;
+        for row in messages.range((src, 0)..=(src, u64::MAX))? {
+            let (k, v) = row?;
+            match miniserde::json::from_str::<StoredMessage>(v.value()) {
+                Ok(r) if r.expires_at <= now => {
+                    gone.push((k.value().1, v.value().len(), r.reply_ref))
+                }
+                _ => break,
+            }
+        }
+    }
+    remove_expired(txn, src, gone)
+}
+
+/// Removes every expired message of every source.
+fn expire_all(txn: &WriteTransaction, now: u64) -> Result<u64> {
+    let mut per_source: Vec<(String, Vec<(u64, usize, Option<String>)>)> = Vec::new();
+    {
+        let messages = txn.open_table(MESSAGES)?;
+        for row in messages.iter()? {
+            let (k, v) = row?;
+            let (src, seq) = k.value();
+            let Ok(r) = miniserde::json::from_str::<StoredMessage>(v.value()) else {
+                continue;
+            };
+            if r.expires_at > now {
+                continue;
+            }
+            match per_source.last_mut() {
+                Some((s, list)) if s == src => list.push((seq, v.value().len(), r.reply_ref)),
+                _ => per_source.push((src.to_string(), vec![(seq, v.value().len(), r.reply_ref)])),
+            }
+        }
+    }
+    let mut n = 0;
+    for (src, gone) in per_source {
+        n += remove_expired(txn, &src, gone)?;
+    }
+    Ok(n)
+}
+
+fn remove_expired(
+    txn: &WriteTransaction,
+    src: &str,
+    gone: Vec<(u64, usize, Option<String>)>,
+) -> Result<u64> {
+    if gone.is_empty() {
+        return Ok(0);
+    }
+    let n = gone.len() as u64;
+    let mut freed = 0;
+    {
+        let mut messages = txn.open_table(MESSAGES)?;
+        let mut refs = txn.open_table(REPLY_REFS)?;
+        for (seq, len, reply_ref) in gone {
+            messages.remove((src, seq))?;
+            freed += (src.len() + 8 + len) as u64;
+            if let Some(t) = reply_ref {
+                refs.remove(t.as_str())?;
+            }
+        }
+    }
+    bump(txn, src, |c| {
+        c.expired += n;
+        c.pending = c.pending.saturating_sub(n);
+        c.pending_bytes = c.pending_bytes.saturating_sub(freed);
+    })?;
+    add_total(txn, -(freed as i64))?;
+    log::warn!("outbox: {src}: {n} message(s) expired undelivered");
+    Ok(n)
+}
+
+fn counters_of(txn: &WriteTransaction, src: &str) -> Result<Counters> {
+    let t = txn.open_table(COUNTERS)?;
+    let c = t
+        .get(src)?
         .and_then(|v| miniserde::json::from_str(v.value()).ok())
         .unwrap_or_default();
+    Ok(c)
+}
+
+fn put_counters(txn: &WriteTransaction, src: &str, c: &Counters) -> Result<()> {
+    txn.open_table(COUNTERS)?
+        .insert(src, miniserde::json::to_string(c).as_str())?;
+    Ok(())
+}
+
+fn bump(txn: &WriteTransaction, src: &str, f: impl FnOnce(&mut Counters)) -> Result<()> {
+    let mut c = counters_of(txn, src)?;
     f(&mut c);
-    t.insert(source, miniserde::json::to_string(&c).as_str())?;
+    put_counters(txn, src, &c)
+}
+
+fn total_of(txn: &WriteTransaction) -> Result<u64> {
+    let t = txn.open_table(TOTALS)?;
+    let v = t.get(TOTAL_KEY)?.map_or(0, |v| v.value());
+    Ok(v)
+}
+
+fn add_total(txn: &WriteTransaction, delta: i64) -> Result<()> {
+    if delta == 0 {
+        return Ok(());
+    }
+    let v = total_of(txn)?.saturating_add_signed(delta);
+    txn.open_table(TOTALS)?.insert(TOTAL_KEY, v)?;
     Ok(())
 }
 
@@ -271,15 +563,71 @@ mod tests {
         Store::open(&dir).unwrap()
     }
 
-    fn msg<'a>(id: &'a str, now: u64, ttl: u64) -> NewMessage<'a> {
+    const ROOMY: Policy = Policy {
+        max_messages_per_channel: 1000,
+        max_bytes_per_channel: 1 << 20,
+        max_bytes_total: 1 << 22,
+        overflow: Overflow::DropOldest,
+    };
+
+    fn msg(id: &str, now: u64, ttl: u64) -> NewMessage {
+        msg_in("webhook:a", id, now, ttl)
+    }
+
+    fn msg_in(src: &str, id: &str, now: u64, ttl: u64) -> NewMessage {
         NewMessage {
-            source: "webhook:a",
-            message_id: id,
+            source: src.to_string(),
+            message_id: id.to_string(),
             payload: format!("{{\"message_id\":\"{id}\"}}"),
-            reply_ref: None,
+            reply_ref: Some((
+                format!("rr_{id}"),
+                ReplyRef {
+                    source: src.to_string(),
+                    message_id: id.to_string(),
+                    expires_at: now + 2 * ttl,
+                },
+            )),
             accepted_at: now,
             expires_at: now + ttl,
         }
+    }
+
+    fn ids_of(s: &Store, src: &str, now: u64) -> Vec<String> {
+        s.pending(src, 100, now)
+            .unwrap()
+            .into_iter()
+            .map(|p| p.message.message_id)
+            .collect()
+    }
+
+    fn counters(s: &Store, src: &str) -> Counters {
+        s.stats()
+            .unwrap()
+            .into_iter()
+            .find(|(k, _)| k == src)
+            .map(|(_, c)| c)
+            .unwrap_or_default()
+    }
+
+    /// The counters must always agree with what the table holds.
+    fn assert_accounting(s: &Store) {
+        let txn = s.db.begin_read().unwrap();
+        let t = txn.open_table(MESSAGES).unwrap();
+        let mut per: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+        let mut total = 0;
+        for row in t.iter().unwrap() {
+            let (k, v) = row.unwrap();
+            let b = record_bytes(k.value().0, v.value());
+            let e = per.entry(k.value().0.to_string()).or_default();
+            e.0 += 1;
+            e.1 += b;
+            total += b;
+        }
+        for (src, c) in s.stats().unwrap() {
+            let (n, b) = per.get(&src).copied().unwrap_or_default();
+            assert_eq!((c.pending, c.pending_bytes), (n, b), "counters of {src}");
+        }
+        assert_eq!(s.total_bytes().unwrap(), total);
     }
 
     #[test]
@@ -287,13 +635,12 @@ mod tests {
         let s = store();
         for id in ["m1", "m2", "m3"] {
             assert!(matches!(
-                s.enqueue(msg(id, 1000, 60_000)).unwrap(),
+                s.enqueue(msg(id, 1000, 60_000), ROOMY).unwrap(),
                 Enqueued::Accepted { .. }
             ));
         }
         let p = s.pending("webhook:a", 10, 1000).unwrap();
-        let ids: Vec<_> = p.iter().map(|p| p.message.message_id.as_str()).collect();
-        assert_eq!(ids, ["m1", "m2", "m3"]);
+        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m1", "m2", "m3"]);
         s.mark_attempt_failed("webhook:a", &[p[0].seq], "disconnected")
             .unwrap();
         s.mark_delivered("webhook:a", &[p[1].seq]).unwrap();
@@ -304,31 +651,202 @@ mod tests {
             p[0].message.expires_at, 61_000,
             "a failed attempt never moves expires_at"
         );
+        let c = counters(&s, "webhook:a");
+        assert_eq!(
+            (c.delivered, c.attempts, c.last_error.as_deref()),
+            (1, 1, Some("disconnected"))
+        );
+        assert_accounting(&s);
     }
 
     #[test]
     fn a_repeated_message_id_is_a_duplicate_even_after_delivery() {
         let s = store();
-        s.enqueue(msg("m1", 1000, 60_000)).unwrap();
+        s.enqueue(msg("m1", 1000, 60_000), ROOMY).unwrap();
         let p = s.pending("webhook:a", 10, 1000).unwrap();
         s.mark_delivered("webhook:a", &[p[0].seq]).unwrap();
         assert_eq!(
-            s.enqueue(msg("m1", 2000, 60_000)).unwrap(),
+            s.enqueue(msg("m1", 2000, 60_000), ROOMY).unwrap(),
             Enqueued::Duplicate
         );
         assert!(s.pending("webhook:a", 10, 2000).unwrap().is_empty());
+        // After the TTL the dedupe entry is gone and the ID is new again.
+        s.sweep_expired(62_000).unwrap();
+        assert!(matches!(
+            s.enqueue(msg("m1", 62_000, 60_000), ROOMY).unwrap(),
+            Enqueued::Accepted { .. }
+        ));
     }
 
     #[test]
-    fn expired_messages_are_never_pending_and_are_counted_by_the_sweep() {
+    fn expired_messages_are_never_pending_and_the_sweep_counts_them_and_drops_their_reply_refs() {
         let s = store();
-        s.enqueue(msg("old", 1000, 10)).unwrap();
-        s.enqueue(msg("new", 1000, 60_000)).unwrap();
-        let p = s.pending("webhook:a", 10, 2000).unwrap();
-        assert_eq!(p.len(), 1);
+        s.enqueue(msg("old", 1000, 10), ROOMY).unwrap();
+        s.enqueue(msg("new", 1000, 60_000), ROOMY).unwrap();
+        assert_eq!(ids_of(&s, "webhook:a", 2000), ["new"], "expiry on read");
+        assert!(s.reply_ref("rr_old").unwrap().is_some());
         assert_eq!(s.sweep_expired(2000).unwrap(), 1);
-        let stats = s.stats().unwrap();
-        let (_, st) = stats.iter().find(|(src, _)| src == "webhook:a").unwrap();
-        assert_eq!((st.pending, st.counters.expired), (1, 1));
+        assert!(
+            s.reply_ref("rr_old").unwrap().is_none(),
+            "temporary state goes with the message"
+        );
+        assert!(s.reply_ref("rr_new").unwrap().is_some());
+        let c = counters(&s, "webhook:a");
+        assert_eq!((c.pending, c.expired), (1, 1));
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn enqueue_expires_the_head_of_its_source() {
+        let s = store();
+        s.enqueue(msg("old", 1000, 10), ROOMY).unwrap();
+        s.enqueue(msg("new", 5000, 60_000), ROOMY).unwrap();
+        assert_eq!(counters(&s, "webhook:a").expired, 1);
+        assert!(s.reply_ref("rr_old").unwrap().is_none());
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn drop_oldest_evicts_at_the_message_cap() {
+        let s = store();
+        let p = Policy {
+            max_messages_per_channel: 3,
+            ..ROOMY
+        };
+        for i in 0..5 {
+            s.enqueue(msg(&format!("m{i}"), 1000, 60_000), p).unwrap();
+        }
+        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m2", "m3", "m4"]);
+        assert_eq!(counters(&s, "webhook:a").evicted, 2);
+        assert!(s.reply_ref("rr_m0").unwrap().is_none());
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn drop_oldest_evicts_at_the_channel_byte_cap() {
+        let s = store();
+        let one = record_bytes(
+            "webhook:a",
+            &miniserde::json::to_string(&StoredMessage {
+                message_id: "m0".into(),
+                accepted_at: 1000,
+                expires_at: 61_000,
+                attempts: 0,
+                reply_ref: Some("rr_m0".into()),
+                payload: "{\"message_id\":\"m0\"}".into(),
+            }),
+        );
+        let p = Policy {
+            max_bytes_per_channel: one * 2,
+            ..ROOMY
+        };
+        for i in 0..4 {
+            s.enqueue(msg(&format!("m{i}"), 1000, 60_000), p).unwrap();
+        }
+        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m2", "m3"]);
+        assert_eq!(counters(&s, "webhook:a").evicted, 2);
+        assert!(counters(&s, "webhook:a").pending_bytes <= one * 2);
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn reject_new_refuses_at_each_cap_and_stores_nothing() {
+        let s = store();
+        let p = Policy {
+            max_messages_per_channel: 2,
+            overflow: Overflow::RejectNew,
+            ..ROOMY
+        };
+        s.enqueue(msg("m0", 1000, 60_000), p).unwrap();
+        s.enqueue(msg("m1", 1000, 60_000), p).unwrap();
+        assert_eq!(
+            s.enqueue(msg("m2", 1000, 60_000), p).unwrap(),
+            Enqueued::CapacityExceeded
+        );
+        assert!(s.reply_ref("rr_m2").unwrap().is_none());
+        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m0", "m1"]);
+        // Not deduped: the sender may retry once there is room.
+        let p2 = Policy {
+            max_messages_per_channel: 3,
+            ..p
+        };
+        assert!(matches!(
+            s.enqueue(msg("m2", 1000, 60_000), p2).unwrap(),
+            Enqueued::Accepted { .. }
+        ));
+
+        let s = store();
+        let p = Policy {
+            max_bytes_total: 150,
+            overflow: Overflow::RejectNew,
+            ..ROOMY
+        };
+        s.enqueue(msg_in("webhook:a", "a0", 1000, 60_000), p)
+            .unwrap();
+        assert_eq!(
+            s.enqueue(msg_in("webhook:b", "b0", 1000, 60_000), p)
+                .unwrap(),
+            Enqueued::CapacityExceeded
+        );
+        assert_eq!(counters(&s, "webhook:a").evicted, 0);
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn the_total_cap_reclaims_expired_messages_before_it_refuses() {
+        let s = store();
+        let one = {
+            let tmp = store();
+            tmp.enqueue(msg_in("webhook:b", "b0", 1000, 10), ROOMY)
+                .unwrap();
+            tmp.total_bytes().unwrap()
+        };
+        let p = Policy {
+            max_bytes_total: one + one / 2,
+            ..ROOMY
+        };
+        s.enqueue(msg_in("webhook:b", "b0", 1000, 10), p).unwrap();
+        // b0 expired; a0 needs its room, in another source.
+        let r = s
+            .enqueue(msg_in("webhook:a", "a0", 5000, 60_000), p)
+            .unwrap();
+        assert!(matches!(r, Enqueued::Accepted { .. }), "{r:?}");
+        assert_eq!(counters(&s, "webhook:b").expired, 1);
+        // With drop_oldest, a full total cap held by another source refuses rather than
+        // evicting someone else's messages.
+        let r = s
+            .enqueue(msg_in("webhook:c", "c0", 5000, 60_000), p)
+            .unwrap();
+        assert_eq!(r, Enqueued::CapacityExceeded);
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn concurrent_enqueues_all_commit_and_keep_per_source_order() {
+        let s = std::sync::Arc::new(store());
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for i in 0..50 {
+                        let src = format!("webhook:t{t}");
+                        let r = s
+                            .enqueue(msg_in(&src, &format!("{i:03}"), 1000, 60_000), ROOMY)
+                            .unwrap();
+                        assert!(matches!(r, Enqueued::Accepted { .. }));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        for t in 0..8 {
+            let ids = ids_of(&s, &format!("webhook:t{t}"), 1000);
+            let want: Vec<String> = (0..50).map(|i| format!("{i:03}")).take(ids.len()).collect();
+            assert_eq!(ids.len(), 50);
+            assert_eq!(ids, want);
+        }
+        assert_accounting(&s);
     }
 }

@@ -59,7 +59,8 @@ struct ToolCall {
 }
 
 pub struct Store {
-    pub(crate) db: Database,
+    pub(crate) db: std::sync::Arc<Database>,
+    pub(crate) committer: crate::outbox::Committer,
 }
 
 impl Store {
@@ -86,7 +87,9 @@ impl Store {
             crate::outbox::create_tables(&txn)?;
         }
         txn.commit()?;
-        Ok(Store { db })
+        let db = std::sync::Arc::new(db);
+        let committer = Store::start_committer(db.clone());
+        Ok(Store { db, committer })
     }
 
     /// The persistent `connector_id`, created on first use and then never changed.

@@ -2,7 +2,7 @@
 
 use crate::app::App;
 use crate::json::{arr, n, obj, opt_s, s, Value};
-use crate::outbox::SourceStats;
+use crate::outbox::Counters as SourceStats;
 use crate::store::StoreError;
 
 /// One row per channel plus the unbound sources, as both endpoints report them.
@@ -47,8 +47,8 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
     for (_, st) in per_source {
         unbound.pending += st.pending;
         unbound.pending_bytes += st.pending_bytes;
-        unbound.counters.expired += st.counters.expired;
-        unbound.counters.evicted += st.counters.evicted;
+        unbound.expired += st.expired;
+        unbound.evicted += st.evicted;
     }
     Ok(Snapshot { channels, unbound })
 }
@@ -94,12 +94,12 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
                     ("status", s(c.status)),
                     ("pending", n(c.stats.pending)),
                     ("pending_bytes", n(c.stats.pending_bytes)),
-                    ("delivered", n(c.stats.counters.delivered)),
-                    ("expired", n(c.stats.counters.expired)),
-                    ("evicted", n(c.stats.counters.evicted)),
-                    ("attempts", n(c.stats.counters.attempts)),
+                    ("delivered", n(c.stats.delivered)),
+                    ("expired", n(c.stats.expired)),
+                    ("evicted", n(c.stats.evicted)),
+                    ("attempts", n(c.stats.attempts)),
                 ])
-                .with_null_default("last_error", opt_s(c.stats.counters.last_error.clone()))
+                .with_null_default("last_error", opt_s(c.stats.last_error.clone()))
             })),
         ),
         (
@@ -107,8 +107,8 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
             obj([
                 ("pending", n(snap.unbound.pending)),
                 ("pending_bytes", n(snap.unbound.pending_bytes)),
-                ("expired", n(snap.unbound.counters.expired)),
-                ("evicted", n(snap.unbound.counters.evicted)),
+                ("expired", n(snap.unbound.expired)),
+                ("evicted", n(snap.unbound.evicted)),
             ]),
         ),
     ]))
@@ -140,6 +140,11 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
         "imgate_dataplane_connections {}\n",
         app.hub.connections()
     ));
+    out.push_str("# TYPE imgate_outbox_bytes gauge\n");
+    out.push_str(&format!(
+        "imgate_outbox_bytes {}\n",
+        app.store.total_bytes()?
+    ));
     out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");
     out.push_str(&format!("imgate_queue_ttl_seconds {}\n", q.ttl.as_secs()));
     out.push_str(&format!(
@@ -161,18 +166,10 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     let series: [Series; 6] = [
         ("imgate_channel_pending", "gauge", |s| s.pending),
         ("imgate_channel_pending_bytes", "gauge", |s| s.pending_bytes),
-        ("imgate_channel_delivered_total", "counter", |s| {
-            s.counters.delivered
-        }),
-        ("imgate_channel_expired_total", "counter", |s| {
-            s.counters.expired
-        }),
-        ("imgate_channel_evicted_total", "counter", |s| {
-            s.counters.evicted
-        }),
-        ("imgate_channel_attempts_total", "counter", |s| {
-            s.counters.attempts
-        }),
+        ("imgate_channel_delivered_total", "counter", |s| s.delivered),
+        ("imgate_channel_expired_total", "counter", |s| s.expired),
+        ("imgate_channel_evicted_total", "counter", |s| s.evicted),
+        ("imgate_channel_attempts_total", "counter", |s| s.attempts),
     ];
     for (name, kind, get) in series {
         out.push_str(&format!("# TYPE {name} {kind}\n"));

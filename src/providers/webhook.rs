@@ -10,7 +10,7 @@ use crate::app::App;
 use crate::config::Webhook;
 use crate::ids;
 use crate::json::{self, b, obj, opt_s, s, strs, Object, Value};
-use crate::outbox::{Enqueued, NewMessage};
+use crate::outbox::{Enqueued, NewMessage, Policy};
 use crate::protocol::{code, PROFILE, SKILL_NAME, TOOL_REPLY, TOOL_SEND};
 use crate::store::ReplyRef;
 
@@ -261,9 +261,9 @@ pub fn accept(
     let expires_at = now + ttl;
     let reply_ref = hook.reply_url.as_ref().map(|_| ids::token("rr_"));
     let payload = json::to_string(&render(hook, &m, reply_ref.as_deref(), now, expires_at));
-    let outcome = app.store.enqueue(NewMessage {
-        source: &source,
-        message_id: &m.message_id,
+    let message = NewMessage {
+        source: source.clone(),
+        message_id: m.message_id.clone(),
         payload,
         // A reply stays possible for one more TTL after the message itself would expire.
         reply_ref: reply_ref.map(|t| {
@@ -278,8 +278,8 @@ pub fn accept(
         }),
         accepted_at: now,
         expires_at,
-    });
-    match outcome {
+    };
+    match app.store.enqueue(message, policy(app)) {
         Ok(Enqueued::Accepted { .. }) => {
             log::debug!("webhook {name}: accepted message {}", m.message_id);
             app.hub.notify_source(&app.store, &source);
@@ -295,10 +295,22 @@ pub fn accept(
                 vec![("status", s("duplicate")), ("message_id", s(&m.message_id))],
             )
         }
+        Ok(Enqueued::CapacityExceeded) => answer(503, vec![("error", s("capacity_exceeded"))]),
         Err(e) => {
             log::error!("webhook {name}: cannot store message {}: {e}", m.message_id);
             answer(503, vec![("error", s("storage_unavailable"))])
         }
+    }
+}
+
+/// The outbox caps from `[queue]`.
+pub fn policy(app: &App) -> Policy {
+    let q = &app.config.queue;
+    Policy {
+        max_messages_per_channel: q.max_messages_per_channel,
+        max_bytes_per_channel: q.max_bytes_per_channel,
+        max_bytes_total: q.max_bytes_total,
+        overflow: q.overflow,
     }
 }
 
