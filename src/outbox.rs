@@ -441,6 +441,9 @@ fn enqueue_in(txn: &WriteTransaction, m: &NewMessage, policy: Policy) -> Result<
     })
 }
 
+/// An expired message to remove: seq, stored value length, its reply reference.
+type Gone = (u64, usize, Option<String>);
+
 /// Removes the expired messages at the head of one source.
 fn expire_head(txn: &WriteTransaction, src: &str, now: u64) -> Result<u64> {
     let mut gone = Vec::new();
@@ -461,7 +464,7 @@ fn expire_head(txn: &WriteTransaction, src: &str, now: u64) -> Result<u64> {
 
 /// Removes every expired message of every source.
 fn expire_all(txn: &WriteTransaction, now: u64) -> Result<u64> {
-    let mut per_source: Vec<(String, Vec<(u64, usize, Option<String>)>)> = Vec::new();
+    let mut per_source: Vec<(String, Vec<Gone>)> = Vec::new();
     {
         let messages = txn.open_table(MESSAGES)?;
         for row in messages.iter()? {

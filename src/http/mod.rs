@@ -15,8 +15,11 @@ use crate::json::{self, obj, s, Value};
 use crate::protocol::card;
 use crate::providers::webhook;
 
-/// Worker threads answering HTTP requests; the front door caps connections before them.
-const WORKERS: usize = 4;
+/// Worker threads answering HTTP requests; the front door caps connections before them. Enough
+/// for 16 concurrent webhook senders to share one group commit.
+const WORKERS: usize = 16;
+/// Handlers parse small bodies and wait on commits; they need little stack.
+const WORKER_STACK: usize = 256 * 1024;
 
 /// Starts the internal HTTP server on `socket` and its worker threads.
 pub fn start(app: Arc<App>, socket: &Path) -> Result<(), String> {
@@ -28,6 +31,7 @@ pub fn start(app: Arc<App>, socket: &Path) -> Result<(), String> {
         let (server, app) = (server.clone(), app.clone());
         std::thread::Builder::new()
             .name(format!("http-{i}"))
+            .stack_size(WORKER_STACK)
             .spawn(move || loop {
                 match server.recv() {
                     Ok(req) => handle(&app, req),

@@ -72,6 +72,10 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
             obj([("connections", n(app.hub.connections() as u64))]),
         ),
         (
+            "outbox",
+            obj([("pending_bytes", n(app.store.total_bytes()?))]),
+        ),
+        (
             "policy",
             obj([
                 ("ttl_ms", n(q.ttl.as_millis() as u64)),

@@ -1,0 +1,296 @@
+//! The outbox as a user observes it: expiry at each enforcement point, caps with both overflow
+//! policies, per-channel pause, counters in `/status`. Short TTLs, no long sleeps.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+fn start(tag: &str, queue: &str) -> Daemon {
+    let dir = temp_dir(tag);
+    let extra = format!("[webhook.ops]\nsecret = ops-secret-2\n\n[queue]\n{queue}");
+    Daemon::start(&dir, &config_text(free_port(), &dir, None, &extra))
+}
+
+fn post(d: &Daemon, id: &str) -> (u16, Value) {
+    d.post_hook(
+        "alerts",
+        &json!({"message_id": id, "sender_id": "u", "text": format!("text of {id}")}),
+    )
+}
+
+fn channel_status(d: &Daemon) -> Value {
+    get_json(&d.url("/status"))["channels"][0].clone()
+}
+
+fn bind(x: &mut Sim) -> String {
+    x.hello("");
+    let (cch, _) = x.open(None);
+    assert_eq!(
+        x.bind_webhook(&cch, "alerts", HOOK_SECRET)["payload"]["status"],
+        "authenticated"
+    );
+    cch
+}
+
+fn pushed_ids(x: &mut Sim, quiet: Duration) -> Vec<String> {
+    let mut ids = Vec::new();
+    while let Some(p) = x.next_push(quiet) {
+        ids.push(p["payload"]["message_id"].as_str().unwrap().to_string());
+    }
+    ids
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn messages_that_expire_while_imgate_is_stopped_are_never_delivered_and_are_counted() {
+    let mut d = start("expire-stopped", "ttl = 1s\n");
+    let mut x = d.xagent();
+    let cch = bind(&mut x);
+    let connector_id = get_json(&d.url("/status"))["connector_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    x.close();
+    std::thread::sleep(Duration::from_millis(100));
+    for i in 0..3 {
+        assert_eq!(post(&d, &format!("e{i}")).0, 202);
+    }
+    d.kill();
+    std::thread::sleep(Duration::from_millis(1200));
+    let d = d.restart();
+    let s = channel_status(&d);
+    assert_eq!(
+        (s["pending"].as_u64(), s["expired"].as_u64()),
+        (Some(0), Some(3)),
+        "startup sweep: {s}"
+    );
+    let mut y = d.xagent();
+    y.hello(&connector_id);
+    y.open(Some(&cch));
+    assert!(
+        y.next_push(Duration::from_millis(800)).is_none(),
+        "an expired message is never pushed"
+    );
+    assert!(d.log().contains("expired"), "expiry is logged");
+}
+
+#[test]
+fn a_message_that_expires_while_unbound_is_not_delivered_on_binding() {
+    let d = start("expire-read", "ttl = 1s\ncleanup_interval = 1h\n");
+    assert_eq!(post(&d, "late").0, 202);
+    std::thread::sleep(Duration::from_millis(1100));
+    let mut x = d.xagent();
+    bind(&mut x);
+    // The sweep has not run (cleanup_interval is clamped to 500ms, so it may have): either way
+    // the read path skips it.
+    assert!(x.next_push(Duration::from_millis(800)).is_none());
+    // The next enqueue removes the expired head and counts it.
+    assert_eq!(post(&d, "fresh").0, 202);
+    assert_eq!(pushed_ids(&mut x, Duration::from_secs(2)), ["fresh"]);
+    wait_until("the expired one is counted", || {
+        channel_status(&d)["expired"] == 1
+    });
+}
+
+#[test]
+fn periodic_maintenance_expires_undelivered_messages_within_the_cleanup_interval() {
+    let d = start("expire-sweep", "ttl = 2s\ncleanup_interval = 1s\n");
+    assert_eq!(post(&d, "s1").0, 202);
+    assert_eq!(get_json(&d.url("/status"))["unbound"]["pending"], 1);
+    wait_until("the sweep expires it", || {
+        let u = get_json(&d.url("/status"))["unbound"].clone();
+        u["pending"] == 0 && u["expired"] == 1
+    });
+}
+
+#[test]
+fn reject_new_answers_503_at_the_message_cap_and_stores_nothing() {
+    let d = start(
+        "reject",
+        "max_messages_per_channel = 2\noverflow = reject_new\n",
+    );
+    assert_eq!(post(&d, "r1").0, 202);
+    assert_eq!(post(&d, "r2").0, 202);
+    assert_eq!(post(&d, "r3"), (503, json!({"error": "capacity_exceeded"})));
+    assert_eq!(get_json(&d.url("/status"))["unbound"]["pending"], 2);
+    let mut x = d.xagent();
+    bind(&mut x);
+    assert_eq!(pushed_ids(&mut x, Duration::from_secs(2)), ["r1", "r2"]);
+    // Once delivered there is room again, and r3 was never deduped.
+    wait_until("delivery frees the queue", || {
+        channel_status(&d)["pending"] == 0
+    });
+    assert_eq!(post(&d, "r3").0, 202);
+}
+
+#[test]
+fn reject_new_answers_503_at_the_byte_caps() {
+    // Measure one stored record first, then set the caps in units of it.
+    let probe = start("bytes-probe", "");
+    assert_eq!(post(&probe, "b0").0, 202);
+    let r = get_json(&probe.url("/status"))["unbound"]["pending_bytes"]
+        .as_u64()
+        .unwrap();
+    drop(probe);
+    let queue = format!(
+        "max_bytes_per_channel = {}\nmax_bytes_total = {}\noverflow = reject_new\n",
+        r * 5 / 2,
+        r * 7 / 2
+    );
+    let d = start("reject-bytes", &queue);
+    let ops = |id: &str| {
+        http_post(
+            &d.url("/hooks/ops"),
+            &[("Authorization", "Bearer ops-secret-2")],
+            &json!({"message_id": id, "sender_id": "u", "text": format!("text of {id}")})
+                .to_string(),
+        )
+        .0
+    };
+    assert_eq!(post(&d, "b1").0, 202);
+    assert_eq!(post(&d, "b2").0, 202);
+    assert_eq!(post(&d, "b3").0, 503, "max_bytes_per_channel");
+    assert_eq!(ops("o1"), 202);
+    assert_eq!(ops("o2"), 503, "max_bytes_total");
+    let s = get_json(&d.url("/status"));
+    assert!(
+        s["outbox"]["pending_bytes"].as_u64().unwrap() <= r * 7 / 2,
+        "{s}"
+    );
+    assert_eq!(s["unbound"]["pending"], 3);
+}
+
+#[test]
+fn drop_oldest_evicts_the_oldest_pending_and_counts_it() {
+    let d = start("drop", "max_messages_per_channel = 3\n");
+    let mut x = d.xagent();
+    let cch = bind(&mut x);
+    x.request("channel.close", Some(&cch), json!({}));
+    for i in 0..5 {
+        assert_eq!(
+            post(&d, &format!("d{i}")).0,
+            202,
+            "drop_oldest always accepts the new message"
+        );
+    }
+    let s = channel_status(&d);
+    assert_eq!(
+        (s["pending"].as_u64(), s["evicted"].as_u64()),
+        (Some(3), Some(2)),
+        "{s}"
+    );
+    assert!(d.log().contains("capacity_exceeded"), "eviction is logged");
+    x.open(Some(&cch));
+    assert_eq!(
+        pushed_ids(&mut x, Duration::from_secs(2)),
+        ["d2", "d3", "d4"]
+    );
+    let (code, metrics) = http_get(
+        &d.url("/metrics"),
+        &[("Authorization", &format!("Bearer {API_KEY}"))],
+    );
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains(&format!(
+            "imgate_channel_evicted_total{{channel=\"{cch}\",provider=\"webhook\"}} 2"
+        )),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn drop_oldest_evicts_at_the_channel_byte_cap() {
+    let d = start("drop-bytes", "max_bytes_per_channel = 4KiB\n");
+    let big = "y".repeat(700);
+    for i in 0..6 {
+        let (code, _) = d.post_hook(
+            "alerts",
+            &json!({"message_id": format!("y{i}"), "sender_id": "u", "text": big}),
+        );
+        assert_eq!(code, 202);
+    }
+    let u = get_json(&d.url("/status"))["unbound"].clone();
+    assert!(u["pending_bytes"].as_u64().unwrap() <= 4096, "{u}");
+    assert!(u["evicted"].as_u64().unwrap() >= 3, "{u}");
+}
+
+#[test]
+fn a_closed_channel_pauses_alone_while_another_channel_keeps_flowing() {
+    let d = start("pause", "");
+    let mut x = d.xagent();
+    let alerts = bind(&mut x);
+    let (ops, _) = x.open(None);
+    assert_eq!(
+        x.bind_webhook(&ops, "ops", "ops-secret-2")["payload"]["status"],
+        "authenticated"
+    );
+    x.request("channel.close", Some(&alerts), json!({}));
+    assert_eq!(post(&d, "a1").0, 202);
+    let (code, _) = http_post(
+        &d.url("/hooks/ops"),
+        &[("Authorization", "Bearer ops-secret-2")],
+        &json!({"message_id": "o1", "sender_id": "u"}).to_string(),
+    );
+    assert_eq!(code, 202);
+    let p = x
+        .next_push(Duration::from_secs(5))
+        .expect("the open channel still flows");
+    assert_eq!(
+        (
+            p["connector_channel_id"].as_str(),
+            p["payload"]["message_id"].as_str()
+        ),
+        (Some(ops.as_str()), Some("o1"))
+    );
+    assert!(
+        x.next_push(Duration::from_millis(500)).is_none(),
+        "the closed channel holds its head"
+    );
+    x.open(Some(&alerts));
+    let p = x.next_push(Duration::from_secs(5)).unwrap();
+    assert_eq!(p["payload"]["message_id"], "a1");
+}
+
+#[test]
+fn a_batch_of_pushes_is_confirmed_by_one_ping() {
+    let d = start("batch", "");
+    for i in 0..10 {
+        assert_eq!(post(&d, &format!("p{i}")).0, 202);
+    }
+    let mut x = d.xagent();
+    x.auto_pong = false;
+    bind(&mut x);
+    let mut kinds = Vec::new();
+    while let Some(v) = x.recv_within(Duration::from_millis(500)) {
+        kinds.push(v["type"].as_str().unwrap().to_string());
+    }
+    let kinds: Vec<String> = x
+        .inbox
+        .drain(..)
+        .map(|v| v["type"].as_str().unwrap().to_string())
+        .chain(kinds)
+        .collect();
+    let pushes = kinds.iter().filter(|k| *k == "message.push").count();
+    let pings = kinds.iter().filter(|k| *k == "ping").count();
+    assert_eq!((pushes, pings), (10, 1), "{kinds:?}");
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("ping"),
+        "the ping follows the pushes"
+    );
+    assert_eq!(
+        channel_status(&d)["pending"],
+        10,
+        "nothing is delivered before the pong"
+    );
+}
