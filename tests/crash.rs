@@ -68,7 +68,7 @@ fn receive(
     if setup.is_err() {
         return;
     }
-    let mut record = |p: &Value| {
+    let record = |p: &Value| {
         let mut s = seen.lock().unwrap();
         let id = p["payload"]["message_id"].as_str().unwrap().to_string();
         if now_ms() >= p["payload"]["expires_at"].as_u64().unwrap() {
