@@ -147,9 +147,8 @@ pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
         None => parse(TEMPLATE, EMBEDDED, None),
         Some(p) => {
             let name = p.display().to_string();
-            let text = std::fs::read_to_string(p).map_err(|e| {
-                ConfigError(vec![format!("{name}:0: cannot read config file: {e}")])
-            })?;
+            let text = std::fs::read_to_string(p)
+                .map_err(|e| ConfigError(vec![format!("{name}:0: cannot read config file: {e}")]))?;
             parse(&text, &name, p.parent())
         }
     }
@@ -179,10 +178,7 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
         }
         if let Some(rest) = line.strip_prefix('[') {
             let Some(inner) = rest.strip_suffix(']') else {
-                p.err(
-                    line_no,
-                    format!("section header `{line}` lacks a closing `]`"),
-                );
+                p.err(line_no, format!("section header `{line}` lacks a closing `]`"));
                 continue;
             };
             section = inner.trim().to_string();
@@ -205,9 +201,7 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
                     ),
                     None => p.err(
                         line_no,
-                        format!(
-                            "unknown section [{s}] (known: server, xagent, queue, files, webhook.NAME, telegram)"
-                        ),
+                        format!("unknown section [{s}] (known: server, xagent, queue, files, webhook.NAME, telegram)"),
                     ),
                 },
             }
@@ -261,10 +255,7 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
     }
     if let (Some(line), Some(t)) = (telegram_line, &cfg.telegram) {
         if t.mode == "webhook" && t.webhook_secret.is_none() {
-            p.err(
-                line,
-                "[telegram] mode = webhook needs `webhook_secret`".to_string(),
-            );
+            p.err(line, "[telegram] mode = webhook needs `webhook_secret`".to_string());
         }
     }
     if let Ok(dir) = std::env::var("STATE_DIRECTORY") {
@@ -326,13 +317,8 @@ impl Parser<'_> {
                 return;
             }
             self.seen.insert(other, String::new());
-        } else if is_secret_key(section, key)
-            && self.seen.contains_key(&format!("{section}.{key}_file"))
-        {
-            self.err(
-                line,
-                format!("`{key}` and `{key}_file` are both set; keep one"),
-            );
+        } else if is_secret_key(section, key) && self.seen.contains_key(&format!("{section}.{key}_file")) {
+            self.err(line, format!("`{key}` and `{key}_file` are both set; keep one"));
             return;
         }
         let secret = |this: &mut Self| -> Option<Option<Secret>> {
@@ -344,8 +330,7 @@ impl Parser<'_> {
                 Some(Some(Secret::new(value)))
             }
         };
-        let unknown =
-            |this: &mut Self| this.err(line, format!("unknown key `{key}` in [{section}]"));
+        let unknown = |this: &mut Self| this.err(line, format!("unknown key `{key}` in [{section}]"));
         match section {
             "server" => match base {
                 "listen" => match value.parse::<SocketAddr>() {
@@ -383,7 +368,10 @@ impl Parser<'_> {
                 }
                 "log_level" => match value {
                     "off" | "error" | "warn" | "info" | "debug" | "trace" => cfg.server.log_level = value.into(),
-                    _ => self.err(line, format!("log_level: `{value}` is not one of off, error, warn, info, debug, trace")),
+                    _ => self.err(
+                        line,
+                        format!("log_level: `{value}` is not one of off, error, warn, info, debug, trace"),
+                    ),
                 },
                 _ => unknown(self),
             },
@@ -563,10 +551,7 @@ impl Parser<'_> {
                 }
             }
             Err(e) => {
-                self.err(
-                    line,
-                    format!("{key}: cannot read `{}`: {e}", path.display()),
-                );
+                self.err(line, format!("{key}: cannot read `{}`: {e}", path.display()));
                 None
             }
         }
@@ -620,10 +605,7 @@ impl Parser<'_> {
         if ok {
             Some(value.to_string())
         } else {
-            self.err(
-                line,
-                format!("{key}: `{value}` is not an http:// or https:// URL"),
-            );
+            self.err(line, format!("{key}: `{value}` is not an http:// or https:// URL"));
             None
         }
     }
@@ -632,19 +614,13 @@ impl Parser<'_> {
 fn is_secret_key(section: &str, key: &str) -> bool {
     matches!(
         (section, key),
-        ("server", "api_key")
-            | ("xagent", "dial_api_key")
-            | ("telegram", "bot_token")
-            | ("telegram", "webhook_secret")
+        ("server", "api_key") | ("xagent", "dial_api_key") | ("telegram", "bot_token") | ("telegram", "webhook_secret")
     ) || (section.starts_with("webhook.") && key == "secret")
 }
 
 /// Endpoint names appear in URLs (`/hooks/NAME`) and in auth input, so keep them plain.
 pub fn valid_endpoint_name(n: &str) -> bool {
-    !n.is_empty()
-        && n.len() <= 64
-        && n.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    !n.is_empty() && n.len() <= 64 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// `#` starts a comment at the line start or after whitespace, so `a#b` stays a value.
@@ -654,9 +630,7 @@ fn strip_comment(line: &str) -> &str {
     for (i, &b) in bytes.iter().enumerate() {
         match b {
             b'"' => in_quotes = !in_quotes,
-            b'#' if !in_quotes && (i == 0 || bytes[i - 1].is_ascii_whitespace()) => {
-                return &line[..i]
-            }
+            b'#' if !in_quotes && (i == 0 || bytes[i - 1].is_ascii_whitespace()) => return &line[..i],
             _ => {}
         }
     }
@@ -785,30 +759,15 @@ impl Config {
         let set = |s: &Option<Secret>| if s.is_some() { "set" } else { "not set" };
         out.push_str(&format!("config:            {}\n", self.source));
         out.push_str(&format!("listen:            {}\n", self.server.listen));
-        out.push_str(&format!(
-            "api_key:           {}\n",
-            set(&self.server.api_key)
-        ));
-        out.push_str(&format!(
-            "state_dir:         {}\n",
-            self.server.state_dir.display()
-        ));
-        out.push_str(&format!(
-            "max_connections:   {}\n",
-            self.server.max_connections
-        ));
-        out.push_str(&format!(
-            "max_body:          {}\n",
-            fmt_size(self.server.max_body)
-        ));
+        out.push_str(&format!("api_key:           {}\n", set(&self.server.api_key)));
+        out.push_str(&format!("state_dir:         {}\n", self.server.state_dir.display()));
+        out.push_str(&format!("max_connections:   {}\n", self.server.max_connections));
+        out.push_str(&format!("max_body:          {}\n", fmt_size(self.server.max_body)));
         out.push_str(&format!(
             "dial:              {}\n",
             self.xagent.dial.as_deref().unwrap_or("off")
         ));
-        out.push_str(&format!(
-            "lease:             {}\n",
-            fmt_duration(self.xagent.lease)
-        ));
+        out.push_str(&format!("lease:             {}\n", fmt_duration(self.xagent.lease)));
         let q = &self.queue;
         out.push_str(&format!("queue ttl:         {}\n", fmt_duration(q.ttl)));
         out.push_str(&format!(
@@ -818,10 +777,7 @@ impl Config {
             fmt_size(q.max_bytes_total)
         ));
         out.push_str(&format!("overflow:          {}\n", q.overflow.as_str()));
-        out.push_str(&format!(
-            "cleanup_interval:  {}\n",
-            fmt_duration(q.cleanup_interval)
-        ));
+        out.push_str(&format!("cleanup_interval:  {}\n", fmt_duration(q.cleanup_interval)));
         if self.webhooks.is_empty() {
             out.push_str("webhooks:          none\n");
         }
@@ -829,9 +785,7 @@ impl Config {
             out.push_str(&format!(
                 "webhook {name}:  label \"{}\", reply_url {}\n",
                 w.label,
-                w.reply_url
-                    .as_deref()
-                    .unwrap_or("none (send/reply tools unavailable)")
+                w.reply_url.as_deref().unwrap_or("none (send/reply tools unavailable)")
             ));
         }
         match &self.telegram {
@@ -885,28 +839,19 @@ mod tests {
         let text = "[server]\nlisten = nowhere\n\n[bogus]\n[queue]\nttl = soon\nmax_bytes_total = lots\nfrobnicate = 1\njust words\n[webhook.a]\n";
         let e = errors(text);
         assert!(e.iter().any(|l| l.starts_with("t.conf:2: listen")), "{e:?}");
-        assert!(
-            e.iter().any(|l| l.starts_with("t.conf:4: unknown section")),
-            "{e:?}"
-        );
+        assert!(e.iter().any(|l| l.starts_with("t.conf:4: unknown section")), "{e:?}");
         assert!(e.iter().any(|l| l.starts_with("t.conf:6: ttl")), "{e:?}");
+        assert!(e.iter().any(|l| l.starts_with("t.conf:7: max_bytes_total")), "{e:?}");
         assert!(
-            e.iter().any(|l| l.starts_with("t.conf:7: max_bytes_total")),
+            e.iter().any(|l| l.starts_with("t.conf:8: unknown key `frobnicate`")),
             "{e:?}"
         );
         assert!(
-            e.iter()
-                .any(|l| l.starts_with("t.conf:8: unknown key `frobnicate`")),
+            e.iter().any(|l| l.starts_with("t.conf:9: expected `key = value`")),
             "{e:?}"
         );
         assert!(
-            e.iter()
-                .any(|l| l.starts_with("t.conf:9: expected `key = value`")),
-            "{e:?}"
-        );
-        assert!(
-            e.iter()
-                .any(|l| l.starts_with("t.conf:10: [webhook.a] needs `secret`")),
+            e.iter().any(|l| l.starts_with("t.conf:10: [webhook.a] needs `secret`")),
             "{e:?}"
         );
     }
@@ -922,16 +867,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("imgate-cred-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("hook_secret"), "s3cret\n").unwrap();
-        let text = format!(
-            "[webhook.a]\nsecret_file = {}\n",
-            dir.join("hook_secret").display()
-        );
+        let text = format!("[webhook.a]\nsecret_file = {}\n", dir.join("hook_secret").display());
         let c = parse(&text, "t", None).unwrap();
         assert_eq!(c.webhooks["a"].secret.expose(), "s3cret");
         let e = errors("[webhook.a]\nsecret_file = /nonexistent/x\n");
         assert!(
-            e.iter()
-                .any(|l| l.starts_with("t.conf:2: secret_file: cannot read")),
+            e.iter().any(|l| l.starts_with("t.conf:2: secret_file: cannot read")),
             "{e:?}"
         );
         let e = errors("[webhook.a]\nsecret = x\nsecret_file = /y\n");

@@ -71,9 +71,7 @@ pub fn get_u64(o: &Object, key: &str) -> Option<u64> {
     match o.get(key) {
         Some(Value::Number(Number::U64(n))) => Some(*n),
         Some(Value::Number(Number::I64(n))) if *n >= 0 => Some(*n as u64),
-        Some(Value::Number(Number::F64(f))) if *f >= 0.0 && f.fract() == 0.0 && *f < 1e19 => {
-            Some(*f as u64)
-        }
+        Some(Value::Number(Number::F64(f))) if *f >= 0.0 && f.fract() == 0.0 && *f < 1e19 => Some(*f as u64),
         _ => None,
     }
 }

@@ -27,13 +27,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (cmd, rest) = match args.first().map(String::as_str) {
         None => ("run", &args[..]),
-        Some(a)
-            if a.starts_with('-')
-                && a != "--version"
-                && a != "-V"
-                && a != "--help"
-                && a != "-h" =>
-        {
+        Some(a) if a.starts_with('-') && a != "--version" && a != "-V" && a != "--help" && a != "-h" => {
             ("run", &args[..])
         }
         Some(a) => (a, &args[1..]),
@@ -97,10 +91,7 @@ fn init(rest: &[String]) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let path = Path::new(target);
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path);
+    let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path);
     match file.and_then(|mut f| f.write_all(config::TEMPLATE.as_bytes())) {
         Ok(()) => {
             println!(
@@ -111,10 +102,7 @@ fn init(rest: &[String]) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            eprintln!(
-                "imgate: {} already exists; not overwriting it",
-                path.display()
-            );
+            eprintln!("imgate: {} already exists; not overwriting it", path.display());
             ExitCode::from(1)
         }
         Err(e) => {
@@ -206,8 +194,7 @@ fn run(cfg: config::Config) -> ExitCode {
     }
     let prefix = http::base_path(&app);
     smol::block_on(async {
-        let listener =
-            smol::net::TcpListener::try_from(listener).expect("a bound listener converts");
+        let listener = smol::net::TcpListener::try_from(listener).expect("a bound listener converts");
         dataplane::listen::serve(app, listener, socket, prefix).await;
     });
     ExitCode::SUCCESS
@@ -251,11 +238,7 @@ fn status(cfg: &config::Config) -> ExitCode {
     } else {
         listen.ip().to_string()
     };
-    let host = if host.contains(':') {
-        format!("[{host}]")
-    } else {
-        host
-    };
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
     let url = format!("http://{host}:{}/status", listen.port());
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(std::time::Duration::from_secs(5)))
@@ -306,15 +289,7 @@ fn render_status(v: &json::Value) -> String {
     ));
     out.push_str(&format!(
         "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  last_error\n",
-        "channel",
-        "provider",
-        "status",
-        "pending",
-        "bytes",
-        "delivered",
-        "expired",
-        "evicted",
-        "attempts"
+        "channel", "provider", "status", "pending", "bytes", "delivered", "expired", "evicted", "attempts"
     ));
     if let Some(json::Value::Array(chs)) = o.get("channels") {
         for c in chs.iter().filter_map(json::as_object) {

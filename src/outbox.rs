@@ -164,19 +164,10 @@ impl Store {
     /// `CapacityExceeded` with nothing stored.
     pub fn enqueue(&self, message: NewMessage, policy: Policy) -> Result<Enqueued> {
         let (done, result) = mpsc::sync_channel(1);
-        let sender = self
-            .committer
-            .tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let sender = self.committer.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
         sender
             .ok_or_else(|| StoreError("the outbox committer stopped".into()))?
-            .send(Job {
-                message,
-                policy,
-                done,
-            })
+            .send(Job { message, policy, done })
             .map_err(|_| StoreError("the outbox committer stopped".into()))?;
         result
             .recv()
@@ -402,9 +393,7 @@ fn enqueue_in(txn: &WriteTransaction, m: &NewMessage, policy: Policy) -> Result<
         put_counters(txn, src, &counters)?;
         add_total(txn, -(freed as i64))?;
         if evicted > 0 {
-            log::warn!(
-                "outbox: {src}: evicted {evicted} oldest pending message(s): capacity_exceeded"
-            );
+            log::warn!("outbox: {src}: evicted {evicted} oldest pending message(s): capacity_exceeded");
         }
         if !fits(&counters, total) {
             // This source is empty and the others fill the global cap.
@@ -452,9 +441,7 @@ fn expire_head(txn: &WriteTransaction, src: &str, now: u64) -> Result<u64> {
         for row in messages.range((src, 0)..=(src, u64::MAX))? {
             let (k, v) = row?;
             match miniserde::json::from_str::<StoredMessage>(v.value()) {
-                Ok(r) if r.expires_at <= now => {
-                    gone.push((k.value().1, v.value().len(), r.reply_ref))
-                }
+                Ok(r) if r.expires_at <= now => gone.push((k.value().1, v.value().len(), r.reply_ref)),
                 _ => break,
             }
         }
@@ -489,11 +476,7 @@ fn expire_all(txn: &WriteTransaction, now: u64) -> Result<u64> {
     Ok(n)
 }
 
-fn remove_expired(
-    txn: &WriteTransaction,
-    src: &str,
-    gone: Vec<(u64, usize, Option<String>)>,
-) -> Result<u64> {
+fn remove_expired(txn: &WriteTransaction, src: &str, gone: Vec<(u64, usize, Option<String>)>) -> Result<u64> {
     if gone.is_empty() {
         return Ok(0);
     }
@@ -644,8 +627,7 @@ mod tests {
         }
         let p = s.pending("webhook:a", 10, 1000).unwrap();
         assert_eq!(ids_of(&s, "webhook:a", 1000), ["m1", "m2", "m3"]);
-        s.mark_attempt_failed("webhook:a", &[p[0].seq], "disconnected")
-            .unwrap();
+        s.mark_attempt_failed("webhook:a", &[p[0].seq], "disconnected").unwrap();
         s.mark_delivered("webhook:a", &[p[1].seq]).unwrap();
         let p = s.pending("webhook:a", 10, 1000).unwrap();
         assert_eq!(p.len(), 2);
@@ -668,10 +650,7 @@ mod tests {
         s.enqueue(msg("m1", 1000, 60_000), ROOMY).unwrap();
         let p = s.pending("webhook:a", 10, 1000).unwrap();
         s.mark_delivered("webhook:a", &[p[0].seq]).unwrap();
-        assert_eq!(
-            s.enqueue(msg("m1", 2000, 60_000), ROOMY).unwrap(),
-            Enqueued::Duplicate
-        );
+        assert_eq!(s.enqueue(msg("m1", 2000, 60_000), ROOMY).unwrap(), Enqueued::Duplicate);
         assert!(s.pending("webhook:a", 10, 2000).unwrap().is_empty());
         // After the TTL the dedupe entry is gone and the ID is new again.
         s.sweep_expired(62_000).unwrap();
@@ -784,11 +763,9 @@ mod tests {
             overflow: Overflow::RejectNew,
             ..ROOMY
         };
-        s.enqueue(msg_in("webhook:a", "a0", 1000, 60_000), p)
-            .unwrap();
+        s.enqueue(msg_in("webhook:a", "a0", 1000, 60_000), p).unwrap();
         assert_eq!(
-            s.enqueue(msg_in("webhook:b", "b0", 1000, 60_000), p)
-                .unwrap(),
+            s.enqueue(msg_in("webhook:b", "b0", 1000, 60_000), p).unwrap(),
             Enqueued::CapacityExceeded
         );
         assert_eq!(counters(&s, "webhook:a").evicted, 0);
@@ -800,8 +777,7 @@ mod tests {
         let s = store();
         let one = {
             let tmp = store();
-            tmp.enqueue(msg_in("webhook:b", "b0", 1000, 10), ROOMY)
-                .unwrap();
+            tmp.enqueue(msg_in("webhook:b", "b0", 1000, 10), ROOMY).unwrap();
             tmp.total_bytes().unwrap()
         };
         let p = Policy {
@@ -810,16 +786,12 @@ mod tests {
         };
         s.enqueue(msg_in("webhook:b", "b0", 1000, 10), p).unwrap();
         // b0 expired; a0 needs its room, in another source.
-        let r = s
-            .enqueue(msg_in("webhook:a", "a0", 5000, 60_000), p)
-            .unwrap();
+        let r = s.enqueue(msg_in("webhook:a", "a0", 5000, 60_000), p).unwrap();
         assert!(matches!(r, Enqueued::Accepted { .. }), "{r:?}");
         assert_eq!(counters(&s, "webhook:b").expired, 1);
         // With drop_oldest, a full total cap held by another source refuses rather than
         // evicting someone else's messages.
-        let r = s
-            .enqueue(msg_in("webhook:c", "c0", 5000, 60_000), p)
-            .unwrap();
+        let r = s.enqueue(msg_in("webhook:c", "c0", 5000, 60_000), p).unwrap();
         assert_eq!(r, Enqueued::CapacityExceeded);
         assert_accounting(&s);
     }

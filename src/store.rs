@@ -66,12 +66,8 @@ pub struct Store {
 impl Store {
     /// Opens (or creates) `state_dir/imgate.redb` and makes sure every table exists.
     pub fn open(state_dir: &Path) -> Result<Store> {
-        std::fs::create_dir_all(state_dir).map_err(|e| {
-            StoreError(format!(
-                "cannot create state_dir {}: {e}",
-                state_dir.display()
-            ))
-        })?;
+        std::fs::create_dir_all(state_dir)
+            .map_err(|e| StoreError(format!("cannot create state_dir {}: {e}", state_dir.display())))?;
         let path = state_dir.join("imgate.redb");
         let db = redb::Builder::new()
             .set_cache_size(CACHE_BYTES)
@@ -94,12 +90,7 @@ impl Store {
 
     /// The persistent `connector_id`, created on first use and then never changed.
     pub fn connector_id(&self) -> Result<String> {
-        if let Some(id) = self
-            .db
-            .begin_read()?
-            .open_table(META)?
-            .get("connector_id")?
-        {
+        if let Some(id) = self.db.begin_read()?.open_table(META)?.get("connector_id")? {
             return Ok(id.value().to_string());
         }
         let txn = self.db.begin_write()?;
@@ -121,9 +112,7 @@ impl Store {
 
     pub fn channel(&self, cch: &str) -> Result<Option<ChannelRecord>> {
         let t = self.db.begin_read()?.open_table(CHANNELS)?;
-        let rec = t
-            .get(cch)?
-            .and_then(|v| miniserde::json::from_str(v.value()).ok());
+        let rec = t.get(cch)?.and_then(|v| miniserde::json::from_str(v.value()).ok());
         Ok(rec)
     }
 
@@ -218,12 +207,8 @@ impl Store {
     /// The stored result of a tool call already made with this `tool_call_id`.
     pub fn tool_result(&self, call_id: &str) -> Result<Option<String>> {
         let t = self.db.begin_read()?.open_table(TOOL_CALLS)?;
-        let rec: Option<ToolCall> = t
-            .get(call_id)?
-            .and_then(|v| miniserde::json::from_str(v.value()).ok());
-        Ok(rec
-            .filter(|r| r.expires_at > ids::now_ms())
-            .map(|r| r.result))
+        let rec: Option<ToolCall> = t.get(call_id)?.and_then(|v| miniserde::json::from_str(v.value()).ok());
+        Ok(rec.filter(|r| r.expires_at > ids::now_ms()).map(|r| r.result))
     }
 
     pub fn save_tool_result(&self, call_id: &str, result: &str, expires_at: u64) -> Result<()> {
@@ -245,15 +230,13 @@ impl Store {
         {
             let mut refs = txn.open_table(REPLY_REFS)?;
             refs.retain(|_, v| {
-                let keep =
-                    miniserde::json::from_str::<ReplyRef>(v).is_ok_and(|r| r.expires_at > now);
+                let keep = miniserde::json::from_str::<ReplyRef>(v).is_ok_and(|r| r.expires_at > now);
                 n += u64::from(!keep);
                 keep
             })?;
             let mut calls = txn.open_table(TOOL_CALLS)?;
             calls.retain(|_, v| {
-                let keep =
-                    miniserde::json::from_str::<ToolCall>(v).is_ok_and(|r| r.expires_at > now);
+                let keep = miniserde::json::from_str::<ToolCall>(v).is_ok_and(|r| r.expires_at > now);
                 n += u64::from(!keep);
                 keep
             })?;
@@ -264,8 +247,7 @@ impl Store {
 }
 
 fn get_record(t: &redb::Table<&str, &str>, cch: &str) -> Result<Option<ChannelRecord>> {
-    Ok(t.get(cch)?
-        .and_then(|v| miniserde::json::from_str(v.value()).ok()))
+    Ok(t.get(cch)?.and_then(|v| miniserde::json::from_str(v.value()).ok()))
 }
 
 fn set_source(t: &mut redb::Table<&str, &str>, cch: &str, source: Option<&str>) -> Result<()> {

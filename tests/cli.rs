@@ -39,16 +39,9 @@ fn check_prints_the_effective_policy_for_a_valid_file() {
     .unwrap();
     let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(text.contains("queue ttl:         20m"), "{text}");
-    assert!(
-        text.contains("cleanup_interval:  10m"),
-        "clamped to ttl/2: {text}"
-    );
+    assert!(text.contains("cleanup_interval:  10m"), "clamped to ttl/2: {text}");
     assert!(text.contains("webhook door"));
     assert!(text.contains("listen:            127.0.0.1:8787"));
 }
@@ -84,10 +77,7 @@ fn a_missing_secret_file_is_an_error_naming_the_key() {
     let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains(&format!("{}:2: api_key_file", conf.display())),
-        "{err}"
-    );
+    assert!(err.contains(&format!("{}:2: api_key_file", conf.display())), "{err}");
 }
 
 #[test]
@@ -101,17 +91,10 @@ fn secret_file_bare_name_comes_from_the_credentials_directory() {
         .env("CREDENTIALS_DIRECTORY", &dir)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("api_key:           set"));
-    assert!(
-        !text.contains("from-credentials"),
-        "check never prints a secret"
-    );
+    assert!(!text.contains("from-credentials"), "check never prints a secret");
 }
 
 #[test]
@@ -121,13 +104,8 @@ fn init_writes_the_shipped_example_config_and_never_overwrites() {
     let out = imgate(&["init", target.to_str().unwrap()]);
     assert!(out.status.success());
     let written = std::fs::read_to_string(&target).unwrap();
-    let shipped =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/imgate.conf"))
-            .unwrap();
-    assert_eq!(
-        written, shipped,
-        "systemd/imgate.conf is exactly what init writes"
-    );
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/imgate.conf")).unwrap();
+    assert_eq!(written, shipped, "systemd/imgate.conf is exactly what init writes");
     let again = imgate(&["init", target.to_str().unwrap()]);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));

@@ -36,20 +36,11 @@ struct Seen {
 }
 
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
 }
 
 /// Connects, reopens both channels and records pushes until the connection dies or `stop`.
-fn receive(
-    port: u16,
-    connector_id: String,
-    channels: Vec<String>,
-    seen: Arc<Mutex<Seen>>,
-    stop: Arc<AtomicBool>,
-) {
+fn receive(port: u16, connector_id: String, channels: Vec<String>, seen: Arc<Mutex<Seen>>, stop: Arc<AtomicBool>) {
     let Ok(ws) = std::panic::catch_unwind(|| Sim::connect(port, Some(API_KEY))) else {
         return;
     };
@@ -134,10 +125,7 @@ fn send(
 
 #[test]
 fn sigkill_at_random_points_loses_no_accepted_message_and_keeps_order() {
-    let seed = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
+    let seed = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64;
     println!("crash test seed {seed}");
     let mut rng = Lcg(seed);
     let dir = temp_dir("crash");
@@ -231,17 +219,9 @@ fn sigkill_at_random_points_loses_no_accepted_message_and_keeps_order() {
     receiver.join().unwrap();
 
     let seen = seen.lock().unwrap();
-    let pushed: BTreeSet<&str> = seen
-        .connections
-        .iter()
-        .flatten()
-        .map(|(_, id)| id.as_str())
-        .collect();
+    let pushed: BTreeSet<&str> = seen.connections.iter().flatten().map(|(_, id)| id.as_str()).collect();
     let total: usize = accepted.values().map(Vec::len).sum();
-    assert!(
-        total > 100,
-        "the test must actually accept traffic (got {total})"
-    );
+    assert!(total > 100, "the test must actually accept traffic (got {total})");
     for ids in accepted.values() {
         for id in ids {
             assert!(

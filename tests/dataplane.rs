@@ -45,20 +45,11 @@ fn card_is_public_valid_and_shares_its_build_with_health() {
     assert!(!card["build"]["git_rev"].as_str().unwrap().is_empty());
 
     assert_eq!(http_get(&d.url("/health"), &[]).0, 401);
-    assert_eq!(
-        http_get(&d.url("/health"), &[("Authorization", "Bearer wrong")]).0,
-        401
-    );
+    assert_eq!(http_get(&d.url("/health"), &[("Authorization", "Bearer wrong")]).0, 401);
     let health = get_json(&d.url("/health"));
     assert_eq!(health["status"], "ok");
-    assert_eq!(
-        health["build"], card["build"],
-        "Card and health report one build"
-    );
-    assert_eq!(
-        health["connector_card_version"],
-        card["connector"]["version"]
-    );
+    assert_eq!(health["build"], card["build"], "Card and health report one build");
+    assert_eq!(health["connector_card_version"], card["connector"]["version"]);
     assert!(!body.contains(API_KEY) && !body.contains(HOOK_SECRET));
 }
 
@@ -77,14 +68,8 @@ fn skill_is_public_and_names_the_reply_tool() {
 fn ws_upgrade_needs_the_api_key_and_the_packet_subprotocol() {
     let dir = temp_dir("wsauth");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
-    assert_eq!(
-        try_connect(d.port, None, Some(SUBPROTOCOL)).err(),
-        Some(401)
-    );
-    assert_eq!(
-        try_connect(d.port, Some("wrong"), Some(SUBPROTOCOL)).err(),
-        Some(401)
-    );
+    assert_eq!(try_connect(d.port, None, Some(SUBPROTOCOL)).err(), Some(401));
+    assert_eq!(try_connect(d.port, Some("wrong"), Some(SUBPROTOCOL)).err(), Some(401));
     assert_eq!(try_connect(d.port, Some(API_KEY), None).err(), Some(400));
     assert!(try_connect(d.port, Some(API_KEY), Some(SUBPROTOCOL)).is_ok());
     assert!(d.log().contains("missing or wrong API key"));
@@ -118,8 +103,7 @@ fn packets_out_of_order_or_malformed_get_the_protocol_error_codes() {
     );
     assert_eq!(wrong_card["error"]["code"], "connector_card_id_mismatch");
     for bad in [json!("2.0"), Value::Null] {
-        let mut hello =
-            json!({"connector_card_id":"im.imgate","supported_profiles":["xagent.im.v1"]});
+        let mut hello = json!({"connector_card_id":"im.imgate","supported_profiles":["xagent.im.v1"]});
         if !bad.is_null() {
             hello["protocol_version"] = bad;
         }
@@ -155,10 +139,7 @@ fn packets_out_of_order_or_malformed_get_the_protocol_error_codes() {
 fn listen_session_binds_a_webhook_pushes_its_messages_and_replies_through_the_tools() {
     let receiver = ReplyReceiver::start(200);
     let dir = temp_dir("full");
-    let d = Daemon::start(
-        &dir,
-        &config_text(free_port(), &dir, Some(&receiver.url), ""),
-    );
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&receiver.url), ""));
     let mut x = d.xagent();
     let ack = x.hello("");
     let connector_id = ack["payload"]["connector_id"].as_str().unwrap().to_string();
@@ -186,27 +167,16 @@ fn listen_session_binds_a_webhook_pushes_its_messages_and_replies_through_the_to
         .unwrap()
         .iter()
         .all(|t| t["status"] == "available"));
-    let auth_id = ok["payload"]["auth_session_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let auth_id = ok["payload"]["auth_session_id"].as_str().unwrap().to_string();
     let st = x.request(
         "auth.status",
         Some(&cch),
         json!({"flow_id":"webhook_binding","auth_session_id":auth_id}),
     );
     assert_eq!(st["payload"]["status"], "authenticated");
-    let cancel = x.request(
-        "auth.cancel",
-        Some(&cch),
-        json!({"auth_session_id":auth_id}),
-    );
+    let cancel = x.request("auth.cancel", Some(&cch), json!({"auth_session_id":auth_id}));
     assert_eq!(cancel["payload"]["status"], "ignored");
-    let gone = x.request(
-        "auth.status",
-        Some(&cch),
-        json!({"auth_session_id":"auth_unknown"}),
-    );
+    let gone = x.request("auth.status", Some(&cch), json!({"auth_session_id":"auth_unknown"}));
     assert_eq!(gone["error"]["code"], "auth_session_not_found");
 
     let (status, answer) = d.post_hook(
@@ -241,9 +211,7 @@ fn listen_session_binds_a_webhook_pushes_its_messages_and_replies_through_the_to
     assert_eq!(p["skill"]["skill_id"], "connector-im-imgate");
     let reply_ref = p["reply"]["reply_ref"].as_str().unwrap().to_string();
     let text = push.to_string();
-    assert!(
-        !text.contains(HOOK_SECRET) && !text.contains(&receiver.url) && !text.contains(API_KEY)
-    );
+    assert!(!text.contains(HOOK_SECRET) && !text.contains(&receiver.url) && !text.contains(API_KEY));
 
     let ack = x.tool(
         &cch,
@@ -261,9 +229,7 @@ fn listen_session_binds_a_webhook_pushes_its_messages_and_replies_through_the_to
     assert_eq!(body["endpoint"], "alerts");
     assert_eq!(body["text"], "on it");
     assert_eq!(body["reply_to_message_id"], "m-1");
-    assert!(body["idempotency_key"]
-        .as_str()
-        .is_some_and(|k| !k.is_empty()));
+    assert!(body["idempotency_key"].as_str().is_some_and(|k| !k.is_empty()));
     assert_eq!(
         out.signature.as_deref(),
         Some(hmac_hex(HOOK_SECRET, out.body.as_bytes()).as_str())
@@ -280,19 +246,11 @@ fn listen_session_binds_a_webhook_pushes_its_messages_and_replies_through_the_to
         "a repeated tool_call_id answers the same"
     );
     assert!(
-        receiver
-            .rx
-            .recv_timeout(Duration::from_millis(500))
-            .is_err(),
+        receiver.rx.recv_timeout(Duration::from_millis(500)).is_err(),
         "and sends nothing twice"
     );
 
-    let sent = x.tool(
-        &cch,
-        "imgate_message_send",
-        json!({"text": "hello all"}),
-        "call-2",
-    );
+    let sent = x.tool(&cch, "imgate_message_send", json!({"text": "hello all"}), "call-2");
     assert_eq!(sent["payload"]["result"]["status"], "sent");
     let out = receiver.rx.recv_timeout(Duration::from_secs(5)).unwrap();
     let body: Value = serde_json::from_str(&out.body).unwrap();
@@ -353,14 +311,8 @@ fn listen_session_binds_a_webhook_pushes_its_messages_and_replies_through_the_to
 fn reply_ref_of_one_channel_is_rejected_on_another_bound_channel() {
     let receiver = ReplyReceiver::start(200);
     let dir = temp_dir("crossref");
-    let extra = format!(
-        "[webhook.ops]\nsecret = ops-secret-1\nreply_url = {}\n",
-        receiver.url
-    );
-    let d = Daemon::start(
-        &dir,
-        &config_text(free_port(), &dir, Some(&receiver.url), &extra),
-    );
+    let extra = format!("[webhook.ops]\nsecret = ops-secret-1\nreply_url = {}\n", receiver.url);
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&receiver.url), &extra));
     let (mut x, cch) = bound_session(&d);
     let (ops, _) = x.open(None);
     assert_eq!(
@@ -370,10 +322,7 @@ fn reply_ref_of_one_channel_is_rejected_on_another_bound_channel() {
     d.post_hook("alerts", &json!({"message_id":"a1","sender_id":"u"}));
     let push = x.next_push(Duration::from_secs(10)).unwrap();
     assert_eq!(push["connector_channel_id"], json!(cch));
-    let reply_ref = push["payload"]["reply"]["reply_ref"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let reply_ref = push["payload"]["reply"]["reply_ref"].as_str().unwrap().to_string();
     let a = x.tool(
         &ops,
         "imgate_message_reply",
@@ -381,20 +330,14 @@ fn reply_ref_of_one_channel_is_rejected_on_another_bound_channel() {
         "c1",
     );
     assert_eq!(a["error"]["code"], "reply_ref_invalid");
-    assert!(receiver
-        .rx
-        .recv_timeout(Duration::from_millis(300))
-        .is_err());
+    assert!(receiver.rx.recv_timeout(Duration::from_millis(300)).is_err());
 }
 
 #[test]
 fn failing_reply_url_comes_back_as_a_tool_error_with_a_stable_code() {
     let receiver = ReplyReceiver::start(500);
     let dir = temp_dir("upstream");
-    let d = Daemon::start(
-        &dir,
-        &config_text(free_port(), &dir, Some(&receiver.url), ""),
-    );
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&receiver.url), ""));
     let (mut x, cch) = bound_session(&d);
     let a = x.tool(&cch, "imgate_message_send", json!({"text":"hi"}), "c1");
     assert_eq!(a["type"], "tool.invoke.ack");
@@ -481,10 +424,7 @@ fn webhook_answers_follow_the_contract() {
         r#"{{"message_id":"h6","sender_id":"u","text":"{}"}}"#,
         "x".repeat(1_100_000)
     );
-    assert_eq!(
-        http_post(&url, &auth, &big),
-        (413, json!({"error":"too_large"}))
-    );
+    assert_eq!(http_post(&url, &auth, &big), (413, json!({"error":"too_large"})));
 
     let status = get_json(&d.url("/status"));
     assert_eq!(
@@ -500,11 +440,8 @@ fn messages_accepted_before_binding_are_delivered_once_a_channel_binds() {
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
     for i in 0..3 {
         assert_eq!(
-            d.post_hook(
-                "alerts",
-                &json!({"message_id": format!("early-{i}"), "sender_id":"u"})
-            )
-            .0,
+            d.post_hook("alerts", &json!({"message_id": format!("early-{i}"), "sender_id":"u"}))
+                .0,
             202
         );
     }
@@ -528,10 +465,7 @@ fn messages_accepted_before_binding_are_delivered_once_a_channel_binds() {
             assert_eq!(s["dataplane"]["connections"], 1);
             break;
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "delivery never committed: {s}"
-        );
+        assert!(std::time::Instant::now() < deadline, "delivery never committed: {s}");
         x.recv_within(Duration::from_millis(100));
     }
 }
@@ -573,10 +507,7 @@ fn unconfirmed_pushes_are_redelivered_with_the_same_message_id_after_reconnect()
         y.recv_within(Duration::from_millis(100));
     }
     let s = get_json(&d.url("/status"));
-    assert_eq!(
-        s["channels"][0]["attempts"], 1,
-        "one failed attempt counted: {s}"
-    );
+    assert_eq!(s["channels"][0]["attempts"], 1, "one failed attempt counted: {s}");
     y.close();
     let mut z = d.xagent();
     z.hello(&connector_id);
@@ -599,17 +530,13 @@ fn restart_keeps_bindings_and_accepted_messages() {
     x.close();
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(
-        d.post_hook("alerts", &json!({"message_id":"k1","sender_id":"u"}))
-            .0,
+        d.post_hook("alerts", &json!({"message_id":"k1","sender_id":"u"})).0,
         202
     );
     let mut d = d;
     d.kill(); // SIGKILL right after the 202
     let d = d.restart();
-    assert_eq!(
-        get_json(&d.url("/status"))["connector_id"],
-        json!(connector_id)
-    );
+    assert_eq!(get_json(&d.url("/status"))["connector_id"], json!(connector_id));
     let mut y = d.xagent();
     y.hello(&connector_id);
     let (again, open) = y.open(Some(&cch));
@@ -654,13 +581,8 @@ fn dial_transport_runs_the_same_session_and_reconnects() {
     let xagent = TcpListener::bind("127.0.0.1:0").unwrap();
     let dial_port = xagent.local_addr().unwrap().port();
     let dir = temp_dir("dial");
-    let extra = format!(
-        "[xagent]\ndial = ws://127.0.0.1:{dial_port}/connector/ws\ndial_api_key = dial-key-55\n"
-    );
-    let d = Daemon::start(
-        &dir,
-        &config_text(free_port(), &dir, Some(&receiver.url), &extra),
-    );
+    let extra = format!("[xagent]\ndial = ws://127.0.0.1:{dial_port}/connector/ws\ndial_api_key = dial-key-55\n");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&receiver.url), &extra));
 
     let (mut x, auth) = accept_dial(&xagent);
     assert_eq!(auth.as_deref(), Some("Bearer dial-key-55"));
@@ -677,19 +599,13 @@ fn dial_transport_runs_the_same_session_and_reconnects() {
         "authenticated"
     );
     assert_eq!(
-        d.post_hook(
-            "alerts",
-            &json!({"message_id":"d1","sender_id":"u","text":"via dial"})
-        )
-        .0,
+        d.post_hook("alerts", &json!({"message_id":"d1","sender_id":"u","text":"via dial"}))
+            .0,
         202
     );
     let push = x.next_push(Duration::from_secs(10)).unwrap();
     assert_eq!(push["payload"]["raw_text"], "via dial");
-    let reply_ref = push["payload"]["reply"]["reply_ref"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let reply_ref = push["payload"]["reply"]["reply_ref"].as_str().unwrap().to_string();
     let a = x.tool(
         &cch,
         "imgate_message_reply",
@@ -719,12 +635,7 @@ fn status_requires_the_api_key_and_reports_the_policy() {
     let dir = temp_dir("status");
     let d = Daemon::start(
         &dir,
-        &config_text(
-            free_port(),
-            &dir,
-            None,
-            "[queue]\nttl = 10m\noverflow = reject_new\n",
-        ),
+        &config_text(free_port(), &dir, None, "[queue]\nttl = 10m\noverflow = reject_new\n"),
     );
     assert_eq!(http_get(&d.url("/status"), &[]).0, 401);
     assert_eq!(http_get(&d.url("/metrics"), &[]).0, 401);
@@ -732,10 +643,7 @@ fn status_requires_the_api_key_and_reports_the_policy() {
     assert_eq!(s["policy"]["ttl_ms"], 600_000);
     assert_eq!(s["policy"]["overflow"], "reject_new");
     assert_eq!(s["policy"]["cleanup_interval_ms"], 300_000);
-    let (code, metrics) = http_get(
-        &d.url("/metrics"),
-        &[("Authorization", &format!("Bearer {API_KEY}"))],
-    );
+    let (code, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
     assert_eq!(code, 200);
     assert!(metrics.contains("imgate_queue_ttl_seconds 600"));
     assert!(metrics.contains("imgate_dataplane_connections 0"));
@@ -745,16 +653,9 @@ fn status_requires_the_api_key_and_reports_the_policy() {
         .arg(&d.config)
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        table.contains("pending") && table.contains("(unbound)"),
-        "{table}"
-    );
+    assert!(table.contains("pending") && table.contains("(unbound)"), "{table}");
 }
 
 /// HMAC-SHA256 as the contract defines `X-Imgate-Signature`, computed independently of imgate.

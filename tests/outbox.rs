@@ -97,9 +97,7 @@ fn a_message_that_expires_while_unbound_is_not_delivered_on_binding() {
     // The next enqueue removes the expired head and counts it.
     assert_eq!(post(&d, "fresh").0, 202);
     assert_eq!(pushed_ids(&mut x, Duration::from_secs(2)), ["fresh"]);
-    wait_until("the expired one is counted", || {
-        channel_status(&d)["expired"] == 1
-    });
+    wait_until("the expired one is counted", || channel_status(&d)["expired"] == 1);
 }
 
 #[test]
@@ -115,10 +113,7 @@ fn periodic_maintenance_expires_undelivered_messages_within_the_cleanup_interval
 
 #[test]
 fn reject_new_answers_503_at_the_message_cap_and_stores_nothing() {
-    let d = start(
-        "reject",
-        "max_messages_per_channel = 2\noverflow = reject_new\n",
-    );
+    let d = start("reject", "max_messages_per_channel = 2\noverflow = reject_new\n");
     assert_eq!(post(&d, "r1").0, 202);
     assert_eq!(post(&d, "r2").0, 202);
     assert_eq!(post(&d, "r3"), (503, json!({"error": "capacity_exceeded"})));
@@ -127,9 +122,7 @@ fn reject_new_answers_503_at_the_message_cap_and_stores_nothing() {
     bind(&mut x);
     assert_eq!(pushed_ids(&mut x, Duration::from_secs(2)), ["r1", "r2"]);
     // Once delivered there is room again, and r3 was never deduped.
-    wait_until("delivery frees the queue", || {
-        channel_status(&d)["pending"] == 0
-    });
+    wait_until("delivery frees the queue", || channel_status(&d)["pending"] == 0);
     assert_eq!(post(&d, "r3").0, 202);
 }
 
@@ -152,8 +145,7 @@ fn reject_new_answers_503_at_the_byte_caps() {
         http_post(
             &d.url("/hooks/ops"),
             &[("Authorization", "Bearer ops-secret-2")],
-            &json!({"message_id": id, "sender_id": "u", "text": format!("text of {id}")})
-                .to_string(),
+            &json!({"message_id": id, "sender_id": "u", "text": format!("text of {id}")}).to_string(),
         )
         .0
     };
@@ -163,10 +155,7 @@ fn reject_new_answers_503_at_the_byte_caps() {
     assert_eq!(ops("o1"), 202);
     assert_eq!(ops("o2"), 503, "max_bytes_total");
     let s = get_json(&d.url("/status"));
-    assert!(
-        s["outbox"]["pending_bytes"].as_u64().unwrap() <= r * 7 / 2,
-        "{s}"
-    );
+    assert!(s["outbox"]["pending_bytes"].as_u64().unwrap() <= r * 7 / 2, "{s}");
     assert_eq!(s["unbound"]["pending"], 3);
 }
 
@@ -191,14 +180,8 @@ fn drop_oldest_evicts_the_oldest_pending_and_counts_it() {
     );
     assert!(d.log().contains("capacity_exceeded"), "eviction is logged");
     x.open(Some(&cch));
-    assert_eq!(
-        pushed_ids(&mut x, Duration::from_secs(2)),
-        ["d2", "d3", "d4"]
-    );
-    let (code, metrics) = http_get(
-        &d.url("/metrics"),
-        &[("Authorization", &format!("Bearer {API_KEY}"))],
-    );
+    assert_eq!(pushed_ids(&mut x, Duration::from_secs(2)), ["d2", "d3", "d4"]);
+    let (code, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
     assert_eq!(code, 200);
     assert!(
         metrics.contains(&format!(
@@ -246,10 +229,7 @@ fn a_closed_channel_pauses_alone_while_another_channel_keeps_flowing() {
         .next_push(Duration::from_secs(5))
         .expect("the open channel still flows");
     assert_eq!(
-        (
-            p["connector_channel_id"].as_str(),
-            p["payload"]["message_id"].as_str()
-        ),
+        (p["connector_channel_id"].as_str(), p["payload"]["message_id"].as_str()),
         (Some(ops.as_str()), Some("o1"))
     );
     assert!(

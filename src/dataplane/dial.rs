@@ -45,10 +45,7 @@ pub fn parse_url(url: &str) -> Result<Target, String> {
     };
     Ok(Target {
         tls,
-        host: host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string(),
+        host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
         port,
     })
 }
@@ -80,14 +77,9 @@ pub async fn run(app: Arc<App>, url: String) {
 /// One connection attempt; on success runs the session to its end.
 async fn connect(app: &Arc<App>, url: &str) -> Result<(), String> {
     let target = parse_url(url)?;
-    let mut request = url
-        .into_client_request()
-        .map_err(|e| format!("bad dial URL: {e}"))?;
+    let mut request = url.into_client_request().map_err(|e| format!("bad dial URL: {e}"))?;
     let headers = request.headers_mut();
-    headers.insert(
-        "Sec-WebSocket-Protocol",
-        HeaderValue::from_static(SUBPROTOCOL),
-    );
+    headers.insert("Sec-WebSocket-Protocol", HeaderValue::from_static(SUBPROTOCOL));
     if let Some(key) = &app.config.xagent.dial_api_key {
         let value = HeaderValue::from_str(&format!("Bearer {}", key.expose()))
             .map_err(|_| "dial_api_key contains characters not allowed in a header".to_string())?;
@@ -131,8 +123,7 @@ fn tls_config(app: &App) -> Result<Arc<rustls::ClientConfig>, String> {
         let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
             .map_err(|e| format!("cannot read ca_file {}: {e}", path.display()))?;
         for cert in certs {
-            let cert =
-                cert.map_err(|e| format!("bad certificate in ca_file {}: {e}", path.display()))?;
+            let cert = cert.map_err(|e| format!("bad certificate in ca_file {}: {e}", path.display()))?;
             roots
                 .add(cert)
                 .map_err(|e| format!("unusable certificate in ca_file: {e}"))?;
@@ -154,10 +145,7 @@ mod tests {
     #[test]
     fn dial_urls_parse_host_port_and_tls() {
         let t = parse_url("wss://xagent.example:8443/connectors/ws").unwrap();
-        assert_eq!(
-            (t.tls, t.host.as_str(), t.port),
-            (true, "xagent.example", 8443)
-        );
+        assert_eq!((t.tls, t.host.as_str(), t.port), (true, "xagent.example", 8443));
         let t = parse_url("ws://127.0.0.1/ws").unwrap();
         assert_eq!((t.tls, t.port), (false, 80));
         let t = parse_url("ws://[::1]:9000/ws").unwrap();

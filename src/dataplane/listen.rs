@@ -117,9 +117,7 @@ fn parse_head(buf: &[u8]) -> Option<Head> {
         match name.trim().to_ascii_lowercase().as_str() {
             "upgrade" => head.upgrade_websocket = value.eq_ignore_ascii_case("websocket"),
             "authorization" => head.authorization = Some(value.to_string()),
-            "sec-websocket-protocol" => head
-                .protocols
-                .extend(value.split(',').map(|p| p.trim().to_string())),
+            "sec-websocket-protocol" => head.protocols.extend(value.split(',').map(|p| p.trim().to_string())),
             _ => {}
         }
     }
@@ -154,13 +152,7 @@ async fn read_head(stream: &mut TcpStream) -> Result<Vec<u8>, u16> {
     outcome.map(|()| buf)
 }
 
-async fn handle(
-    app: Arc<App>,
-    mut stream: TcpStream,
-    peer: String,
-    backend: &PathBuf,
-    prefix: &str,
-) {
+async fn handle(app: Arc<App>, mut stream: TcpStream, peer: String, backend: &PathBuf, prefix: &str) {
     let buf = match read_head(&mut stream).await {
         Ok(b) => b,
         Err(0) => return,
@@ -227,18 +219,15 @@ async fn upgrade(app: Arc<App>, mut stream: TcpStream, buf: Vec<u8>, head: Head,
     }
     if !head.protocols.iter().any(|p| p == SUBPROTOCOL) {
         log::warn!("data plane: {peer}: /ws refused: subprotocol {SUBPROTOCOL} not offered");
-        let body =
-            format!("{{\"error\":\"subprotocol_required\",\"detail\":\"offer {SUBPROTOCOL}\"}}");
+        let body = format!("{{\"error\":\"subprotocol_required\",\"detail\":\"offer {SUBPROTOCOL}\"}}");
         let _ = stream.write_all(&plain(400, "Bad Request", &body)).await;
         return;
     }
     // tungstenite's callback signature fixes the large error type.
     #[allow(clippy::result_large_err)]
     let callback = |_req: &Request, mut resp: Response| {
-        resp.headers_mut().insert(
-            "Sec-WebSocket-Protocol",
-            HeaderValue::from_static(SUBPROTOCOL),
-        );
+        resp.headers_mut()
+            .insert("Sec-WebSocket-Protocol", HeaderValue::from_static(SUBPROTOCOL));
         Ok(resp)
     };
     let stream = Replay {
@@ -246,8 +235,7 @@ async fn upgrade(app: Arc<App>, mut stream: TcpStream, buf: Vec<u8>, head: Head,
         pos: 0,
         inner: stream,
     };
-    match async_tungstenite::accept_hdr_async_with_config(stream, callback, Some(ws_config())).await
-    {
+    match async_tungstenite::accept_hdr_async_with_config(stream, callback, Some(ws_config())).await {
         Ok(ws) => super::session::run(app, ws, peer).await,
         Err(e) => log::info!("data plane: {peer}: WebSocket handshake failed: {e}"),
     }
@@ -268,11 +256,7 @@ async fn relay(client: TcpStream, head: Vec<u8>, backend: &PathBuf, peer: &str) 
             log::error!("listener: internal HTTP server unreachable: {e}");
             let mut c = client;
             let _ = c
-                .write_all(&plain(
-                    503,
-                    "Service Unavailable",
-                    "{\"error\":\"unavailable\"}",
-                ))
+                .write_all(&plain(503, "Service Unavailable", "{\"error\":\"unavailable\"}"))
                 .await;
             return;
         }
@@ -304,11 +288,7 @@ struct Replay<S> {
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Replay<S> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        out: &mut [u8],
-    ) -> Poll<std::io::Result<usize>> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut [u8]) -> Poll<std::io::Result<usize>> {
         if self.pos < self.head.len() {
             let n = (self.head.len() - self.pos).min(out.len());
             let start = self.pos;
@@ -325,11 +305,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Replay<S> {
 }
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for Replay<S> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {

@@ -66,9 +66,7 @@ impl Hub {
     /// Opens `cch` on `session`; returns the session that held it before, if another one did.
     pub fn open(&self, cch: &str, session: u64) -> Option<u64> {
         let mut g = self.lock();
-        g.open
-            .insert(cch.to_string(), session)
-            .filter(|s| *s != session)
+        g.open.insert(cch.to_string(), session).filter(|s| *s != session)
     }
 
     pub fn close(&self, cch: &str, session: u64) -> bool {

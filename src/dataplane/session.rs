@@ -61,10 +61,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Runs blocking store or network work off the async threads.
-async fn blocking<T: Send + 'static>(
-    app: &Arc<App>,
-    f: impl FnOnce(&App) -> T + Send + 'static,
-) -> T {
+async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
     let app = app.clone();
     smol::unblock(move || f(&app)).await
 }
@@ -132,11 +129,7 @@ where
                 }
             }
             Some(Some(Ok(Message::Binary(_)))) => {
-                let p = Packet::error_for(
-                    None,
-                    code::INVALID_PACKET,
-                    "data-plane packets are text frames",
-                );
+                let p = Packet::error_for(None, code::INVALID_PACKET, "data-plane packets are text frames");
                 let _ = out_tx.send(Outgoing::Packet(p)).await;
             }
             Some(Some(Ok(Message::Close(_)))) => break "peer sent close".to_string(),
@@ -217,9 +210,7 @@ async fn deliver_loop(
                 let mut seqs = Vec::with_capacity(pending.len());
                 for p in pending {
                     let payload = json::parse(&p.message.payload).unwrap_or_else(|_| obj([]));
-                    let packet = Packet::new("message.push")
-                        .with_channel(&cch)
-                        .with_payload(payload);
+                    let packet = Packet::new("message.push").with_channel(&cch).with_payload(payload);
                     if out.send(Outgoing::Packet(packet)).await.is_err() {
                         return;
                     }
@@ -293,11 +284,7 @@ async fn handle(
         "connector.hello" => return vec![hello(app, state, &p)],
         "ping" => return vec![Packet::answer(&p, "pong")],
         "pong" => {
-            if let Some(tx) = p
-                .request_id
-                .as_ref()
-                .and_then(|r| lock(&state.barriers).remove(r))
-            {
+            if let Some(tx) = p.request_id.as_ref().and_then(|r| lock(&state.barriers).remove(r)) {
                 let _ = tx.try_send(());
             }
             return vec![];
@@ -326,16 +313,10 @@ async fn handle(
             )],
             Some(cch) => {
                 app.hub.close(cch, id);
-                vec![Packet::answer(&p, "channel.close.ack")
-                    .with_payload(obj([("status", s("ok"))]))]
+                vec![Packet::answer(&p, "channel.close.ack").with_payload(obj([("status", s("ok"))]))]
             }
         },
-        "connection.descriptor.get"
-        | "auth.start"
-        | "auth.status"
-        | "auth.cancel"
-        | "auth.logout"
-        | "tool.invoke" => {
+        "connection.descriptor.get" | "auth.start" | "auth.status" | "auth.cancel" | "auth.logout" | "tool.invoke" => {
             let cch = match open_channel_of(app, id, &p) {
                 Ok(c) => c,
                 Err(e) => return vec![*e],
@@ -377,10 +358,7 @@ fn open_channel_of(app: &App, id: u64, p: &Packet) -> Result<String, Box<Packet>
         return Err(Box::new(Packet::error_for(
             Some(p),
             code::CHANNEL_NOT_OPEN,
-            format!(
-                "channel.open must complete on this connection before {}",
-                p.kind
-            ),
+            format!("channel.open must complete on this connection before {}", p.kind),
         )));
     }
     Ok(cch.to_string())
@@ -409,9 +387,7 @@ fn hello(app: &App, state: &State, p: &Packet) -> Packet {
             return Packet::error_for(
                 Some(p),
                 code::UNSUPPORTED_PROTOCOL_VERSION,
-                format!(
-                "hello must declare protocol_version (this connector speaks {PROTOCOL_VERSION})"
-            ),
+                format!("hello must declare protocol_version (this connector speaks {PROTOCOL_VERSION})"),
             )
         }
     }
@@ -423,19 +399,9 @@ fn hello(app: &App, state: &State, p: &Packet) -> Packet {
                 _ => None,
             })
             .collect(),
-        _ => {
-            return Packet::error_for(
-                Some(p),
-                code::INVALID_PACKET,
-                "hello must list supported_profiles",
-            )
-        }
+        _ => return Packet::error_for(Some(p), code::INVALID_PACKET, "hello must list supported_profiles"),
     };
-    let enabled: Vec<String> = supported
-        .into_iter()
-        .filter(|s| s == PROFILE)
-        .take(1)
-        .collect();
+    let enabled: Vec<String> = supported.into_iter().filter(|s| s == PROFILE).take(1).collect();
     if enabled.is_empty() {
         return Packet::error_for(
             Some(p),
@@ -443,9 +409,7 @@ fn hello(app: &App, state: &State, p: &Packet) -> Packet {
             format!("this connector serves only {PROFILE}, which hello did not list"),
         );
     }
-    if let Some(prev) =
-        json::get_str(pl, "connector_id").filter(|c| !c.is_empty() && *c != app.connector_id)
-    {
+    if let Some(prev) = json::get_str(pl, "connector_id").filter(|c| !c.is_empty() && *c != app.connector_id) {
         log::info!(
             "data plane: xAgent knew connector_id {prev}; this device's state says {}",
             app.connector_id
@@ -499,22 +463,13 @@ async fn channel_open(app: &Arc<App>, id: u64, p: &Packet, profiles: &[String]) 
     );
     let d = descriptor(app, &cch, profiles).await;
     app.hub.wake_channel(&cch);
-    let mut ack = Packet::answer(p, "channel.open.ack").with_payload(obj([
-        ("connector_channel_id", s(&cch)),
-        ("connection_descriptor", d),
-    ]));
+    let mut ack = Packet::answer(p, "channel.open.ack")
+        .with_payload(obj([("connector_channel_id", s(&cch)), ("connection_descriptor", d)]));
     ack.channel = Some(cch);
     ack
 }
 
-fn auth_ack(
-    p: &Packet,
-    kind: &str,
-    cch: &str,
-    auth: &str,
-    a: &AuthSession,
-    d: Option<Value>,
-) -> Packet {
+fn auth_ack(p: &Packet, kind: &str, cch: &str, auth: &str, a: &AuthSession, d: Option<Value>) -> Packet {
     Packet::answer(p, kind).with_payload(obj([
         ("connector_channel_id", s(cch)),
         ("flow_id", s(&a.flow_id)),
@@ -525,34 +480,19 @@ fn auth_ack(
     ]))
 }
 
-async fn auth_start(
-    app: &Arc<App>,
-    state: &State,
-    p: &Packet,
-    cch: &str,
-    profiles: &[String],
-) -> Packet {
-    let flow_id = json::get_str(&p.payload, "flow_id")
-        .unwrap_or_default()
-        .to_string();
-    let input = json::get_obj(&p.payload, "input")
-        .cloned()
-        .unwrap_or_default();
+async fn auth_start(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profiles: &[String]) -> Packet {
+    let flow_id = json::get_str(&p.payload, "flow_id").unwrap_or_default().to_string();
+    let input = json::get_obj(&p.payload, "input").cloned().unwrap_or_default();
     let auth_id = ids::short("auth_");
     let (cch_owned, flow) = (cch.to_string(), flow_id.clone());
-    let result = blocking(
-        app,
-        move |app| -> Result<(String, Option<String>), Failure> {
-            let source = providers::authenticate(app, &flow, &input)?;
-            let previous = app.store.bind(&cch_owned, &source).map_err(|e| {
-                Failure::new(
-                    code::TOOL_INVOKE_FAILED,
-                    format!("cannot store the binding: {e}"),
-                )
-            })?;
-            Ok((source, previous))
-        },
-    )
+    let result = blocking(app, move |app| -> Result<(String, Option<String>), Failure> {
+        let source = providers::authenticate(app, &flow, &input)?;
+        let previous = app
+            .store
+            .bind(&cch_owned, &source)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the binding: {e}")))?;
+        Ok((source, previous))
+    })
     .await;
     let session = match &result {
         Ok((source, previous)) => {
@@ -574,10 +514,7 @@ async fn auth_start(
             }
         }
         Err(f) => {
-            log::info!(
-                "data plane: channel {cch}: auth flow `{flow_id}` failed: {}",
-                f.message
-            );
+            log::info!("data plane: channel {cch}: auth flow `{flow_id}` failed: {}", f.message);
             AuthSession {
                 cch: cch.to_string(),
                 flow_id,
@@ -597,42 +534,26 @@ fn find_auth(state: &State, p: &Packet, cch: &str) -> Option<(String, AuthSessio
     (a.cch == cch).then(|| (auth_id.to_string(), a))
 }
 
-async fn auth_status(
-    app: &Arc<App>,
-    state: &State,
-    p: &Packet,
-    cch: &str,
-    profiles: &[String],
-) -> Packet {
+async fn auth_status(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profiles: &[String]) -> Packet {
     match find_auth(state, p, cch) {
         Some((auth_id, a)) => {
             let d = descriptor(app, cch, profiles).await;
             auth_ack(p, "auth.status.ack", cch, &auth_id, &a, Some(d))
         }
-        None => Packet::answer(p, "auth.status.ack").with_error(
-            code::AUTH_SESSION_NOT_FOUND,
-            "no such auth session on this channel",
-        ),
+        None => Packet::answer(p, "auth.status.ack")
+            .with_error(code::AUTH_SESSION_NOT_FOUND, "no such auth session on this channel"),
     }
 }
 
-async fn auth_cancel(
-    app: &Arc<App>,
-    state: &State,
-    p: &Packet,
-    cch: &str,
-    profiles: &[String],
-) -> Packet {
+async fn auth_cancel(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profiles: &[String]) -> Packet {
     let auth_id = json::get_str(&p.payload, "auth_session_id")
         .unwrap_or_default()
         .to_string();
     // Form flows finish inside auth.start, so there is never anything left to cancel.
     let (status, auth_status, d) = match find_auth(state, p, cch) {
-        Some((_, a)) if a.status == "authenticated" => (
-            "ignored",
-            "authenticated",
-            Some(descriptor(app, cch, profiles).await),
-        ),
+        Some((_, a)) if a.status == "authenticated" => {
+            ("ignored", "authenticated", Some(descriptor(app, cch, profiles).await))
+        }
         Some(_) => ("ignored", "unauthenticated", None),
         None => ("not_found", "unauthenticated", None),
     };
@@ -653,15 +574,12 @@ async fn auth_logout(app: &Arc<App>, p: &Packet, cch: &str, profiles: &[String])
                 log::info!("data plane: channel {cch} unbound from {src}");
             }
             let d = descriptor(app, cch, profiles).await;
-            Packet::answer(p, "auth.logout.ack")
-                .with_payload(obj([("status", s("ok")), ("connection_descriptor", d)]))
+            Packet::answer(p, "auth.logout.ack").with_payload(obj([("status", s("ok")), ("connection_descriptor", d)]))
         }
         Err(e) => {
             log::error!("data plane: cannot unbind {cch}: {e}");
-            Packet::answer(p, "auth.logout.ack").with_error(
-                code::TOOL_INVOKE_FAILED,
-                "cannot store the change right now",
-            )
+            Packet::answer(p, "auth.logout.ack")
+                .with_error(code::TOOL_INVOKE_FAILED, "cannot store the change right now")
         }
     }
 }
@@ -671,21 +589,14 @@ fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Send
     let app = app.clone();
     let p = p.clone();
     smol::spawn(async move {
-        let tool_id = json::get_str(&p.payload, "tool_id")
-            .unwrap_or_default()
-            .to_string();
-        let args: Object = json::get_obj(&p.payload, "arguments")
-            .cloned()
-            .unwrap_or_default();
+        let tool_id = json::get_str(&p.payload, "tool_id").unwrap_or_default().to_string();
+        let args: Object = json::get_obj(&p.payload, "arguments").cloned().unwrap_or_default();
         let call_id = json::get_obj(&p.payload, "context")
             .and_then(|c| json::get_str(c, "tool_call_id"))
             .filter(|c| !c.is_empty())
             .map(str::to_string);
         let (t, c) = (tool_id.clone(), cch.clone());
-        let outcome = blocking(&app, move |app| {
-            run_tool(app, &c, &t, &args, call_id.as_deref())
-        })
-        .await;
+        let outcome = blocking(&app, move |app| run_tool(app, &c, &t, &args, call_id.as_deref())).await;
         let ack = Packet::answer(&p, "tool.invoke.ack");
         let ack = match outcome {
             Ok(result) => ack.with_payload(obj([("tool_id", s(&tool_id)), ("result", result)])),
@@ -704,16 +615,8 @@ fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Send
     .detach();
 }
 
-fn run_tool(
-    app: &App,
-    cch: &str,
-    tool_id: &str,
-    args: &Object,
-    call_id: Option<&str>,
-) -> Result<Value, Failure> {
-    let storage = |e: crate::store::StoreError| {
-        Failure::new(code::TOOL_INVOKE_FAILED, format!("storage error: {e}"))
-    };
+fn run_tool(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&str>) -> Result<Value, Failure> {
+    let storage = |e: crate::store::StoreError| Failure::new(code::TOOL_INVOKE_FAILED, format!("storage error: {e}"));
     let rec = app.store.channel(cch).map_err(storage)?;
     let Some(source) = rec.and_then(|r| r.source) else {
         return Err(Failure::new(
@@ -726,19 +629,17 @@ fn run_tool(
     if let Some(k) = &key {
         if let Some(prev) = app.store.tool_result(k).map_err(storage)? {
             log::info!("data plane: {tool_id} call repeated; answering with the first result");
-            return json::parse(&prev).map_err(|_| {
-                Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable")
-            });
+            return json::parse(&prev)
+                .map_err(|_| Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable"));
         }
     }
     let idempotency_key = key.clone().unwrap_or_else(|| ids::token("call_"));
     let result = providers::invoke(app, &source, tool_id, args, &idempotency_key)?;
     if let Some(k) = &key {
-        if let Err(e) = app.store.save_tool_result(
-            k,
-            &json::to_string(&result),
-            ids::now_ms() + TOOL_RESULT_TTL_MS,
-        ) {
+        if let Err(e) = app
+            .store
+            .save_tool_result(k, &json::to_string(&result), ids::now_ms() + TOOL_RESULT_TTL_MS)
+        {
             log::error!("data plane: cannot remember result of {tool_id}: {e}");
         }
     }

@@ -24,8 +24,8 @@ const WORKER_STACK: usize = 256 * 1024;
 /// Starts the internal HTTP server on `socket` and its worker threads.
 pub fn start(app: Arc<App>, socket: &Path) -> Result<(), String> {
     let _ = std::fs::remove_file(socket);
-    let server = Server::http_unix(socket)
-        .map_err(|e| format!("cannot bind internal socket {}: {e}", socket.display()))?;
+    let server =
+        Server::http_unix(socket).map_err(|e| format!("cannot bind internal socket {}: {e}", socket.display()))?;
     let server = Arc::new(server);
     for i in 0..WORKERS {
         let (server, app) = (server.clone(), app.clone());
@@ -117,9 +117,7 @@ fn handle(app: &App, mut req: Request) {
     let path = route(app, req.url());
     let method = req.method().clone();
     let response = match (&method, path.as_str()) {
-        (Method::Get, "/connector-card.json") => {
-            json_response(200, &card::card(app.config.server.api_key.is_some()))
-        }
+        (Method::Get, "/connector-card.json") => json_response(200, &card::card(app.config.server.api_key.is_some())),
         (Method::Get, "/skill.md") => Response::from_data(card::SKILL.as_bytes().to_vec())
             .with_header(content_type("text/markdown; charset=utf-8")),
         (Method::Get, "/health") if authorized(app, &req) => json_response(200, &card::health()),

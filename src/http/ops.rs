@@ -67,14 +67,8 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
     Ok(obj([
         ("connector_id", s(&app.connector_id)),
         ("version", s(crate::protocol::card::VERSION)),
-        (
-            "dataplane",
-            obj([("connections", n(app.hub.connections() as u64))]),
-        ),
-        (
-            "outbox",
-            obj([("pending_bytes", n(app.store.total_bytes()?))]),
-        ),
+        ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
+        ("outbox", obj([("pending_bytes", n(app.store.total_bytes()?))])),
         (
             "policy",
             obj([
@@ -83,10 +77,7 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
                 ("max_bytes_per_channel", n(q.max_bytes_per_channel)),
                 ("max_bytes_total", n(q.max_bytes_total)),
                 ("overflow", s(q.overflow.as_str())),
-                (
-                    "cleanup_interval_ms",
-                    n(q.cleanup_interval.as_millis() as u64),
-                ),
+                ("cleanup_interval_ms", n(q.cleanup_interval.as_millis() as u64)),
             ]),
         ),
         (
@@ -140,15 +131,9 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     let mut out = String::new();
     let q = &app.config.queue;
     out.push_str("# TYPE imgate_dataplane_connections gauge\n");
-    out.push_str(&format!(
-        "imgate_dataplane_connections {}\n",
-        app.hub.connections()
-    ));
+    out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
     out.push_str("# TYPE imgate_outbox_bytes gauge\n");
-    out.push_str(&format!(
-        "imgate_outbox_bytes {}\n",
-        app.store.total_bytes()?
-    ));
+    out.push_str(&format!("imgate_outbox_bytes {}\n", app.store.total_bytes()?));
     out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");
     out.push_str(&format!("imgate_queue_ttl_seconds {}\n", q.ttl.as_secs()));
     out.push_str(&format!(
@@ -159,10 +144,7 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
         "imgate_queue_max_bytes_per_channel {}\n",
         q.max_bytes_per_channel
     ));
-    out.push_str(&format!(
-        "imgate_queue_max_bytes_total {}\n",
-        q.max_bytes_total
-    ));
+    out.push_str(&format!("imgate_queue_max_bytes_total {}\n", q.max_bytes_total));
     out.push_str(&format!(
         "imgate_queue_cleanup_interval_seconds {}\n",
         q.cleanup_interval.as_secs()

@@ -67,14 +67,7 @@ pub fn build(
             arr(tools.iter().map(|(id, st)| {
                 obj([
                     ("tool_id", s(*id)),
-                    (
-                        "status",
-                        s(if st.available {
-                            "available"
-                        } else {
-                            "unavailable"
-                        }),
-                    ),
+                    ("status", s(if st.available { "available" } else { "unavailable" })),
                     (
                         "target_permission_state",
                         s(if st.available { "granted" } else { "unknown" }),

@@ -184,16 +184,12 @@ impl Packet {
 
 /// Compares dotted versions numerically: "3.0" < "3.1" < "10.0".
 pub fn version_at_least(v: &str, floor: &str) -> bool {
-    let parse =
-        |s: &str| -> Option<Vec<u64>> { s.split('.').map(|p| p.trim().parse().ok()).collect() };
+    let parse = |s: &str| -> Option<Vec<u64>> { s.split('.').map(|p| p.trim().parse().ok()).collect() };
     match (parse(v), parse(floor)) {
         (Some(a), Some(b)) => {
             let len = a.len().max(b.len());
             let pad = |x: &Vec<u64>, i: usize| x.get(i).copied().unwrap_or(0);
-            (0..len)
-                .map(|i| pad(&a, i).cmp(&pad(&b, i)))
-                .find(|o| o.is_ne())
-                != Some(std::cmp::Ordering::Less)
+            (0..len).map(|i| pad(&a, i).cmp(&pad(&b, i))).find(|o| o.is_ne()) != Some(std::cmp::Ordering::Less)
         }
         _ => false,
     }

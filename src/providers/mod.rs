@@ -71,15 +71,7 @@ pub fn describe(app: &App, cch: &str, rec: &ChannelRecord, profiles: &[String]) 
             unbound_tools("channel is not bound yet"),
         ),
     };
-    descriptor::build(
-        CARD_ID,
-        &app.connector_id,
-        cch,
-        profiles,
-        status,
-        &target,
-        &tools,
-    )
+    descriptor::build(CARD_ID, &app.connector_id, cch, profiles, status, &target, &tools)
 }
 
 fn unbound_tools(reason: &str) -> Vec<(&'static str, ToolState)> {
@@ -101,13 +93,7 @@ pub fn authenticate(app: &App, flow_id: &str, input: &Object) -> Result<String, 
 }
 
 /// Runs a tool on a bound channel. `call_key` dedupes repeated calls (channel + tool_call_id).
-pub fn invoke(
-    app: &App,
-    source: &str,
-    tool_id: &str,
-    args: &Object,
-    idempotency_key: &str,
-) -> Result<Value, Failure> {
+pub fn invoke(app: &App, source: &str, tool_id: &str, args: &Object, idempotency_key: &str) -> Result<Value, Failure> {
     let text = || -> Result<&str, Failure> {
         json::get_str(args, "text")
             .filter(|t| !t.trim().is_empty())

@@ -40,19 +40,11 @@ fn answer(status: u16, pairs: Vec<(&str, Value)>) -> Answer {
 }
 
 fn invalid(detail: impl Into<String>) -> Answer {
-    answer(
-        400,
-        vec![("error", s("invalid_payload")), ("detail", s(detail))],
-    )
+    answer(400, vec![("error", s("invalid_payload")), ("detail", s(detail))])
 }
 
 /// Checks the sender: `Authorization: Bearer <secret>` or `X-Imgate-Signature: sha256=<hex>`.
-pub fn authorized(
-    hook: &Webhook,
-    authorization: Option<&str>,
-    signature: Option<&str>,
-    body: &[u8],
-) -> bool {
+pub fn authorized(hook: &Webhook, authorization: Option<&str>, signature: Option<&str>, body: &[u8]) -> bool {
     if let Some(token) = authorization.and_then(|a| a.strip_prefix("Bearer ")) {
         return ids::secret_eq(token.trim(), hook.secret.expose());
     }
@@ -128,19 +120,13 @@ pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
     let message_type = str_field("message_type")?.unwrap_or_else(|| "text".into());
     if message_type.is_empty()
         || message_type.len() > 32
-        || !message_type
-            .bytes()
-            .all(|c| c.is_ascii_lowercase() || c == b'_')
+        || !message_type.bytes().all(|c| c.is_ascii_lowercase() || c == b'_')
     {
-        return Err(
-            "`message_type` must be a short lowercase word such as text, image or file".into(),
-        );
+        return Err("`message_type` must be a short lowercase word such as text, image or file".into());
     }
     let event_time = match json::get(o, "event_time") {
         None => None,
-        Some(_) => {
-            Some(json::get_u64(o, "event_time").ok_or("`event_time` must be Unix milliseconds")?)
-        }
+        Some(_) => Some(json::get_u64(o, "event_time").ok_or("`event_time` must be Unix milliseconds")?),
     };
     Ok(Inbound {
         message_id: id_field("message_id", true)?.expect("required"),
@@ -167,32 +153,15 @@ pub fn redact(id: &str) -> String {
 }
 
 /// The `message.push` payload (IM profile v1 sections 5 and 6).
-fn render(
-    hook: &Webhook,
-    m: &Inbound,
-    reply_ref: Option<&str>,
-    accepted_at: u64,
-    expires_at: u64,
-) -> Value {
-    let sender = m
-        .sender_name
-        .clone()
-        .unwrap_or_else(|| redact(&m.sender_id));
-    let user_text = if m.text.is_empty() {
-        "none"
-    } else {
-        m.text.as_str()
-    };
+fn render(hook: &Webhook, m: &Inbound, reply_ref: Option<&str>, accepted_at: u64, expires_at: u64) -> Value {
+    let sender = m.sender_name.clone().unwrap_or_else(|| redact(&m.sender_id));
+    let user_text = if m.text.is_empty() { "none" } else { m.text.as_str() };
     let text = format!(
         "User message from {}:\nSender: {}\nConversation type: {}\nMessage type: {}\nUser text: {}",
         hook.label, sender, m.chat_type, m.message_type, user_text
     );
     let reply = reply_ref.map_or(Value::Null, |r| {
-        obj([
-            ("required", b(true)),
-            ("tool_id", s(TOOL_REPLY)),
-            ("reply_ref", s(r)),
-        ])
+        obj([("required", b(true)), ("tool_id", s(TOOL_REPLY)), ("reply_ref", s(r))])
     });
     obj([
         ("provider", s("webhook")),
@@ -224,13 +193,7 @@ fn render(
 }
 
 /// Handles `POST /hooks/NAME` once the body is read (size was checked by the HTTP layer).
-pub fn accept(
-    app: &App,
-    name: &str,
-    authorization: Option<&str>,
-    signature: Option<&str>,
-    body: &[u8],
-) -> Answer {
+pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Option<&str>, body: &[u8]) -> Answer {
     let Some(hook) = app.config.webhooks.get(name) else {
         return answer(404, vec![("error", s("unknown_endpoint"))]);
     };
@@ -252,10 +215,7 @@ pub fn accept(
             "webhook {name}: message {} is stale (event_time older than the ttl)",
             m.message_id
         );
-        return answer(
-            409,
-            vec![("error", s("stale")), ("message_id", s(&m.message_id))],
-        );
+        return answer(409, vec![("error", s("stale")), ("message_id", s(&m.message_id))]);
     }
     let source = source_of(name);
     let expires_at = now + ttl;
@@ -283,17 +243,11 @@ pub fn accept(
         Ok(Enqueued::Accepted { .. }) => {
             log::debug!("webhook {name}: accepted message {}", m.message_id);
             app.hub.notify_source(&app.store, &source);
-            answer(
-                202,
-                vec![("status", s("accepted")), ("message_id", s(&m.message_id))],
-            )
+            answer(202, vec![("status", s("accepted")), ("message_id", s(&m.message_id))])
         }
         Ok(Enqueued::Duplicate) => {
             log::debug!("webhook {name}: duplicate message {}", m.message_id);
-            answer(
-                200,
-                vec![("status", s("duplicate")), ("message_id", s(&m.message_id))],
-            )
+            answer(200, vec![("status", s("duplicate")), ("message_id", s(&m.message_id))])
         }
         Ok(Enqueued::CapacityExceeded) => answer(503, vec![("error", s("capacity_exceeded"))]),
         Err(e) => {
@@ -316,9 +270,7 @@ pub fn policy(app: &App) -> Policy {
 
 /// `webhook_binding`: the endpoint must exist and the secret must be that endpoint's.
 pub fn check_binding(app: &App, input: &Object) -> Result<String, Failure> {
-    let endpoint = json::get_str(input, "endpoint")
-        .map(str::trim)
-        .unwrap_or_default();
+    let endpoint = json::get_str(input, "endpoint").map(str::trim).unwrap_or_default();
     let secret = json::get_str(input, "secret").unwrap_or_default();
     if endpoint.is_empty() || secret.is_empty() {
         return Err(Failure::new(
@@ -344,18 +296,15 @@ pub fn send(
     reply_to_message_id: Option<&str>,
     idempotency_key: &str,
 ) -> Result<Value, Failure> {
-    let hook = app.config.webhooks.get(name).ok_or_else(|| {
-        Failure::new(
-            code::CHANNEL_UNAVAILABLE,
-            "the bound endpoint is no longer configured",
-        )
-    })?;
-    let url = hook.reply_url.as_deref().ok_or_else(|| {
-        Failure::new(
-            code::CHANNEL_UNAVAILABLE,
-            "this endpoint has no reply_url configured",
-        )
-    })?;
+    let hook = app
+        .config
+        .webhooks
+        .get(name)
+        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bound endpoint is no longer configured"))?;
+    let url = hook
+        .reply_url
+        .as_deref()
+        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "this endpoint has no reply_url configured"))?;
     let body = json::to_string(&obj([
         ("endpoint", s(name)),
         ("text", s(text)),
@@ -411,10 +360,8 @@ mod tests {
 
     #[test]
     fn body_parser_accepts_the_documented_fields() {
-        let m = parse_body(
-            br#"{"message_id":"m1","sender_id":42,"text":"hi","chat_type":"group","event_time":5}"#,
-        )
-        .unwrap();
+        let m = parse_body(br#"{"message_id":"m1","sender_id":42,"text":"hi","chat_type":"group","event_time":5}"#)
+            .unwrap();
         assert_eq!(m.sender_id, "42");
         assert_eq!(m.chat_type, "group");
         assert_eq!(m.message_type, "text");
@@ -429,10 +376,7 @@ mod tests {
             (br#"{"sender_id":"a"}"#, "message_id"),
             (br#"{"message_id":"m"}"#, "sender_id"),
             (br#"{"message_id":"m","sender_id":"a","text":5}"#, "text"),
-            (
-                br#"{"message_id":"m","sender_id":"a","chat_type":"room"}"#,
-                "chat_type",
-            ),
+            (br#"{"message_id":"m","sender_id":"a","chat_type":"room"}"#, "chat_type"),
             (
                 br#"{"message_id":"m","sender_id":"a","event_time":"now"}"#,
                 "event_time",

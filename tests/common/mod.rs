@@ -37,8 +37,7 @@ fn validator(name: &str) -> &'static jsonschema::Validator {
         )
     });
     let schema: Value = serde_json::from_str(&text).unwrap();
-    let v: &'static jsonschema::Validator =
-        Box::leak(Box::new(jsonschema::validator_for(&schema).unwrap()));
+    let v: &'static jsonschema::Validator = Box::leak(Box::new(jsonschema::validator_for(&schema).unwrap()));
     g.push((name.to_string(), v));
     v
 }
@@ -49,11 +48,7 @@ pub fn assert_valid(schema: &str, instance: &Value) {
         .iter_errors(instance)
         .map(|e| format!("{e} at {}", e.instance_path()))
         .collect();
-    assert!(
-        errors.is_empty(),
-        "{schema} rejects {instance}:\n{}",
-        errors.join("\n")
-    );
+    assert!(errors.is_empty(), "{schema} rejects {instance}:\n{}", errors.join("\n"));
 }
 
 pub fn assert_card(card: &Value) {
@@ -82,11 +77,7 @@ pub fn assert_no_secret(text: &str, secrets: &[&str], what: &str) {
 // ---------- the daemon ----------
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 pub fn temp_dir(tag: &str) -> PathBuf {
@@ -109,6 +100,7 @@ pub struct Daemon {
     pub dir: PathBuf,
     pub config: PathBuf,
     pub log: Arc<Mutex<String>>,
+    pub rust_log: String,
 }
 
 pub const API_KEY: &str = "test-api-key-7f3a";
@@ -116,9 +108,7 @@ pub const HOOK_SECRET: &str = "hook-secret-91bc";
 
 /// A config with an API key, one webhook endpoint `alerts` (with `reply_url` when given) and `extra`.
 pub fn config_text(port: u16, dir: &Path, reply_url: Option<&str>, extra: &str) -> String {
-    let reply = reply_url
-        .map(|u| format!("reply_url = {u}\n"))
-        .unwrap_or_default();
+    let reply = reply_url.map(|u| format!("reply_url = {u}\n")).unwrap_or_default();
     format!(
         "[server]\nlisten = 127.0.0.1:{port}\napi_key = {API_KEY}\nstate_dir = {}\nlog_level = debug\n\n\
          [webhook.alerts]\nsecret = {HOOK_SECRET}\nlabel = Alerts\n{reply}\n{extra}",
@@ -128,6 +118,11 @@ pub fn config_text(port: u16, dir: &Path, reply_url: Option<&str>, extra: &str) 
 
 impl Daemon {
     pub fn start(dir: &Path, config: &str) -> Daemon {
+        Self::start_logging(dir, config, "trace")
+    }
+
+    /// Like `start` with another `RUST_LOG` (benchmarks measure imgate, not its trace log).
+    pub fn start_logging(dir: &Path, config: &str, rust_log: &str) -> Daemon {
         let path = dir.join("imgate.conf");
         std::fs::write(&path, config).unwrap();
         let port = config
@@ -135,30 +130,26 @@ impl Daemon {
             .find_map(|l| l.trim().strip_prefix("listen = 127.0.0.1:"))
             .and_then(|p| p.trim().parse().ok())
             .expect("test configs listen on 127.0.0.1:PORT");
-        Self::spawn(dir, path, port)
+        Self::spawn(dir, path, port, rust_log)
     }
 
     /// Starts again on the same config and state (after `kill`).
     pub fn restart(self) -> Daemon {
-        let (dir, config, port, log) = (
-            self.dir.clone(),
-            self.config.clone(),
-            self.port,
-            self.log.clone(),
-        );
+        let (dir, config, port, log) = (self.dir.clone(), self.config.clone(), self.port, self.log.clone());
+        let rust_log = self.rust_log.clone();
         drop(self);
-        let d = Self::spawn(&dir, config, port);
+        let d = Self::spawn(&dir, config, port, &rust_log);
         let old = log.lock().unwrap().clone();
         d.log.lock().unwrap().insert_str(0, &old);
         d
     }
 
-    fn spawn(dir: &Path, config: PathBuf, port: u16) -> Daemon {
+    fn spawn(dir: &Path, config: PathBuf, port: u16, rust_log: &str) -> Daemon {
         let mut child = Command::new(bin())
             .args(["run", "--config"])
             .arg(&config)
             .env_remove("RUST_LOG")
-            .env("RUST_LOG", "trace")
+            .env("RUST_LOG", rust_log)
             .env_remove("IMGATE_CONFIG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -181,9 +172,14 @@ impl Daemon {
             dir: dir.to_path_buf(),
             config,
             log,
+            rust_log: rust_log.to_string(),
         };
         d.wait_ready();
         d
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     fn wait_ready(&self) {
@@ -194,11 +190,7 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!(
-            "imgate did not listen on {} in time; log:\n{}",
-            self.port,
-            self.log()
-        );
+        panic!("imgate did not listen on {} in time; log:\n{}", self.port, self.log());
     }
 
     pub fn log(&self) -> String {
@@ -308,8 +300,7 @@ impl ReplyReceiver {
                     .map(|h| h.value.to_string());
                 let _ = tx.send(Outbound { signature, body });
                 let answer = json!({"message_id": format!("out-{n}")}).to_string();
-                let _ =
-                    req.respond(tiny_http::Response::from_string(answer).with_status_code(status));
+                let _ = req.respond(tiny_http::Response::from_string(answer).with_status_code(status));
             }
         });
         ReplyReceiver {
@@ -340,9 +331,7 @@ impl Sim {
     }
 
     pub fn from_ws(ws: WebSocket<TcpStream>) -> Sim {
-        ws.get_ref()
-            .set_read_timeout(Some(Duration::from_millis(200)))
-            .unwrap();
+        ws.get_ref().set_read_timeout(Some(Duration::from_millis(200))).unwrap();
         Sim {
             ws,
             n: 0,
@@ -377,9 +366,7 @@ impl Sim {
     }
 
     pub fn send_raw(&mut self, text: &str) {
-        self.ws
-            .send(Message::text(text.to_string()))
-            .expect("send to imgate");
+        self.ws.send(Message::text(text.to_string())).expect("send to imgate");
     }
 
     /// The next packet from imgate, answering pings on the way; `None` after `timeout`.
@@ -409,8 +396,7 @@ impl Sim {
                 Ok(Message::Close(_)) => return None,
                 Ok(_) => {}
                 Err(tungstenite::Error::Io(e))
-                    if e.kind() == std::io::ErrorKind::WouldBlock
-                        || e.kind() == std::io::ErrorKind::TimedOut =>
+                    if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut =>
                 {
                     if Instant::now() >= deadline {
                         return None;
@@ -467,10 +453,7 @@ impl Sim {
     pub fn open(&mut self, cch: Option<&str>) -> (String, Value) {
         let a = self.request("channel.open", cch, json!({}));
         assert_eq!(a["type"], "channel.open.ack", "{a}");
-        let cch = a["payload"]["connector_channel_id"]
-            .as_str()
-            .unwrap()
-            .to_string();
+        let cch = a["payload"]["connector_channel_id"].as_str().unwrap().to_string();
         assert_eq!(a["connector_channel_id"], json!(cch));
         (cch, a)
     }
@@ -520,22 +503,15 @@ impl Sim {
 }
 
 /// A raw upgrade attempt: `Err` carries the HTTP status imgate answered.
-pub fn try_connect(
-    port: u16,
-    api_key: Option<&str>,
-    protocol: Option<&str>,
-) -> Result<WebSocket<TcpStream>, u16> {
+pub fn try_connect(port: u16, api_key: Option<&str>, protocol: Option<&str>) -> Result<WebSocket<TcpStream>, u16> {
     use tungstenite::client::IntoClientRequest;
-    let mut req = format!("ws://127.0.0.1:{port}/ws")
-        .into_client_request()
-        .unwrap();
+    let mut req = format!("ws://127.0.0.1:{port}/ws").into_client_request().unwrap();
     if let Some(k) = api_key {
         req.headers_mut()
             .insert("Authorization", format!("Bearer {k}").parse().unwrap());
     }
     if let Some(p) = protocol {
-        req.headers_mut()
-            .insert("Sec-WebSocket-Protocol", p.parse().unwrap());
+        req.headers_mut().insert("Sec-WebSocket-Protocol", p.parse().unwrap());
     }
     let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     match tungstenite::client(req, stream) {
@@ -551,9 +527,7 @@ pub fn try_connect(
             );
             Ok(ws)
         }
-        Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(resp))) => {
-            Err(resp.status().as_u16())
-        }
+        Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(resp))) => Err(resp.status().as_u16()),
         Err(e) => panic!("unexpected handshake error: {e}"),
     }
 }
@@ -584,8 +558,7 @@ pub fn accept_dial(listener: &TcpListener) -> (Sim, Option<String>) {
             .insert("Sec-WebSocket-Protocol", SUBPROTOCOL.parse().unwrap());
         Ok(resp)
     };
-    let ws =
-        tungstenite::accept_hdr(stream, callback).expect("imgate completes the dial handshake");
+    let ws = tungstenite::accept_hdr(stream, callback).expect("imgate completes the dial handshake");
     let auth = auth.lock().unwrap().clone();
     (Sim::from_ws(ws), auth)
 }
