@@ -13,11 +13,13 @@
 //! - A message leaves the queue in exactly three ways, each counted and logged: delivered (a
 //!   `pong` answered a `ping` sent after its push), expired, or evicted (`capacity_exceeded`).
 //!   Expired and evicted messages take their reply reference with them.
-//! - `COUNTERS.pending/pending_bytes` and `TOTALS` always equal what `MESSAGES` holds: every
-//!   change to `MESSAGES` updates them in the same transaction. Bytes are stored record sizes.
+//! - `COUNTERS.pending/pending_bytes` always equal what `MESSAGES` holds for that source: every
+//!   change to `MESSAGES` updates them in the same transaction. Bytes are stored record sizes;
+//!   the total over all sources is their sum (few sources, so no table of its own to rewrite).
 //! - Dedupe entries live until the message's `expires_at`, so a sender retry within the TTL is
 //!   answered `duplicate` even after delivery; the sweep removes them afterwards.
 
+use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::mpsc;
 use std::sync::Mutex;
 
@@ -33,18 +35,16 @@ const MESSAGES: TableDefinition<(&str, u64), &str> = TableDefinition::new("messa
 const DEDUPE: TableDefinition<(&str, &str), u64> = TableDefinition::new("dedupe");
 /// source → `Counters` JSON.
 const COUNTERS: TableDefinition<&str, &str> = TableDefinition::new("counters");
-/// `"pending_bytes"` → bytes held over all sources.
-const TOTALS: TableDefinition<&str, u64> = TableDefinition::new("totals");
-const TOTAL_KEY: &str = "pending_bytes";
 
 /// Most enqueues folded into one transaction.
 const MAX_GROUP: usize = 256;
+/// How long the committer may wait for enqueues that announced themselves (see `Intent`).
+const LINGER: std::time::Duration = std::time::Duration::from_micros(1500);
 
 pub(crate) fn create_tables(txn: &WriteTransaction) -> Result<()> {
     txn.open_table(MESSAGES)?;
     txn.open_table(DEDUPE)?;
     txn.open_table(COUNTERS)?;
-    txn.open_table(TOTALS)?;
     Ok(())
 }
 
@@ -120,6 +120,20 @@ struct Job {
 pub(crate) struct Committer {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    intents: std::sync::Arc<AtomicUsize>,
+    /// Group commits made and messages they carried, for `/metrics`.
+    stats: std::sync::Arc<(AtomicUsize, AtomicUsize)>,
+}
+
+/// An enqueue on its way (its request is being parsed). While any exist, the committer lingers
+/// briefly so their messages share its commit: one fsync for many senders. Unannounced
+/// enqueues never wait.
+pub struct Intent(std::sync::Arc<AtomicUsize>);
+
+impl Drop for Intent {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, AtomicOrdering::SeqCst);
+    }
 }
 
 impl Drop for Committer {
@@ -139,17 +153,40 @@ impl Store {
     /// Starts the committer thread; called once by `Store::open`.
     pub(crate) fn start_committer(db: std::sync::Arc<redb::Database>) -> Committer {
         let (tx, rx) = mpsc::channel::<Job>();
+        let intents = std::sync::Arc::new(AtomicUsize::new(0));
+        let announced = intents.clone();
+        let stats = std::sync::Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+        let counted = stats.clone();
         let thread = std::thread::Builder::new()
             .name("outbox-commit".into())
             .spawn(move || {
+                let mut last_group = 1usize;
                 while let Ok(first) = rx.recv() {
                     let mut jobs = vec![first];
+                    let deadline = std::time::Instant::now() + LINGER;
                     while jobs.len() < MAX_GROUP {
                         match rx.try_recv() {
                             Ok(j) => jobs.push(j),
-                            Err(_) => break,
+                            Err(mpsc::TryRecvError::Disconnected) => break,
+                            Err(mpsc::TryRecvError::Empty) => {
+                                // Jobs in the group still hold their intents.
+                                let coming = announced.load(AtomicOrdering::SeqCst).saturating_sub(jobs.len());
+                                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                                // Concurrency seen in the last group is expected to go on.
+                                let expected = coming.max(last_group.saturating_sub(jobs.len()));
+                                if expected == 0 || left.is_zero() {
+                                    break;
+                                }
+                                match rx.recv_timeout(left) {
+                                    Ok(j) => jobs.push(j),
+                                    Err(_) => break,
+                                }
+                            }
                         }
                     }
+                    last_group = jobs.len();
+                    counted.0.fetch_add(1, AtomicOrdering::Relaxed);
+                    counted.1.fetch_add(jobs.len(), AtomicOrdering::Relaxed);
                     commit_group(&db, jobs);
                 }
             })
@@ -157,7 +194,21 @@ impl Store {
         Committer {
             tx: Mutex::new(Some(tx)),
             thread: Some(thread),
+            intents,
+            stats,
         }
+    }
+
+    /// `(group commits, messages carried)` since start.
+    pub fn commit_stats(&self) -> (u64, u64) {
+        let s = &self.committer.stats;
+        (s.0.load(AtomicOrdering::Relaxed) as u64, s.1.load(AtomicOrdering::Relaxed) as u64)
+    }
+
+    /// Announces an enqueue that will follow shortly (hold it until `enqueue` returns).
+    pub fn intent(&self) -> Intent {
+        self.committer.intents.fetch_add(1, AtomicOrdering::SeqCst);
+        Intent(self.committer.intents.clone())
     }
 
     /// Accepts a message durably (the call returns after the commit), answers `Duplicate`, or
@@ -216,7 +267,6 @@ impl Store {
                 c.pending = c.pending.saturating_sub(n);
                 c.pending_bytes = c.pending_bytes.saturating_sub(freed);
             })?;
-            add_total(&txn, -(freed as i64))?;
         }
         txn.commit()?;
         Ok(n)
@@ -245,7 +295,6 @@ impl Store {
                 c.pending_bytes = c.pending_bytes.saturating_add_signed(delta);
                 c.last_error = Some(error.to_string());
             })?;
-            add_total(&txn, delta)?;
         }
         txn.commit()?;
         Ok(())
@@ -276,9 +325,7 @@ impl Store {
 
     /// Bytes held by the outbox over all sources.
     pub fn total_bytes(&self) -> Result<u64> {
-        let t = self.db.begin_read()?.open_table(TOTALS)?;
-        let v = t.get(TOTAL_KEY)?.map_or(0, |v| v.value());
-        Ok(v)
+        Ok(self.stats()?.iter().map(|(_, c)| c.pending_bytes).sum())
     }
 }
 
@@ -367,7 +414,6 @@ fn enqueue_in(txn: &WriteTransaction, m: &NewMessage, policy: Policy) -> Result<
         // drop_oldest: evict this source's oldest pending messages until the new one fits.
         let mut messages = txn.open_table(MESSAGES)?;
         let mut refs = txn.open_table(REPLY_REFS)?;
-        let mut freed = 0;
         while !fits(&counters, total) {
             let head = messages
                 .range((src, 0)..=(src, u64::MAX))?
@@ -385,13 +431,11 @@ fn enqueue_in(txn: &WriteTransaction, m: &NewMessage, policy: Policy) -> Result<
             counters.pending = counters.pending.saturating_sub(1);
             counters.pending_bytes = counters.pending_bytes.saturating_sub(bytes);
             total = total.saturating_sub(bytes);
-            freed += bytes;
             evicted += 1;
         }
         drop((messages, refs));
         counters.evicted += evicted;
         put_counters(txn, src, &counters)?;
-        add_total(txn, -(freed as i64))?;
         if evicted > 0 {
             log::warn!("outbox: {src}: evicted {evicted} oldest pending message(s): capacity_exceeded");
         }
@@ -423,7 +467,6 @@ fn enqueue_in(txn: &WriteTransaction, m: &NewMessage, policy: Policy) -> Result<
         c.pending += 1;
         c.pending_bytes += size;
     })?;
-    add_total(txn, size as i64)?;
     Ok(Enqueued::Accepted {
         expires_at: m.expires_at,
         evicted,
@@ -498,7 +541,6 @@ fn remove_expired(txn: &WriteTransaction, src: &str, gone: Vec<(u64, usize, Opti
         c.pending = c.pending.saturating_sub(n);
         c.pending_bytes = c.pending_bytes.saturating_sub(freed);
     })?;
-    add_total(txn, -(freed as i64))?;
     log::warn!("outbox: {src}: {n} message(s) expired undelivered");
     Ok(n)
 }
@@ -525,18 +567,13 @@ fn bump(txn: &WriteTransaction, src: &str, f: impl FnOnce(&mut Counters)) -> Res
 }
 
 fn total_of(txn: &WriteTransaction) -> Result<u64> {
-    let t = txn.open_table(TOTALS)?;
-    let v = t.get(TOTAL_KEY)?.map_or(0, |v| v.value());
-    Ok(v)
-}
-
-fn add_total(txn: &WriteTransaction, delta: i64) -> Result<()> {
-    if delta == 0 {
-        return Ok(());
+    let t = txn.open_table(COUNTERS)?;
+    let mut total = 0;
+    for row in t.iter()? {
+        let (_, v) = row?;
+        total += miniserde::json::from_str::<Counters>(v.value()).map_or(0, |c| c.pending_bytes);
     }
-    let v = total_of(txn)?.saturating_add_signed(delta);
-    txn.open_table(TOTALS)?.insert(TOTAL_KEY, v)?;
-    Ok(())
+    Ok(total)
 }
 
 #[cfg(test)]

@@ -42,6 +42,8 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, backend: PathBuf, prefi
                 continue;
             }
         };
+        // Packets and answers are small writes; Nagle's delay would add ~40 ms to each.
+        let _ = stream.set_nodelay(true);
         let max = app.config.server.max_connections;
         if active.fetch_add(1, Ordering::SeqCst) >= max {
             active.fetch_sub(1, Ordering::SeqCst);

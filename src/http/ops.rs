@@ -134,6 +134,11 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
     out.push_str("# TYPE imgate_outbox_bytes gauge\n");
     out.push_str(&format!("imgate_outbox_bytes {}\n", app.store.total_bytes()?));
+    let (commits, grouped) = app.store.commit_stats();
+    out.push_str("# TYPE imgate_outbox_commits_total counter\n");
+    out.push_str(&format!("imgate_outbox_commits_total {commits}\n"));
+    out.push_str("# TYPE imgate_outbox_committed_messages_total counter\n");
+    out.push_str(&format!("imgate_outbox_committed_messages_total {grouped}\n"));
     out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");
     out.push_str(&format!("imgate_queue_ttl_seconds {}\n", q.ttl.as_secs()));
     out.push_str(&format!(

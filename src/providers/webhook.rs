@@ -201,6 +201,8 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
         log::info!("webhook {name}: rejected a request with a missing or wrong secret/signature");
         return answer(401, vec![("error", s("unauthorized"))]);
     }
+    // From here on this request will most likely enqueue: let the committer group it.
+    let _intent = app.store.intent();
     let m = match parse_body(body) {
         Ok(m) => m,
         Err(detail) => {

@@ -514,6 +514,7 @@ pub fn try_connect(port: u16, api_key: Option<&str>, protocol: Option<&str>) -> 
         req.headers_mut().insert("Sec-WebSocket-Protocol", p.parse().unwrap());
     }
     let stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_nodelay(true).unwrap(); // as xAgent's own client does
     match tungstenite::client(req, stream) {
         Ok((ws, resp)) => {
             let proto = resp
@@ -536,6 +537,7 @@ pub fn try_connect(port: u16, api_key: Option<&str>, protocol: Option<&str>) -> 
 /// subprotocol and returning the Authorization header imgate sent.
 pub fn accept_dial(listener: &TcpListener) -> (Sim, Option<String>) {
     let (stream, _) = listener.accept().unwrap();
+    stream.set_nodelay(true).unwrap();
     let auth = Arc::new(Mutex::new(None));
     let seen = auth.clone();
     #[allow(clippy::result_large_err)] // tungstenite fixes the callback's error type
