@@ -33,6 +33,17 @@ impl App {
         }))
     }
 
+    /// The outbox caps from `[queue]`.
+    pub fn policy(&self) -> crate::outbox::Policy {
+        let q = &self.config.queue;
+        crate::outbox::Policy {
+            max_messages_per_channel: q.max_messages_per_channel,
+            max_bytes_per_channel: q.max_bytes_per_channel,
+            max_bytes_total: q.max_bytes_total,
+            overflow: q.overflow,
+        }
+    }
+
     pub fn ttl_ms(&self) -> u64 {
         self.config.queue.ttl.as_millis() as u64
     }

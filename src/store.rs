@@ -60,6 +60,7 @@ struct ToolCall {
 
 pub struct Store {
     pub(crate) db: std::sync::Arc<Database>,
+    pub(crate) outbox: std::sync::Arc<crate::outbox::Shared>,
     pub(crate) committer: crate::outbox::Committer,
 }
 
@@ -84,8 +85,8 @@ impl Store {
         }
         txn.commit()?;
         let db = std::sync::Arc::new(db);
-        let committer = Store::start_committer(db.clone());
-        Ok(Store { db, committer })
+        let (outbox, committer) = Store::start_outbox(db.clone())?;
+        Ok(Store { db, outbox, committer })
     }
 
     /// The persistent `connector_id`, created on first use and then never changed.

@@ -68,9 +68,15 @@ fn post_load(d: &Daemon, senders: usize, per_sender: usize, text: &str, tag: &st
 fn commits(d: &Daemon) -> (u64, u64) {
     let (_, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
     let get = |name: &str| {
-        text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
     };
-    (get("imgate_outbox_commits_total "), get("imgate_outbox_committed_messages_total "))
+    (
+        get("imgate_outbox_commits_total "),
+        get("imgate_outbox_committed_messages_total "),
+    )
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -78,14 +84,17 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 fn pending(d: &Daemon) -> u64 {
-    get_json(&d.url("/status"))["channels"][0]["pending"].as_u64().unwrap_or(0)
+    get_json(&d.url("/status"))["channels"][0]["pending"]
+        .as_u64()
+        .unwrap_or(0)
 }
 
 #[test]
 #[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture"]
 fn bench_outbox_and_data_plane() {
     let dir = temp_dir("bench");
-    let queue = "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 512MiB\nmax_bytes_total = 512MiB\n";
+    let queue =
+        "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 512MiB\nmax_bytes_total = 512MiB\n";
     let d = Daemon::start_logging(&dir, &config_text(free_port(), &dir, None, queue), "warn");
     let pid = d.pid();
     let mut figures: Vec<(String, String)> = Vec::new();
@@ -102,9 +111,15 @@ fn bench_outbox_and_data_plane() {
     x.hello("");
     let (cch, _) = x.open(None);
     x.bind_webhook(&cch, "alerts", HOOK_SECRET);
-    let connector_id = get_json(&d.url("/status"))["connector_id"].as_str().unwrap().to_string();
+    let connector_id = get_json(&d.url("/status"))["connector_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     std::thread::sleep(Duration::from_secs(2));
-    fig("peak RSS idle, one bound channel (VmHWM)", format!("{} KiB", hwm_kib(pid)));
+    fig(
+        "peak RSS idle, one bound channel (VmHWM)",
+        format!("{} KiB", hwm_kib(pid)),
+    );
     x.close();
     std::thread::sleep(Duration::from_millis(200));
 
@@ -113,14 +128,23 @@ fn bench_outbox_and_data_plane() {
     let rate1 = post_load(&d, 1, 2000, "hello", "one");
     let w1 = written(pid);
     fig("accepted/s, 1 sender (202 after commit)", format!("{rate1:.0}"));
-    fig("disk bytes written per message, 1 sender", format!("{}", (w1 - w0) / 2000));
+    fig(
+        "disk bytes written per message, 1 sender",
+        format!("{}", (w1 - w0) / 2000),
+    );
     let (c0, m0) = commits(&d);
     let rate16 = post_load(&d, 16, 500, "hello", "sixteen");
     let w2 = written(pid);
     let (c1, m1) = commits(&d);
-    fig("messages per group commit, 16 senders", format!("{:.1}", (m1 - m0) as f64 / (c1 - c0).max(1) as f64));
+    fig(
+        "messages per group commit, 16 senders",
+        format!("{:.1}", (m1 - m0) as f64 / (c1 - c0).max(1) as f64),
+    );
     fig("accepted/s, 16 senders (group commit)", format!("{rate16:.0}"));
-    fig("disk bytes written per message, 16 senders", format!("{}", (w2 - w1) / 8000));
+    fig(
+        "disk bytes written per message, 16 senders",
+        format!("{}", (w2 - w1) / 8000),
+    );
 
     // Delivery of the 10,000-message backlog.
     let backlog = pending(&d);
@@ -139,7 +163,10 @@ fn bench_outbox_and_data_plane() {
         y.recv_within(Duration::from_millis(20));
     }
     let secs = start.elapsed().as_secs_f64();
-    fig("delivered/s (backlog, push + ping/pong + commit)", format!("{:.0} ({got} messages)", got as f64 / secs));
+    fig(
+        "delivered/s (backlog, push + ping/pong + commit)",
+        format!("{:.0} ({got} messages)", got as f64 / secs),
+    );
 
     // End-to-end latency POST -> message.push, one message at a time.
     let arrivals: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
@@ -176,11 +203,19 @@ fn bench_outbox_and_data_plane() {
     stop.store(true, Ordering::SeqCst);
     let y = receiver.join().unwrap();
     let arrivals = arrivals.lock().unwrap();
-    let mut lat: Vec<Duration> = sent.iter().filter_map(|(id, t)| arrivals.get(id).map(|a| *a - *t)).collect();
+    let mut lat: Vec<Duration> = sent
+        .iter()
+        .filter_map(|(id, t)| arrivals.get(id).map(|a| *a - *t))
+        .collect();
     lat.sort();
     fig(
         "latency POST -> message.push p50 / p99",
-        format!("{:.2} ms / {:.2} ms ({} samples)", ms(percentile(&lat, 0.5)), ms(percentile(&lat, 0.99)), lat.len()),
+        format!(
+            "{:.2} ms / {:.2} ms ({} samples)",
+            ms(percentile(&lat, 0.5)),
+            ms(percentile(&lat, 0.99)),
+            lat.len()
+        ),
     );
     y.close();
     std::thread::sleep(Duration::from_millis(200));
@@ -193,8 +228,13 @@ fn bench_outbox_and_data_plane() {
         rounds += 1;
     }
     let bytes = get_json(&d.url("/status"))["outbox"]["pending_bytes"].as_u64().unwrap();
-    fig("peak RSS while filling a 50 MiB backlog", format!("{} KiB ({} MiB held)", hwm_kib(pid), bytes >> 20));
-    let db = std::fs::metadata(dir.join("state/imgate.redb")).map(|m| m.len()).unwrap_or(0);
+    fig(
+        "peak RSS while filling a 50 MiB backlog",
+        format!("{} KiB ({} MiB held)", hwm_kib(pid), bytes >> 20),
+    );
+    let db = std::fs::metadata(dir.join("state/imgate.redb"))
+        .map(|m| m.len())
+        .unwrap_or(0);
     fig("database file with the backlog", format!("{} MiB", db >> 20));
 
     // Restart onto the backlog.
@@ -202,9 +242,15 @@ fn bench_outbox_and_data_plane() {
     d.kill();
     let t = Instant::now();
     let d = d.restart();
-    fig("restart to listening with the 50 MiB backlog", format!("{:.0} ms", ms(t.elapsed())));
+    fig(
+        "restart to listening with the 50 MiB backlog",
+        format!("{:.0} ms", ms(t.elapsed())),
+    );
     std::thread::sleep(Duration::from_secs(2));
-    fig("peak RSS after restart, backlog held, idle", format!("{} KiB", hwm_kib(d.pid())));
+    fig(
+        "peak RSS after restart, backlog held, idle",
+        format!("{} KiB", hwm_kib(d.pid())),
+    );
 
     println!("\nfigures:");
     for (k, v) in &figures {

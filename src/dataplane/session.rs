@@ -209,7 +209,7 @@ async fn deliver_loop(
             for (cch, source, pending) in batches {
                 let mut seqs = Vec::with_capacity(pending.len());
                 for p in pending {
-                    let payload = json::parse(&p.message.payload).unwrap_or_else(|_| obj([]));
+                    let payload = providers::render_push(&app, &source, &p.message);
                     let packet = Packet::new("message.push").with_channel(&cch).with_payload(payload);
                     if out.send(Outgoing::Packet(packet)).await.is_err() {
                         return;
@@ -252,7 +252,7 @@ async fn deliver_loop(
             let done = round.clone();
             blocking(&app, move |app| {
                 for (source, seqs) in done {
-                    if let Err(e) = app.store.mark_delivered(&source, &seqs) {
+                    if let Err(e) = app.store.mark_delivered(&source, &seqs, app.policy()) {
                         log::error!("outbox: cannot record delivery for {source}: {e}");
                     }
                 }

@@ -68,7 +68,7 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
         ("connector_id", s(&app.connector_id)),
         ("version", s(crate::protocol::card::VERSION)),
         ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
-        ("outbox", obj([("pending_bytes", n(app.store.total_bytes()?))])),
+        ("outbox", obj([("pending_bytes", n(app.store.total_bytes()))])),
         (
             "policy",
             obj([
@@ -133,7 +133,7 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     out.push_str("# TYPE imgate_dataplane_connections gauge\n");
     out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
     out.push_str("# TYPE imgate_outbox_bytes gauge\n");
-    out.push_str(&format!("imgate_outbox_bytes {}\n", app.store.total_bytes()?));
+    out.push_str(&format!("imgate_outbox_bytes {}\n", app.store.total_bytes()));
     let (commits, grouped) = app.store.commit_stats();
     out.push_str("# TYPE imgate_outbox_commits_total counter\n");
     out.push_str(&format!("imgate_outbox_commits_total {commits}\n"));

@@ -81,6 +81,17 @@ fn unbound_tools(reason: &str) -> Vec<(&'static str, ToolState)> {
     ]
 }
 
+/// The wire payload of a stored message of `source`.
+pub fn render_push(app: &App, source: &str, stored: &crate::outbox::StoredMessage) -> Value {
+    match webhook::endpoint_of(source) {
+        Some(name) => webhook::render_push(app, name, stored),
+        None => {
+            log::error!("outbox: message of unknown source {source}");
+            json::obj([])
+        }
+    }
+}
+
 /// Runs an auth flow for `cch`. On success returns the source now bound to the channel.
 pub fn authenticate(app: &App, flow_id: &str, input: &Object) -> Result<String, Failure> {
     match flow_id {

@@ -10,7 +10,7 @@ use crate::app::App;
 use crate::config::Webhook;
 use crate::ids;
 use crate::json::{self, b, obj, opt_s, s, strs, Object, Value};
-use crate::outbox::{Enqueued, NewMessage, Policy};
+use crate::outbox::{Enqueued, NewMessage, StoredMessage};
 use crate::protocol::{code, PROFILE, SKILL_NAME, TOOL_REPLY, TOOL_SEND};
 use crate::store::ReplyRef;
 
@@ -72,8 +72,8 @@ fn unhex(h: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// A validated inbound message.
-#[derive(Debug, PartialEq)]
+/// A validated inbound message; stored as is in the outbox and rendered at push time.
+#[derive(Debug, PartialEq, miniserde::Serialize, miniserde::Deserialize)]
 pub struct Inbound {
     pub message_id: String,
     pub sender_id: String,
@@ -152,13 +152,27 @@ pub fn redact(id: &str) -> String {
     }
 }
 
-/// The `message.push` payload (IM profile v1 sections 5 and 6).
-fn render(hook: &Webhook, m: &Inbound, reply_ref: Option<&str>, accepted_at: u64, expires_at: u64) -> Value {
+/// The `message.push` payload of a stored message (IM profile v1 sections 5 and 6).
+pub fn render_push(app: &App, name: &str, stored: &StoredMessage) -> Value {
+    let Ok(m) = miniserde::json::from_str::<Inbound>(&stored.payload) else {
+        log::error!(
+            "webhook {name}: stored message {} is unreadable",
+            stored.header.message_id
+        );
+        return obj([]);
+    };
+    // The label as configured now; an endpoint removed since acceptance keeps its name.
+    let label = app.config.webhooks.get(name).map_or(name, |h| h.label.as_str());
+    let h = &stored.header;
+    render(label, &m, h.reply_ref.as_deref(), h.accepted_at, h.expires_at)
+}
+
+fn render(label: &str, m: &Inbound, reply_ref: Option<&str>, accepted_at: u64, expires_at: u64) -> Value {
     let sender = m.sender_name.clone().unwrap_or_else(|| redact(&m.sender_id));
     let user_text = if m.text.is_empty() { "none" } else { m.text.as_str() };
     let text = format!(
         "User message from {}:\nSender: {}\nConversation type: {}\nMessage type: {}\nUser text: {}",
-        hook.label, sender, m.chat_type, m.message_type, user_text
+        label, sender, m.chat_type, m.message_type, user_text
     );
     let reply = reply_ref.map_or(Value::Null, |r| {
         obj([("required", b(true)), ("tool_id", s(TOOL_REPLY)), ("reply_ref", s(r))])
@@ -168,7 +182,7 @@ fn render(hook: &Webhook, m: &Inbound, reply_ref: Option<&str>, accepted_at: u64
         ("profile", s(PROFILE)),
         ("event_kind", s("im.message.received")),
         ("message_id", s(&m.message_id)),
-        ("source", s(&hook.label)),
+        ("source", s(label)),
         ("sender_id", s(&m.sender_id)),
         ("sender_name", s(&sender)),
         ("display_name", s(&sender)),
@@ -201,8 +215,6 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
         log::info!("webhook {name}: rejected a request with a missing or wrong secret/signature");
         return answer(401, vec![("error", s("unauthorized"))]);
     }
-    // From here on this request will most likely enqueue: let the committer group it.
-    let _intent = app.store.intent();
     let m = match parse_body(body) {
         Ok(m) => m,
         Err(detail) => {
@@ -222,7 +234,7 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
     let source = source_of(name);
     let expires_at = now + ttl;
     let reply_ref = hook.reply_url.as_ref().map(|_| ids::token("rr_"));
-    let payload = json::to_string(&render(hook, &m, reply_ref.as_deref(), now, expires_at));
+    let payload = miniserde::json::to_string(&m);
     let message = NewMessage {
         source: source.clone(),
         message_id: m.message_id.clone(),
@@ -241,7 +253,7 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
         accepted_at: now,
         expires_at,
     };
-    match app.store.enqueue(message, policy(app)) {
+    match app.store.enqueue(message, app.policy()) {
         Ok(Enqueued::Accepted { .. }) => {
             log::debug!("webhook {name}: accepted message {}", m.message_id);
             app.hub.notify_source(&app.store, &source);
@@ -256,17 +268,6 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
             log::error!("webhook {name}: cannot store message {}: {e}", m.message_id);
             answer(503, vec![("error", s("storage_unavailable"))])
         }
-    }
-}
-
-/// The outbox caps from `[queue]`.
-pub fn policy(app: &App) -> Policy {
-    let q = &app.config.queue;
-    Policy {
-        max_messages_per_channel: q.max_messages_per_channel,
-        max_bytes_per_channel: q.max_bytes_per_channel,
-        max_bytes_total: q.max_bytes_total,
-        overflow: q.overflow,
     }
 }
 
