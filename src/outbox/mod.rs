@@ -874,6 +874,35 @@ mod tests {
     }
 
     #[test]
+    fn drop_oldest_at_the_total_cap_evicts_from_the_new_messages_own_source() {
+        let s = store();
+        let one = {
+            let tmp = store();
+            tmp.enqueue(msg_in("webhook:a", "a0", 1000, 60_000), ROOMY).unwrap();
+            tmp.total_bytes()
+        };
+        let p = Policy {
+            max_bytes_total: one * 3 + one / 2,
+            ..ROOMY
+        };
+        s.enqueue(msg_in("webhook:b", "b0", 1000, 60_000), p).unwrap();
+        for i in 0..4 {
+            assert!(accepted(
+                s.enqueue(msg_in("webhook:a", &format!("a{i}"), 1000, 60_000), p)
+            ));
+        }
+        assert_eq!(ids_of(&s, "webhook:a", 1000), ["a2", "a3"]);
+        assert_eq!(
+            ids_of(&s, "webhook:b", 1000),
+            ["b0"],
+            "another channel's messages are never evicted"
+        );
+        assert_eq!(counters(&s, "webhook:a").evicted, 2);
+        assert!(s.total_bytes() <= p.max_bytes_total);
+        assert_accounting(&s);
+    }
+
+    #[test]
     fn dedupe_state_survives_restart_and_is_bounded_per_source() {
         let dir = std::env::temp_dir().join(format!("imgate-outbox-{}", ids::random_hex(4)));
         let s = Store::open(&dir).unwrap();
