@@ -13,6 +13,8 @@ pub struct App {
     pub connector_id: String,
     /// One HTTP client for every outbound call (reply_url, provider APIs).
     pub http: ureq::Agent,
+    /// Set on SIGTERM: workers finish what they hold and exit.
+    pub stopping: std::sync::atomic::AtomicBool,
 }
 
 impl App {
@@ -30,6 +32,7 @@ impl App {
             hub: Hub::default(),
             connector_id,
             http: ureq::Agent::new_with_config(http_config),
+            stopping: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -42,6 +45,10 @@ impl App {
             max_bytes_total: q.max_bytes_total,
             overflow: q.overflow,
         }
+    }
+
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn ttl_ms(&self) -> u64 {

@@ -9,12 +9,15 @@ mod json;
 mod outbox;
 mod protocol;
 mod providers;
+mod service;
 mod store;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
+
+use smol::future::FutureExt;
 
 const USAGE: &str = "usage:
   imgate [run] [--config FILE]   run the daemon in the foreground
@@ -189,16 +192,74 @@ fn run(cfg: config::Config) -> ExitCode {
         log::warn!("api_key is empty on a non-loopback listener: anyone who can reach it can act as xAgent");
     }
     start_maintenance(app.clone());
-    if let Some(url) = app.config.xagent.dial.clone() {
-        smol::spawn(dataplane::dial::run(app.clone(), url)).detach();
+    let dial = app
+        .config
+        .xagent
+        .dial
+        .clone()
+        .map(|url| smol::spawn(dataplane::dial::run(app.clone(), url)));
+    let signals = match service::signals() {
+        Ok(s) => s,
+        Err(e) => {
+            log::error!("cannot install signal handlers: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if let Some(every) = service::watchdog_interval() {
+        smol::spawn(service::watchdog(every)).detach();
     }
     let prefix = http::base_path(&app);
-    smol::block_on(async {
-        let listener = smol::net::TcpListener::try_from(listener).expect("a bound listener converts");
-        dataplane::listen::serve(app, listener, socket, prefix).await;
+    let listener = match smol::net::TcpListener::try_from(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("cannot use the listener: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    // Listener bound, outbox open, HTTP workers running: ready.
+    service::notify("READY=1");
+    let why = smol::block_on(async {
+        let serve = dataplane::listen::serve(app.clone(), listener, socket.clone(), prefix);
+        let stop = service::stop_signal(signals);
+        async {
+            serve.await;
+            "listener stopped"
+        }
+        .or(stop)
+        .await
     });
+    shutdown(app, dial, why, &socket)
+}
+
+/// Graceful stop: no new connections, WebSockets closed with a close frame, requests being
+/// answered are finished, then the database is closed cleanly (next start needs no repair).
+fn shutdown(app: Arc<app::App>, dial: Option<smol::Task<()>>, why: &str, socket: &Path) -> ExitCode {
+    log::info!("{why}: stopping");
+    service::notify("STOPPING=1");
+    app.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
+    drop(dial);
+    app.hub.close_all("imgate is stopping");
+    let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
+    // Every worker, session and task holds the app; the last one out closes the database.
+    while Arc::strong_count(&app) > 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = std::fs::remove_file(socket);
+    match Arc::try_unwrap(app) {
+        Ok(app) => {
+            drop(app);
+            log::info!("stopped cleanly");
+        }
+        Err(app) => log::warn!(
+            "stopping with {} task(s) still busy; every accepted message is already on disk",
+            Arc::strong_count(&app) - 1
+        ),
+    }
     ExitCode::SUCCESS
 }
+
+/// systemd's default stop timeout is 90 s; the contract promises an exit within 5 s.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(4500);
 
 /// The Unix socket between the front door and tiny_http. In the state dir when its path fits
 /// `sun_path` (108 bytes), else in the temp dir.
@@ -217,7 +278,14 @@ fn start_maintenance(app: Arc<app::App>) {
     let spawned = std::thread::Builder::new()
         .name("maintenance".into())
         .spawn(move || loop {
-            std::thread::sleep(every);
+            // Sleep in short steps so a shutdown is not held up by a long interval.
+            let start = std::time::Instant::now();
+            while start.elapsed() < every {
+                if app.is_stopping() {
+                    return;
+                }
+                std::thread::sleep(every.min(std::time::Duration::from_millis(100)));
+            }
             let now = ids::now_ms();
             if let Err(e) = app.store.sweep_expired(now) {
                 log::error!("outbox: sweep failed: {e}");

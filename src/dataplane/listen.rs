@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -27,7 +27,7 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest data-plane packet; a bigger frame closes that connection, not the process.
 pub const MAX_PACKET: usize = 1 << 20;
 
-/// Accepts connections forever.
+/// Accepts connections until the future is dropped (shutdown).
 pub async fn serve(app: Arc<App>, listener: TcpListener, backend: PathBuf, prefix: String) {
     let active = Arc::new(AtomicUsize::new(0));
     let backend = Arc::new(backend);
@@ -62,7 +62,9 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, backend: PathBuf, prefi
             continue;
         }
         let guard = Slot(active.clone());
-        let (app, backend, prefix) = (app.clone(), backend.clone(), prefix.clone());
+        // A connection holds the app only once it becomes a data-plane session, so waiting
+        // clients never hold up a shutdown.
+        let (app, backend, prefix) = (Arc::downgrade(&app), backend.clone(), prefix.clone());
         smol::spawn(async move {
             let _guard = guard;
             handle(app, stream, peer.to_string(), &backend, &prefix).await;
@@ -154,7 +156,7 @@ async fn read_head(stream: &mut TcpStream) -> Result<Vec<u8>, u16> {
     outcome.map(|()| buf)
 }
 
-async fn handle(app: Arc<App>, mut stream: TcpStream, peer: String, backend: &PathBuf, prefix: &str) {
+async fn handle(app: Weak<App>, mut stream: TcpStream, peer: String, backend: &PathBuf, prefix: &str) {
     let buf = match read_head(&mut stream).await {
         Ok(b) => b,
         Err(0) => return,
@@ -188,7 +190,14 @@ async fn handle(app: Arc<App>, mut stream: TcpStream, peer: String, backend: &Pa
         .filter(|r| r.starts_with('/'))
         .unwrap_or(&head.path);
     if route == "/ws" && head.method == "GET" {
-        upgrade(app, stream, buf, head, peer).await;
+        match app.upgrade().filter(|a| !a.is_stopping()) {
+            Some(app) => upgrade(app, stream, buf, head, peer).await,
+            None => {
+                let _ = stream
+                    .write_all(&plain(503, "Service Unavailable", "{\"error\":\"stopping\"}"))
+                    .await;
+            }
+        }
     } else {
         relay(stream, buf, backend, &peer).await;
     }

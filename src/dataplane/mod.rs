@@ -20,6 +20,8 @@ pub struct SessionLink {
     pub wake: smol::channel::Sender<()>,
     /// The session's outgoing packet queue.
     pub out: smol::channel::Sender<Outgoing>,
+    /// Ends the session, with the reason to log and put in the close frame.
+    pub stop: smol::channel::Sender<String>,
 }
 
 /// What a session's writer sends.
@@ -97,6 +99,13 @@ impl Hub {
             .collect();
         v.sort();
         v
+    }
+
+    /// Ends every session (shutdown): each sends a close frame and stops.
+    pub fn close_all(&self, reason: &str) {
+        for link in self.lock().sessions.values() {
+            let _ = link.stop.try_send(reason.to_string());
+        }
     }
 
     pub fn connections(&self) -> usize {

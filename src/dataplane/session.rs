@@ -74,10 +74,11 @@ where
     let (mut tx, mut rx) = ws.split();
     let (out_tx, out_rx) = smol::channel::bounded::<Outgoing>(256);
     let (wake_tx, wake_rx) = smol::channel::bounded::<()>(1);
-    let (stop_tx, stop_rx) = smol::channel::bounded::<()>(1);
+    let (stop_tx, stop_rx) = smol::channel::bounded::<String>(1);
     let id = app.hub.register(SessionLink {
         wake: wake_tx,
         out: out_tx.clone(),
+        stop: stop_tx.clone(),
     });
     log::info!("data plane: session {id} with {peer} started");
     let state = Arc::new(State::default());
@@ -112,15 +113,17 @@ where
     ));
 
     let reason = loop {
-        let next = async { Some(rx.next().await) }.or(async {
-            let _ = stop_rx.recv().await;
-            None
-        });
-        match next.await {
-            None => break "delivery barrier timed out".to_string(),
-            Some(None) => break "peer closed the connection".to_string(),
-            Some(Some(Err(e))) => break format!("read error: {e}"),
-            Some(Some(Ok(Message::Text(text)))) => {
+        // `Err`: the session was told to stop (shutdown, dead peer), with its reason.
+        let next = async { Ok(rx.next().await) }
+            .or(async { Err(stop_rx.recv().await.unwrap_or_else(|_| "stopped".to_string())) });
+        let frame = match next.await {
+            Ok(frame) => frame,
+            Err(reason) => break reason,
+        };
+        match frame {
+            None => break "peer closed the connection".to_string(),
+            Some(Err(e)) => break format!("read error: {e}"),
+            Some(Ok(Message::Text(text))) => {
                 let replies = handle(&app, id, &state, &out_tx, text.as_str()).await;
                 for p in replies {
                     if out_tx.send(Outgoing::Packet(p)).await.is_err() {
@@ -128,18 +131,18 @@ where
                     }
                 }
             }
-            Some(Some(Ok(Message::Binary(_)))) => {
+            Some(Ok(Message::Binary(_))) => {
                 let p = Packet::error_for(None, code::INVALID_PACKET, "data-plane packets are text frames");
                 let _ = out_tx.send(Outgoing::Packet(p)).await;
             }
-            Some(Some(Ok(Message::Close(_)))) => break "peer sent close".to_string(),
-            Some(Some(Ok(_))) => {} // WebSocket-level ping/pong are answered by tungstenite.
+            Some(Ok(Message::Close(_))) => break "peer sent close".to_string(),
+            Some(Ok(_)) => {} // WebSocket-level ping/pong are answered by tungstenite.
         }
     };
 
     delivery.cancel().await;
     app.hub.unregister(id);
-    let _ = out_tx.send(Outgoing::Close("session ended".into())).await;
+    let _ = out_tx.send(Outgoing::Close(reason.clone())).await;
     drop(out_tx);
     let _ = writer.await;
     // Whatever was pushed but not confirmed goes back to pending with one more attempt.
@@ -165,7 +168,7 @@ async fn deliver_loop(
     state: Arc<State>,
     out: smol::channel::Sender<Outgoing>,
     wake: smol::channel::Receiver<()>,
-    stop: smol::channel::Sender<()>,
+    stop: smol::channel::Sender<String>,
 ) {
     let mut pushed_last_round = false;
     loop {
@@ -244,7 +247,7 @@ async fn deliver_loop(
         lock(&state.barriers).remove(&request_id);
         if !answered {
             log::warn!("data plane: session {id}: no pong within {BARRIER_TIMEOUT:?}; closing the connection");
-            let _ = stop.try_send(());
+            let _ = stop.try_send(format!("no pong within {BARRIER_TIMEOUT:?}"));
             return;
         }
         if !round.is_empty() {

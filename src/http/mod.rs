@@ -18,6 +18,8 @@ use crate::providers::webhook;
 /// Worker threads answering HTTP requests; the front door caps connections before them. Enough
 /// for 16 concurrent webhook senders to share one group commit.
 const WORKERS: usize = 16;
+/// How often an idle worker looks at the shutdown flag.
+const POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Handlers parse small bodies and wait on commits; they need little stack.
 const WORKER_STACK: usize = 256 * 1024;
 
@@ -32,10 +34,14 @@ pub fn start(app: Arc<App>, socket: &Path) -> Result<(), String> {
         std::thread::Builder::new()
             .name(format!("http-{i}"))
             .stack_size(WORKER_STACK)
-            .spawn(move || loop {
-                match server.recv() {
-                    Ok(req) => handle(&app, req),
-                    Err(e) => log::warn!("http: receive failed: {e}"),
+            // A request being answered is finished before the worker exits on shutdown.
+            .spawn(move || {
+                while !app.is_stopping() {
+                    match server.recv_timeout(POLL) {
+                        Ok(Some(req)) => handle(&app, req),
+                        Ok(None) => {}
+                        Err(e) => log::warn!("http: receive failed: {e}"),
+                    }
                 }
             })
             .map_err(|e| format!("cannot start HTTP worker: {e}"))?;

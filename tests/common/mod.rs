@@ -101,6 +101,7 @@ pub struct Daemon {
     pub config: PathBuf,
     pub log: Arc<Mutex<String>>,
     pub rust_log: String,
+    pub env: Vec<(String, String)>,
 }
 
 pub const API_KEY: &str = "test-api-key-7f3a";
@@ -123,6 +124,11 @@ impl Daemon {
 
     /// Like `start` with another `RUST_LOG` (benchmarks measure imgate, not its trace log).
     pub fn start_logging(dir: &Path, config: &str, rust_log: &str) -> Daemon {
+        Self::start_env(dir, config, rust_log, &[])
+    }
+
+    /// Like `start_logging` with extra environment variables (systemd's, for example).
+    pub fn start_env(dir: &Path, config: &str, rust_log: &str, env: &[(&str, &str)]) -> Daemon {
         let path = dir.join("imgate.conf");
         std::fs::write(&path, config).unwrap();
         let port = config
@@ -130,22 +136,24 @@ impl Daemon {
             .find_map(|l| l.trim().strip_prefix("listen = 127.0.0.1:"))
             .and_then(|p| p.trim().parse().ok())
             .expect("test configs listen on 127.0.0.1:PORT");
-        Self::spawn(dir, path, port, rust_log)
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Self::spawn(dir, path, port, rust_log, env)
     }
 
     /// Starts again on the same config and state (after `kill`).
     pub fn restart(self) -> Daemon {
         let (dir, config, port, log) = (self.dir.clone(), self.config.clone(), self.port, self.log.clone());
-        let rust_log = self.rust_log.clone();
+        let (rust_log, env) = (self.rust_log.clone(), self.env.clone());
         drop(self);
-        let d = Self::spawn(&dir, config, port, &rust_log);
+        let d = Self::spawn(&dir, config, port, &rust_log, env);
         let old = log.lock().unwrap().clone();
         d.log.lock().unwrap().insert_str(0, &old);
         d
     }
 
-    fn spawn(dir: &Path, config: PathBuf, port: u16, rust_log: &str) -> Daemon {
+    fn spawn(dir: &Path, config: PathBuf, port: u16, rust_log: &str, env: Vec<(String, String)>) -> Daemon {
         let mut child = Command::new(bin())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .args(["run", "--config"])
             .arg(&config)
             .env_remove("RUST_LOG")
@@ -173,6 +181,7 @@ impl Daemon {
             config,
             log,
             rust_log: rust_log.to_string(),
+            env,
         };
         d.wait_ready();
         d
@@ -199,6 +208,28 @@ impl Daemon {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    /// Sends a signal by name (`TERM`, `HUP`) with kill(1).
+    pub fn signal(&self, name: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(ok.success(), "kill -{name} failed");
+    }
+
+    /// Waits for the process to exit by itself; `None` if it is still running after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
     }
 
     pub fn kill(&mut self) {
@@ -322,6 +353,8 @@ pub struct Sim {
     pub inbox: Vec<Value>,
     /// Every packet received, for secret scans.
     pub seen: Vec<Value>,
+    /// The reason of the close frame imgate sent, once one arrived.
+    pub close_reason: Option<String>,
 }
 
 impl Sim {
@@ -338,6 +371,7 @@ impl Sim {
             auto_pong: true,
             inbox: Vec::new(),
             seen: Vec::new(),
+            close_reason: None,
         }
     }
 
@@ -393,7 +427,10 @@ impl Sim {
                     }
                     return Some(v);
                 }
-                Ok(Message::Close(_)) => return None,
+                Ok(Message::Close(frame)) => {
+                    self.close_reason = Some(frame.map(|f| f.reason.to_string()).unwrap_or_default());
+                    return None;
+                }
                 Ok(_) => {}
                 Err(tungstenite::Error::Io(e))
                     if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut =>

@@ -1,0 +1,95 @@
+//! Running under systemd: `sd_notify` datagrams (READY, STOPPING, WATCHDOG) and the signals that
+//! stop the daemon. The notify protocol is one datagram to `$NOTIFY_SOCKET`; no libsystemd.
+
+use std::os::unix::net::UnixDatagram;
+use std::time::Duration;
+
+/// Sends one state line (`READY=1`, `STOPPING=1`, `WATCHDOG=1`, `STATUS=...`) to systemd.
+/// Does nothing outside systemd; a failure is logged once and never stops the daemon.
+pub fn notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let sent = (|| -> std::io::Result<()> {
+        let sock = UnixDatagram::unbound()?;
+        let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
+        match bytes.strip_prefix(b"@") {
+            // Abstract socket namespace.
+            Some(name) => {
+                use std::os::linux::net::SocketAddrExt;
+                let addr = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
+                sock.send_to_addr(state.as_bytes(), &addr)?;
+            }
+            None => {
+                sock.send_to(state.as_bytes(), &path)?;
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = sent {
+        log::warn!("systemd: cannot send {state} to NOTIFY_SOCKET: {e}");
+    }
+}
+
+/// The watchdog interval to ping at (half of `WatchdogSec`), when systemd asks for pings.
+pub fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if let Some(pid) = std::env::var("WATCHDOG_PID").ok().and_then(|p| p.parse::<u32>().ok()) {
+        if pid != std::process::id() {
+            return None;
+        }
+    }
+    (usec > 0).then(|| Duration::from_micros(usec / 2))
+}
+
+/// Pings the watchdog from the async executor, so a stuck event loop stops the pings.
+pub async fn watchdog(every: Duration) {
+    loop {
+        smol::Timer::after(every).await;
+        notify("WATCHDOG=1");
+    }
+}
+
+/// Resolves when SIGTERM or SIGINT arrives; SIGHUP is answered with a log line (the config is
+/// read once at start: `systemctl restart imgate` applies a change and loses nothing).
+pub async fn stop_signal(mut signals: async_signal::Signals) -> &'static str {
+    use async_signal::Signal;
+    use smol::stream::StreamExt;
+    while let Some(sig) = signals.next().await {
+        match sig {
+            Ok(Signal::Term) => return "SIGTERM",
+            Ok(Signal::Int) => return "SIGINT",
+            Ok(Signal::Hup) => {
+                log::warn!("SIGHUP: imgate reads its config once; run `systemctl restart imgate` to apply changes (accepted messages are kept on disk)")
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!("signal handling: {e}"),
+        }
+    }
+    "signal stream ended"
+}
+
+pub fn signals() -> std::io::Result<async_signal::Signals> {
+    use async_signal::Signal;
+    async_signal::Signals::new([Signal::Term, Signal::Int, Signal::Hup])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notify_reaches_a_datagram_socket_named_by_notify_socket() {
+        let dir = std::env::temp_dir().join(format!("imgate-notify-{}", crate::ids::random_hex(4)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("notify.sock");
+        let server = UnixDatagram::bind(&path).unwrap();
+        // SAFETY-free: tests in this module are the only users of NOTIFY_SOCKET in this process.
+        std::env::set_var("NOTIFY_SOCKET", &path);
+        notify("READY=1");
+        std::env::remove_var("NOTIFY_SOCKET");
+        let mut buf = [0u8; 64];
+        let n = server.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"READY=1");
+    }
+}

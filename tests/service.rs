@@ -1,0 +1,186 @@
+//! Running under systemd: READY/STOPPING/WATCHDOG notifications, graceful SIGTERM, SIGHUP, the
+//! unit file, journald-friendly logs.
+
+mod common;
+
+use std::os::unix::net::UnixDatagram;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+/// A fake systemd notify socket collecting what imgate sends.
+struct NotifySocket {
+    sock: UnixDatagram,
+    path: std::path::PathBuf,
+}
+
+impl NotifySocket {
+    fn new(dir: &std::path::Path) -> NotifySocket {
+        let path = dir.join("notify.sock");
+        let sock = UnixDatagram::bind(&path).unwrap();
+        sock.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        NotifySocket { sock, path }
+    }
+
+    /// Waits for a datagram equal to `want`; returns how long it took.
+    fn expect(&self, want: &str, timeout: Duration) -> Duration {
+        let start = Instant::now();
+        let mut buf = [0u8; 256];
+        while start.elapsed() < timeout {
+            if let Ok(n) = self.sock.recv(&mut buf) {
+                if &buf[..n] == want.as_bytes() {
+                    return start.elapsed();
+                }
+            }
+        }
+        panic!("no {want} on the notify socket within {timeout:?}");
+    }
+}
+
+#[test]
+fn sigterm_closes_websockets_finishes_and_exits_0_after_ready_and_stopping() {
+    let dir = temp_dir("sigterm");
+    let notify = NotifySocket::new(&dir);
+    let path = notify.path.to_str().unwrap().to_string();
+    let mut d = Daemon::start_env(
+        &dir,
+        &config_text(free_port(), &dir, None, ""),
+        "info",
+        &[("NOTIFY_SOCKET", &path)],
+    );
+    notify.expect("READY=1", Duration::from_secs(5));
+
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    assert_eq!(
+        d.post_hook("alerts", &json!({"message_id": "before-stop", "sender_id": "u"}))
+            .0,
+        202
+    );
+    x.next_push(Duration::from_secs(5)).unwrap();
+
+    let t = Instant::now();
+    d.signal("TERM");
+    notify.expect("STOPPING=1", Duration::from_secs(5));
+    while x.close_reason.is_none() && t.elapsed() < Duration::from_secs(5) {
+        x.recv_within(Duration::from_millis(100));
+    }
+    assert_eq!(
+        x.close_reason.as_deref(),
+        Some("imgate is stopping"),
+        "a close frame with a reason"
+    );
+    let status = d.wait_exit(Duration::from_secs(5)).expect("exits within 5 s");
+    assert!(status.success(), "exit 0, got {status:?}");
+    println!("SIGTERM to exit: {:?}", t.elapsed());
+    assert!(d.log().contains("stopped cleanly"), "{}", d.log());
+
+    // Nothing was lost: the restart still knows the channel and its state.
+    let d = d.restart();
+    let s = get_json(&d.url("/status"));
+    assert_eq!(s["channels"][0]["connector_channel_id"], json!(cch));
+}
+
+#[test]
+fn sighup_is_logged_and_changes_nothing() {
+    let dir = temp_dir("sighup");
+    let mut d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    d.signal("HUP");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        d.wait_exit(Duration::from_millis(10)).is_none(),
+        "SIGHUP does not stop imgate"
+    );
+    assert_eq!(http_get(&d.url("/connector-card.json"), &[]).0, 200);
+    assert!(d.log().contains("SIGHUP"), "{}", d.log());
+}
+
+#[test]
+fn watchdog_pings_come_at_half_the_watchdog_interval() {
+    let dir = temp_dir("watchdog");
+    let notify = NotifySocket::new(&dir);
+    let path = notify.path.to_str().unwrap().to_string();
+    let env = [("NOTIFY_SOCKET", path.as_str()), ("WATCHDOG_USEC", "200000")];
+    let _d = Daemon::start_env(&dir, &config_text(free_port(), &dir, None, ""), "info", &env);
+    notify.expect("READY=1", Duration::from_secs(5));
+    let first = notify.expect("WATCHDOG=1", Duration::from_secs(2));
+    let second = notify.expect("WATCHDOG=1", Duration::from_secs(2));
+    assert!(
+        first < Duration::from_millis(400) && second < Duration::from_millis(400),
+        "{first:?} {second:?}"
+    );
+}
+
+#[test]
+fn logs_carry_no_timestamp_under_journald() {
+    let dir = temp_dir("journal");
+    let d = Daemon::start_env(
+        &dir,
+        &config_text(free_port(), &dir, None, ""),
+        "info",
+        &[("JOURNAL_STREAM", "8:1234")],
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let log = d.log();
+    let first = log.lines().next().unwrap_or_default();
+    assert!(first.starts_with("[INFO "), "journald adds the time itself: {first}");
+}
+
+#[test]
+fn log_level_from_the_config_applies_and_rust_log_overrides_it() {
+    let dir = temp_dir("loglevel");
+    let conf = config_text(free_port(), &dir, None, "").replace("log_level = debug", "log_level = warn");
+    // RUST_LOG set by the harness to "info" would override; run with an empty RUST_LOG instead.
+    let d = Daemon::start_env(&dir, &conf, "", &[]);
+    http_get(&d.url("/connector-card.json"), &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!d.log().contains("INFO"), "warn hides info: {}", d.log());
+    drop(d);
+    let dir = temp_dir("loglevel2");
+    let conf = config_text(free_port(), &dir, None, "").replace("log_level = debug", "log_level = warn");
+    let d = Daemon::start_env(&dir, &conf, "debug", &[]);
+    http_get(&d.url("/connector-card.json"), &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(d.log().contains("DEBUG"), "RUST_LOG wins: {}", d.log());
+}
+
+#[test]
+fn the_unit_file_passes_systemd_analyze_verify() {
+    let unit = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/imgate.service")).unwrap();
+    for key in [
+        "Type=notify",
+        "DynamicUser=yes",
+        "StateDirectory=imgate",
+        "ConfigurationDirectory=imgate",
+        "LoadCredential=",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "PrivateDevices=yes",
+        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+        "MemoryMax=",
+        "Restart=on-failure",
+        "WatchdogSec=",
+    ] {
+        assert!(unit.contains(key), "the unit sets {key}");
+    }
+    // verify checks that ExecStart exists: point it at the binary under test.
+    let dir = temp_dir("unit");
+    let copy = dir.join("imgate.service");
+    std::fs::write(&copy, unit.replace("/usr/local/bin/imgate", bin())).unwrap();
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&copy)
+        .output()
+        .expect("systemd-analyze is installed");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.trim().is_empty(),
+        "systemd-analyze verify: {err}"
+    );
+}
