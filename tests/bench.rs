@@ -13,57 +13,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::json;
 
-fn proc_field(pid: u32, file: &str, key: &str) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap_or_default();
-    text.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
-fn hwm_kib(pid: u32) -> u64 {
-    proc_field(pid, "status", "VmHWM:")
-}
-
-fn written(pid: u32) -> u64 {
-    proc_field(pid, "io", "write_bytes:")
-}
-
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .into()
-}
-
-/// `senders` threads each POST `per_sender` messages; returns accepted per second.
-fn post_load(d: &Daemon, senders: usize, per_sender: usize, text: &str, tag: &str) -> f64 {
-    let url = d.url("/hooks/alerts");
-    let start = Instant::now();
-    let threads: Vec<_> = (0..senders)
-        .map(|s| {
-            let (url, text, tag) = (url.clone(), text.to_string(), tag.to_string());
-            std::thread::spawn(move || {
-                let agent = agent();
-                for i in 0..per_sender {
-                    let body = json!({"message_id": format!("{tag}-{s}-{i}"), "sender_id": "bench", "text": text});
-                    let r = agent
-                        .post(&url)
-                        .header("Authorization", &format!("Bearer {HOOK_SECRET}"))
-                        .send(body.to_string())
-                        .expect("POST");
-                    assert_eq!(r.status().as_u16(), 202);
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    (senders * per_sender) as f64 / start.elapsed().as_secs_f64()
-}
-
 /// `(commits, messages)` from `/metrics`.
 fn commits(d: &Daemon) -> (u64, u64) {
     let (_, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
@@ -185,7 +134,7 @@ fn bench_outbox_and_data_plane() {
             y
         })
     };
-    let agent = agent();
+    let agent = load_agent();
     let mut sent = Vec::new();
     for i in 0..500 {
         let id = format!("lat-{i}");

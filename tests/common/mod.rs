@@ -89,8 +89,10 @@ pub fn temp_dir(tag: &str) -> PathBuf {
     d
 }
 
+/// The binary under test: `IMGATE_BIN` (a cross-built one, for budgets) or cargo's own build.
 pub fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_imgate")
+    static BIN: OnceLock<String> = OnceLock::new();
+    BIN.get_or_init(|| std::env::var("IMGATE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_imgate").to_string()))
 }
 
 /// A running `imgate run` child with its stderr collected.
@@ -296,6 +298,59 @@ pub fn get_json(url: &str) -> Value {
     let (status, body) = http_get(url, &[("Authorization", &format!("Bearer {API_KEY}"))]);
     assert_eq!(status, 200, "{url}: {body}");
     serde_json::from_str(&body).unwrap()
+}
+
+// ---------- load and /proc figures (benchmarks, budgets) ----------
+
+pub fn proc_field(pid: u32, file: &str, key: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+pub fn hwm_kib(pid: u32) -> u64 {
+    proc_field(pid, "status", "VmHWM:")
+}
+
+pub fn written(pid: u32) -> u64 {
+    proc_field(pid, "io", "write_bytes:")
+}
+
+pub fn load_agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into()
+}
+
+/// `senders` threads each POST `per_sender` messages; returns accepted per second.
+pub fn post_load(d: &Daemon, senders: usize, per_sender: usize, text: &str, tag: &str) -> f64 {
+    let url = d.url("/hooks/alerts");
+    let start = Instant::now();
+    let threads: Vec<_> = (0..senders)
+        .map(|s| {
+            let (url, text, tag) = (url.clone(), text.to_string(), tag.to_string());
+            std::thread::spawn(move || {
+                let agent = load_agent();
+                for i in 0..per_sender {
+                    let body = json!({"message_id": format!("{tag}-{s}-{i}"), "sender_id": "bench", "text": text});
+                    let r = agent
+                        .post(&url)
+                        .header("Authorization", &format!("Bearer {HOOK_SECRET}"))
+                        .send(body.to_string())
+                        .expect("POST");
+                    assert_eq!(r.status().as_u16(), 202);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    (senders * per_sender) as f64 / start.elapsed().as_secs_f64()
 }
 
 // ---------- the reply_url receiver ----------

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Prints the edge budgets (binary size, peak RSS idle and with a 50 MiB backlog, cold start to
+# READY) of the x86_64 musl build; README shows the latest figures.
+#
+#   cross/budgets.sh [--install]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash cross/build.sh "$@" x86_64-unknown-linux-musl
+IMGATE_BIN="$PWD/dist/imgate-x86_64-unknown-linux-musl" \
+  cargo test --release --test budgets -- --ignored --nocapture
