@@ -19,6 +19,10 @@ use std::sync::Arc;
 
 use smol::future::FutureExt;
 
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: dlmalloc::GlobalDlmalloc = dlmalloc::GlobalDlmalloc;
+
 const USAGE: &str = "usage:
   imgate [run] [--config FILE]   run the daemon in the foreground
   imgate check [--config FILE]   validate the config and print the effective policy
@@ -150,6 +154,7 @@ fn run(cfg: config::Config) -> ExitCode {
     }
     log::info!("{}", protocol::card::version_line());
     let state_dir = cfg.server.state_dir.clone();
+    let opening = std::time::Instant::now();
     let store = match store::Store::open(&state_dir) {
         Ok(s) => s,
         Err(e) => {
@@ -157,6 +162,7 @@ fn run(cfg: config::Config) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    log::debug!("store opened and outbox index loaded in {:?}", opening.elapsed());
     // Expiry is enforced at startup, not only by the periodic sweep.
     match store.sweep_expired(ids::now_ms()) {
         Ok(0) => {}

@@ -17,7 +17,7 @@ fn time_to_ready(dir: &std::path::Path, config: &std::path::Path) -> (std::proce
     let sock = UnixDatagram::bind(&path).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let start = Instant::now();
-    let child = Command::new(bin())
+    let mut child = Command::new(bin())
         .args(["run", "--config"])
         .arg(config)
         .env("NOTIFY_SOCKET", &path)
@@ -28,9 +28,14 @@ fn time_to_ready(dir: &std::path::Path, config: &std::path::Path) -> (std::proce
         .unwrap();
     let mut buf = [0u8; 64];
     loop {
-        let n = sock.recv(&mut buf).expect("READY=1 arrives");
-        if &buf[..n] == b"READY=1" {
-            return (child, start.elapsed());
+        match sock.recv(&mut buf) {
+            Ok(n) if &buf[..n] == b"READY=1" => return (child, start.elapsed()),
+            Ok(_) => {}
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("no READY=1 from {}: {e}", bin());
+            }
         }
     }
 }
@@ -41,7 +46,11 @@ fn ids() -> u64 {
 }
 
 fn term(mut child: std::process::Child) {
-    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
     child.wait().unwrap();
 }
 
@@ -51,17 +60,30 @@ fn edge_budgets() {
     println!("binary under test: {}", bin());
     let aarch64 = concat!(env!("CARGO_MANIFEST_DIR"), "/dist/imgate-aarch64-unknown-linux-musl");
     match std::fs::metadata(aarch64) {
-        Ok(m) => println!("{:<52} {} KiB", "stripped aarch64-unknown-linux-musl binary", m.len() / 1024),
+        Ok(m) => println!(
+            "{:<52} {} KiB",
+            "stripped aarch64-unknown-linux-musl binary",
+            m.len() / 1024
+        ),
         Err(_) => println!("aarch64 binary not built (cross/build.sh aarch64-unknown-linux-musl)"),
     }
     let dir = temp_dir("budgets");
     let port = free_port();
     let config = dir.join("imgate.conf");
-    let queue = "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 512MiB\nmax_bytes_total = 512MiB\n";
-    std::fs::write(&config, config_text(port, &dir, None, queue).replace("log_level = debug", "log_level = info")).unwrap();
+    let queue =
+        "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 512MiB\nmax_bytes_total = 512MiB\n";
+    std::fs::write(
+        &config,
+        config_text(port, &dir, None, queue).replace("log_level = debug", "log_level = info"),
+    )
+    .unwrap();
 
     let (child, ready) = time_to_ready(&dir, &config);
-    println!("{:<52} {:.1} ms", "cold start to READY, empty state dir", ready.as_secs_f64() * 1000.0);
+    println!(
+        "{:<52} {:.1} ms",
+        "cold start to READY, empty state dir",
+        ready.as_secs_f64() * 1000.0
+    );
     term(child);
 
     let d = Daemon::start_env(&dir, &std::fs::read_to_string(&config).unwrap(), "warn", &[]);
@@ -73,7 +95,11 @@ fn edge_budgets() {
     while idle.elapsed() < Duration::from_secs(30) {
         x.recv_within(Duration::from_millis(500));
     }
-    println!("{:<52} {} KiB", "peak RSS, one bound channel, idle 30 s (VmHWM)", hwm_kib(d.pid()));
+    println!(
+        "{:<52} {} KiB",
+        "peak RSS, one bound channel, idle 30 s (VmHWM)",
+        hwm_kib(d.pid())
+    );
     x.close();
     std::thread::sleep(Duration::from_millis(200));
 
@@ -83,19 +109,39 @@ fn edge_budgets() {
         post_load(&d, 16, 250, &text, &format!("fill{round}"));
         round += 1;
     }
-    println!("{:<52} {} KiB", "peak RSS while holding a 50 MiB backlog", hwm_kib(d.pid()));
+    println!(
+        "{:<52} {} KiB",
+        "peak RSS while holding a 50 MiB backlog",
+        hwm_kib(d.pid())
+    );
+    let pid = d.pid();
+    println!(
+        "{:<52} anon {} KiB, file {} KiB, threads {}",
+        "  RSS now",
+        proc_field(pid, "status", "RssAnon:"),
+        proc_field(pid, "status", "RssFile:"),
+        proc_field(pid, "status", "Threads:")
+    );
     d.signal("TERM");
     let mut d = d;
     d.wait_exit(Duration::from_secs(10)).expect("clean stop");
 
     let (child, ready) = time_to_ready(&dir, &config);
-    println!("{:<52} {:.1} ms", "cold start to READY, 50 MiB backlog (after SIGTERM)", ready.as_secs_f64() * 1000.0);
+    println!(
+        "{:<52} {:.1} ms",
+        "cold start to READY, 50 MiB backlog (after SIGTERM)",
+        ready.as_secs_f64() * 1000.0
+    );
     std::thread::sleep(Duration::from_secs(2));
     println!("{:<52} {} KiB", "peak RSS after that start, idle", hwm_kib(child.id()));
     let _ = Command::new("kill").arg("-KILL").arg(child.id().to_string()).status();
     let mut child = child;
     let _ = child.wait();
     let (child, ready) = time_to_ready(&dir, &config);
-    println!("{:<52} {:.1} ms", "start to READY after SIGKILL, 50 MiB backlog", ready.as_secs_f64() * 1000.0);
+    println!(
+        "{:<52} {:.1} ms",
+        "start to READY after SIGKILL, 50 MiB backlog",
+        ready.as_secs_f64() * 1000.0
+    );
     term(child);
 }

@@ -32,8 +32,9 @@ const BATCH: usize = 64;
 const KEEPALIVE: Duration = Duration::from_secs(30);
 /// How long a `pong` may take before the connection is considered dead.
 const BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
-/// Successful tool results are kept this long to answer a repeated `tool_call_id`.
-const TOOL_RESULT_TTL_MS: u64 = 24 * 3600 * 1000;
+/// Successful tool results are kept this long to answer a repeated `tool_call_id` (xAgent
+/// retries within seconds); the maintenance sweep removes them afterwards.
+const TOOL_RESULT_TTL_MS: u64 = 3600 * 1000;
 
 /// Per-session state shared by the reader and the delivery loop.
 #[derive(Default)]

@@ -200,7 +200,7 @@ fn load_index(db: &Database) -> Result<Index> {
     for row in txn.open_table(DELIVERED)?.iter()? {
         let (k, v) = row?;
         let (src, seq) = k.value();
-        if let Some((exp, id)) = record::parse_delivered(v.value()) {
+        if let Some((exp, _, id)) = record::parse_delivered(v.value()) {
             let hash = idx.hash(id);
             idx.source(src).load_delivered(seq, hash, exp);
         }
@@ -320,17 +320,18 @@ impl Store {
                 let Some(h) = record::header(&value) else { continue };
                 delivered.insert(
                     (source, seq),
-                    record::delivered_entry(h.expires_at, &h.message_id).as_str(),
+                    record::delivered_entry(h.expires_at, h.reply_ref.as_deref(), &h.message_id).as_str(),
                 )?;
                 let hash = idx.hash(&h.message_id);
                 idx.source(source)
                     .deliver(seq, hash, h.expires_at, record::bytes(source, &value));
                 n += 1;
             }
+            drop(delivered);
             let si = idx.source(source);
             while si.delivered_len() > policy.delivered_cap() {
                 if let Some(seq) = si.pop_delivered() {
-                    delivered.remove((source, seq))?;
+                    forget_delivered(txn, source, seq)?;
                 }
             }
             tally(txn, source, |t| t.delivered += n)?;
@@ -362,15 +363,23 @@ impl Store {
         })
     }
 
-    /// Removes every expired message and delivered-log entry; returns messages expired.
+    /// Removes expired messages and delivered-log entries; returns messages expired.
+    ///
+    /// Each source is a FIFO with one TTL, so its expired messages are its oldest: the sweep
+    /// reads only the heads and stays cheap with a large backlog. (A message that expires
+    /// before an older one, after the TTL was lowered, is skipped by every read and removed
+    /// once it reaches the head.)
     pub fn sweep_expired(&self, now: u64) -> Result<u64> {
         self.outbox.write(|txn, idx| {
-            let n = expire_all(txn, idx, now)?;
-            let mut delivered = txn.open_table(DELIVERED)?;
+            let sources: Vec<String> = idx.sources.keys().cloned().collect();
+            let mut n = 0;
+            for src in &sources {
+                n += expire_head(txn, idx, src, now)?;
+            }
             for (src, si) in idx.sources.iter_mut() {
                 while si.oldest_delivered_expiry().is_some_and(|exp| exp <= now) {
                     if let Some(seq) = si.pop_delivered() {
-                        delivered.remove((src.as_str(), seq))?;
+                        forget_delivered(txn, src, seq)?;
                     }
                 }
             }
@@ -544,6 +553,23 @@ fn remove_message(txn: &WriteTransaction, idx: &mut Index, src: &str, seq: u64, 
     Ok(())
 }
 
+/// Removes a delivered-log entry and the reply reference it carried: both end together, so
+/// reply references are bounded like the log.
+fn forget_delivered(txn: &WriteTransaction, src: &str, seq: u64) -> Result<()> {
+    let entry = txn
+        .open_table(DELIVERED)?
+        .remove((src, seq))?
+        .map(|v| v.value().to_string());
+    if let Some(token) = entry
+        .as_deref()
+        .and_then(record::parse_delivered)
+        .and_then(|(_, t, _)| t)
+    {
+        txn.open_table(REPLY_REFS)?.remove(token)?;
+    }
+    Ok(())
+}
+
 /// The message ID stored at `place`, to confirm an index hit.
 fn stored_id(txn: &WriteTransaction, src: &str, place: Place) -> Result<Option<String>> {
     Ok(match place {
@@ -555,7 +581,7 @@ fn stored_id(txn: &WriteTransaction, src: &str, place: Place) -> Result<Option<S
         Place::Delivered(seq) => txn
             .open_table(DELIVERED)?
             .get((src, seq))?
-            .and_then(|v| record::parse_delivered(v.value()).map(|(_, id)| id.to_string())),
+            .and_then(|v| record::parse_delivered(v.value()).map(|(_, _, id)| id.to_string())),
     })
 }
 
@@ -921,6 +947,14 @@ mod tests {
             s.mark_delivered("webhook:a", &seqs, p).unwrap();
         }
         s.enqueue(msg("pending-one", 1000, 60_000), ROOMY).unwrap();
+        assert!(
+            s.reply_ref("rr_d0").unwrap().is_none(),
+            "reply refs leave with the trimmed log entry"
+        );
+        assert!(
+            s.reply_ref("rr_d1004").unwrap().is_some(),
+            "a delivered message can still be answered"
+        );
         drop(s);
         let s = Store::open(&dir).unwrap();
         assert_eq!(

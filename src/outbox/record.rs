@@ -47,14 +47,17 @@ pub fn bytes(source: &str, value: &str) -> u64 {
     (source.len() + 8 + value.len()) as u64
 }
 
-/// A delivered-message entry of the dedupe log: `expires_at`, a space, the message ID.
-pub fn delivered_entry(expires_at: u64, message_id: &str) -> String {
-    format!("{expires_at} {message_id}")
+/// A delivered-message entry of the dedupe log: `expires_at`, its reply reference (`-` when
+/// none), the message ID, separated by spaces (the ID last, as it may contain spaces).
+pub fn delivered_entry(expires_at: u64, reply_ref: Option<&str>, message_id: &str) -> String {
+    format!("{expires_at} {} {message_id}", reply_ref.unwrap_or("-"))
 }
 
-pub fn parse_delivered(value: &str) -> Option<(u64, &str)> {
-    let (exp, id) = value.split_once(' ')?;
-    Some((exp.parse().ok()?, id))
+/// `(expires_at, reply_ref, message_id)` of a delivered-log entry.
+pub fn parse_delivered(value: &str) -> Option<(u64, Option<&str>, &str)> {
+    let (exp, rest) = value.split_once(' ')?;
+    let (reply_ref, id) = rest.split_once(' ')?;
+    Some((exp.parse().ok()?, Some(reply_ref).filter(|r| *r != "-"), id))
 }
 
 #[cfg(test)]
@@ -78,6 +81,13 @@ mod tests {
         );
         assert_eq!(decode(&v).unwrap().payload, "{\"text\":\"a\\nb\"}");
         assert!(decode("garbage").is_none());
-        assert_eq!(parse_delivered(&delivered_entry(9, "a b")), Some((9, "a b")));
+        assert_eq!(
+            parse_delivered(&delivered_entry(9, None, "a b")),
+            Some((9, None, "a b"))
+        );
+        assert_eq!(
+            parse_delivered(&delivered_entry(9, Some("rr_1"), "x")),
+            Some((9, Some("rr_1"), "x"))
+        );
     }
 }

@@ -239,14 +239,15 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
         source: source.clone(),
         message_id: m.message_id.clone(),
         payload,
-        // A reply stays possible for one more TTL after the message itself would expire.
+        // A reply is possible within the message's TTL, delivered or not; the reference
+        // leaves with the message's dedupe entry.
         reply_ref: reply_ref.map(|t| {
             (
                 t,
                 ReplyRef {
                     source: source.clone(),
                     message_id: m.message_id.clone(),
-                    expires_at: expires_at + ttl,
+                    expires_at,
                 },
             )
         }),
