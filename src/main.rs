@@ -242,10 +242,14 @@ fn run(cfg: config::Config) -> ExitCode {
 fn shutdown(app: Arc<app::App>, dial: Option<smol::Task<()>>, why: &str, socket: &Path) -> ExitCode {
     log::info!("{why}: stopping");
     service::notify("STOPPING=1");
-    app.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
     drop(dial);
     app.hub.close_all("imgate is stopping");
     let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
+    // The listener is closed; requests already sent are answered before the workers stop.
+    while dataplane::listen::requests_in_flight() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    app.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
     // Every worker, session and task holds the app; the last one out closes the database.
     while Arc::strong_count(&app) > 1 && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(10));

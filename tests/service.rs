@@ -184,3 +184,35 @@ fn the_unit_file_passes_systemd_analyze_verify() {
         "systemd-analyze verify: {err}"
     );
 }
+
+#[test]
+fn sigterm_lets_a_request_being_answered_finish_with_its_202() {
+    use std::io::{Read, Write};
+    let dir = temp_dir("inflight");
+    let mut d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let body = json!({"message_id": "in-flight", "sender_id": "u"}).to_string();
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    write!(
+        s,
+        "POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOOK_SECRET}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300)); // the request is being handled, its body not yet sent
+    d.signal("TERM");
+    std::thread::sleep(Duration::from_millis(300));
+    s.write_all(body.as_bytes()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 202"),
+        "the in-flight request is answered: {answer:?}\n{}",
+        d.log()
+    );
+    let status = d.wait_exit(Duration::from_secs(5)).expect("exits within 5 s");
+    assert!(status.success());
+    // And it really was committed.
+    let d = d.restart();
+    assert_eq!(get_json(&d.url("/status"))["unbound"]["pending"], 1);
+}

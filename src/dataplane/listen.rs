@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -272,23 +272,78 @@ async fn relay(client: TcpStream, head: Vec<u8>, backend: &PathBuf, peer: &str) 
             return;
         }
     };
+    // The head just read is a request in flight until the answer starts to flow back.
+    let state = InFlight::started();
     if server.write_all(&head).await.is_err() {
         return;
     }
     let (mut c_read, mut c_write) = (client.clone(), client);
     let (mut s_read, mut s_write) = (server.clone(), server);
     let upstream = async {
-        let _ = smol::io::copy(&mut c_read, &mut s_write).await;
+        let _ = pump(&mut c_read, &mut s_write, || state.request()).await;
         // The client finished sending: let tiny_http see EOF, keep relaying its answer.
         let _ = s_write.shutdown(std::net::Shutdown::Write);
         std::future::pending::<()>().await;
     };
     let downstream = async {
-        let _ = smol::io::copy(&mut s_read, &mut c_write).await;
+        let _ = pump(&mut s_read, &mut c_write, || state.answered()).await;
         let _ = c_write.shutdown(std::net::Shutdown::Both);
     };
     downstream.or(upstream).await;
     log::trace!("listener: {peer}: HTTP connection done");
+}
+
+/// Requests relayed to tiny_http whose answer has not started yet, over all connections.
+/// Shutdown waits for this to reach zero before it stops the HTTP workers, because tiny_http
+/// reads small bodies itself before a worker sees the request.
+static REQUESTS_IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+pub fn requests_in_flight() -> usize {
+    REQUESTS_IN_FLIGHT.load(Ordering::SeqCst)
+}
+
+/// One relayed connection's share of `REQUESTS_IN_FLIGHT`: client bytes start a request,
+/// server bytes answer it (keep-alive connections alternate).
+struct InFlight(AtomicBool);
+
+impl InFlight {
+    fn started() -> InFlight {
+        REQUESTS_IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        InFlight(AtomicBool::new(true))
+    }
+    fn request(&self) {
+        if !self.0.swap(true, Ordering::SeqCst) {
+            REQUESTS_IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    fn answered(&self) {
+        if self.0.swap(false, Ordering::SeqCst) {
+            REQUESTS_IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.answered();
+    }
+}
+
+/// Copies bytes until EOF or an error, calling `on_data` before each chunk is passed on.
+async fn pump<R, W>(from: &mut R, to: &mut W, on_data: impl Fn()) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = [0u8; 8192];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        on_data();
+        to.write_all(&buf[..n]).await?;
+    }
 }
 
 /// A stream that first yields the bytes already read, then the socket.
