@@ -254,15 +254,22 @@ async fn deliver_loop(
         if !round.is_empty() {
             let n: usize = round.iter().map(|(_, s)| s.len()).sum();
             let done = round.clone();
-            blocking(&app, move |app| {
+            let recorded = blocking(&app, move |app| {
+                let mut all = true;
                 for (source, seqs) in done {
                     if let Err(e) = app.store.mark_delivered(&source, &seqs, app.policy()) {
                         log::error!("outbox: cannot record delivery for {source}: {e}");
+                        all = false;
                     }
                 }
+                all
             })
             .await;
             lock(&state.in_flight).clear();
+            if !recorded {
+                // The messages stay pending and will be pushed again; do not spin on a failing disk.
+                smol::Timer::after(Duration::from_secs(1)).await;
+            }
             log::debug!("data plane: session {id}: {n} message(s) delivered");
         }
     }
