@@ -893,6 +893,17 @@ mod tests {
     }
 
     #[test]
+    fn config_parser_survives_thousands_of_mutated_files() {
+        let seeds: [&[u8]; 2] = [
+            TEMPLATE.as_bytes(),
+            b"[webhook.a]\nsecret = \"x # y\"\n[queue]\nttl = 5m\nmax_bytes_total = 1GiB\n",
+        ];
+        for input in crate::testutil::mutations(&seeds, 1500, 3) {
+            let _ = parse(&String::from_utf8_lossy(&input), "fuzz", None);
+        }
+    }
+
+    #[test]
     fn malformed_input_never_panics() {
         for text in [
             "[",

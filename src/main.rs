@@ -11,6 +11,8 @@ mod protocol;
 mod providers;
 mod service;
 mod store;
+#[cfg(test)]
+mod testutil;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -169,6 +171,13 @@ fn run(cfg: config::Config) -> ExitCode {
         Ok(n) => log::warn!("outbox: {n} message(s) expired while imgate was stopped"),
         Err(e) => log::error!("outbox: startup sweep failed: {e}"),
     }
+    // No xAgent has said hello to this process yet: the lease runs from now unless it already
+    // ran while imgate was stopped.
+    if let Ok(None) = store.offline_since() {
+        if let Err(e) = store.set_offline_since(Some(ids::now_ms())) {
+            log::error!("lease: {e}");
+        }
+    }
     let app = match app::App::new(cfg, store) {
         Ok(a) => a,
         Err(e) => {
@@ -288,13 +297,19 @@ fn start_maintenance(app: Arc<app::App>) {
     let spawned = std::thread::Builder::new()
         .name("maintenance".into())
         .spawn(move || loop {
-            // Sleep in short steps so a shutdown is not held up by a long interval.
+            // Sleep in short steps so a shutdown is not held up by a long interval; the lease is
+            // checked every second.
             let start = std::time::Instant::now();
+            let mut lease_checked = start;
             while start.elapsed() < every {
                 if app.is_stopping() {
                     return;
                 }
                 std::thread::sleep(every.min(std::time::Duration::from_millis(100)));
+                if lease_checked.elapsed() >= std::time::Duration::from_secs(1) {
+                    lease_checked = std::time::Instant::now();
+                    check_lease(&app);
+                }
             }
             let now = ids::now_ms();
             if let Err(e) = app.store.sweep_expired(now) {
@@ -306,6 +321,19 @@ fn start_maintenance(app: Arc<app::App>) {
         });
     if let Err(e) = spawned {
         log::error!("cannot start maintenance thread: {e}");
+    }
+}
+
+/// Common protocol 8.2: one continuous offline `lease` unregisters the `connector_id`'s channels.
+fn check_lease(app: &app::App) {
+    let lease = app.config.xagent.lease;
+    match app.store.expire_lease(ids::now_ms(), lease.as_millis() as u64) {
+        Ok(None) | Ok(Some(0)) => {}
+        Ok(Some(n)) => log::warn!(
+            "lease: no xAgent for {}; {n} channel(s) unregistered (their pending messages stay unbound until their TTL)",
+            config::fmt_duration(lease)
+        ),
+        Err(e) => log::error!("lease: cannot unregister channels: {e}"),
     }
 }
 

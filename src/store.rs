@@ -7,7 +7,7 @@
 //! - Every write commits with redb's default durability (fsync) before anyone is told it happened.
 
 use miniserde::{Deserialize, Serialize};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use std::path::Path;
 
 use crate::ids;
@@ -171,6 +171,54 @@ impl Store {
         };
         txn.commit()?;
         Ok(previous)
+    }
+
+    /// Since when no data plane has completed hello (`None` while one is connected).
+    pub fn offline_since(&self) -> Result<Option<u64>> {
+        let t = self.db.begin_read()?.open_table(META)?;
+        let v = t.get("offline_since")?.and_then(|v| v.value().parse().ok());
+        Ok(v)
+    }
+
+    pub fn set_offline_since(&self, since: Option<u64>) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut t = txn.open_table(META)?;
+            match since {
+                Some(ms) => t.insert("offline_since", ms.to_string().as_str())?,
+                None => t.remove("offline_since")?,
+            };
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// When no xAgent has completed hello for `lease_ms`, unregisters every channel and binding
+    /// (their pending messages stay, unbound, under the same TTL) and ends the lease. Returns how
+    /// many channels went, `None` while the lease runs. One transaction, so a hello recorded at
+    /// the same moment is never overtaken.
+    pub fn expire_lease(&self, now: u64, lease_ms: u64) -> Result<Option<usize>> {
+        let txn = self.db.begin_write()?;
+        let gone = {
+            let mut meta = txn.open_table(META)?;
+            let since: Option<u64> = meta.get("offline_since")?.and_then(|v| v.value().parse().ok());
+            match since {
+                Some(s) if now >= s.saturating_add(lease_ms) => {
+                    meta.remove("offline_since")?;
+                    let mut channels = txn.open_table(CHANNELS)?;
+                    let n = channels.len()? as usize;
+                    channels.retain(|_, _| false)?;
+                    txn.open_table(BINDINGS)?.retain(|_, _| false)?;
+                    Some(n)
+                }
+                _ => None,
+            }
+        };
+        match gone {
+            Some(_) => txn.commit()?,
+            None => txn.abort()?,
+        }
+        Ok(gone)
     }
 
     /// `auth.logout`: forgets the channel's binding; returns the source it had.

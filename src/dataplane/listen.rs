@@ -24,6 +24,10 @@ use crate::protocol::SUBPROTOCOL;
 const MAX_HEAD: usize = 16 * 1024;
 /// A client must finish its request head within this time (slow clients are cut off).
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// A request whose client sends nothing for this long is cut off (slowloris).
+const BODY_IDLE: Duration = Duration::from_secs(10);
+/// An idle keep-alive connection is closed after this long, freeing its slot.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 /// Largest data-plane packet; a bigger frame closes that connection, not the process.
 pub const MAX_PACKET: usize = 1 << 20;
 
@@ -280,9 +284,16 @@ async fn relay(client: TcpStream, head: Vec<u8>, backend: &PathBuf, peer: &str) 
     let (mut c_read, mut c_write) = (client.clone(), client);
     let (mut s_read, mut s_write) = (server.clone(), server);
     let upstream = async {
-        let _ = pump(&mut c_read, &mut s_write, || state.request()).await;
-        // The client finished sending: let tiny_http see EOF, keep relaying its answer.
-        let _ = s_write.shutdown(std::net::Shutdown::Write);
+        match pump_client(&mut c_read, &mut s_write, &state).await {
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                log::info!("listener: {peer}: {e}; connection closed");
+                return; // ends the relay: both sockets close
+            }
+            _ => {
+                // The client finished sending: let tiny_http see EOF, keep relaying its answer.
+                let _ = s_write.shutdown(std::net::Shutdown::Write);
+            }
+        }
         std::future::pending::<()>().await;
     };
     let downstream = async {
@@ -326,6 +337,38 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.answered();
+    }
+}
+
+/// Client to tiny_http, with the slow-client limits: while a request is in flight its bytes must
+/// keep coming (a sender trickling its body is cut off after `BODY_IDLE` of silence); between
+/// requests a keep-alive connection may stay idle for `KEEPALIVE_IDLE`, then its slot is freed.
+async fn pump_client<R, W>(from: &mut R, to: &mut W, state: &InFlight) -> std::io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut buf = [0u8; 8192];
+    loop {
+        let (limit, what) = if state.0.load(Ordering::SeqCst) {
+            (BODY_IDLE, "request body stalled")
+        } else {
+            (KEEPALIVE_IDLE, "idle keep-alive connection")
+        };
+        let n = async { from.read(&mut buf).await }
+            .or(async {
+                smol::Timer::after(limit).await;
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("{what} for {limit:?}"),
+                ))
+            })
+            .await?;
+        if n == 0 {
+            return Ok(());
+        }
+        state.request();
+        to.write_all(&buf[..n]).await?;
     }
 }
 

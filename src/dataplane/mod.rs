@@ -40,6 +40,8 @@ pub struct Hub {
 struct Inner {
     next_id: u64,
     sessions: HashMap<u64, SessionLink>,
+    /// Sessions that completed `connector.hello`: the `connector_id` lease runs while none do.
+    authenticated: std::collections::HashSet<u64>,
     /// channel ID → session holding it open.
     open: HashMap<String, u64>,
 }
@@ -58,11 +60,20 @@ impl Hub {
         id
     }
 
-    /// Removes a session and every channel it held open.
-    pub fn unregister(&self, session: u64) {
+    /// Removes a session and every channel it held open. True when it was the last session
+    /// that had completed hello (the lease starts).
+    pub fn unregister(&self, session: u64) -> bool {
         let mut g = self.lock();
         g.sessions.remove(&session);
         g.open.retain(|_, s| *s != session);
+        g.authenticated.remove(&session) && g.authenticated.is_empty()
+    }
+
+    /// A session completed hello. True when it is the first one (the lease is cancelled).
+    pub fn authenticated(&self, session: u64) -> bool {
+        let mut g = self.lock();
+        let first = g.authenticated.is_empty();
+        g.authenticated.insert(session) && first
     }
 
     /// Opens `cch` on `session`; returns the session that held it before, if another one did.

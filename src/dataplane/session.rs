@@ -142,7 +142,15 @@ where
     };
 
     delivery.cancel().await;
-    app.hub.unregister(id);
+    if app.hub.unregister(id) {
+        log::info!(
+            "data plane: no xAgent connected; channels stay registered for the lease of {}",
+            crate::config::fmt_duration(app.config.xagent.lease)
+        );
+        if let Err(e) = blocking(&app, |app| app.store.set_offline_since(Some(ids::now_ms()))).await {
+            log::error!("data plane: cannot record the start of the lease: {e}");
+        }
+    }
     let _ = out_tx.send(Outgoing::Close(reason.clone())).await;
     drop(out_tx);
     let _ = writer.await;
@@ -292,7 +300,7 @@ async fn handle(
     };
     log::trace!("data plane: <- {}", p.kind);
     match p.kind.as_str() {
-        "connector.hello" => return vec![hello(app, state, &p)],
+        "connector.hello" => return vec![hello(app, id, state, &p)],
         "ping" => return vec![Packet::answer(&p, "pong")],
         "pong" => {
             if let Some(tx) = p.request_id.as_ref().and_then(|r| lock(&state.barriers).remove(r)) {
@@ -375,7 +383,7 @@ fn open_channel_of(app: &App, id: u64, p: &Packet) -> Result<String, Box<Packet>
     Ok(cch.to_string())
 }
 
-fn hello(app: &App, state: &State, p: &Packet) -> Packet {
+fn hello(app: &App, id: u64, state: &State, p: &Packet) -> Packet {
     let pl = &p.payload;
     let card_id = json::get_str(pl, "connector_card_id").unwrap_or_default();
     if card_id != CARD_ID {
@@ -427,6 +435,12 @@ fn hello(app: &App, state: &State, p: &Packet) -> Packet {
         );
     }
     *lock(&state.profiles) = Some(enabled);
+    if app.hub.authenticated(id) {
+        // Back online within the lease: nothing will be unregistered.
+        if let Err(e) = app.store.set_offline_since(None) {
+            log::error!("data plane: cannot record that xAgent is back: {e}");
+        }
+    }
     Packet::answer(p, "connector.hello.ack").with_payload(obj([
         ("connector_card_id", s(CARD_ID)),
         ("connector_id", s(&app.connector_id)),

@@ -229,6 +229,23 @@ mod tests {
     }
 
     #[test]
+    fn packet_parser_survives_thousands_of_malformed_packets() {
+        let seeds: [&[u8]; 3] = [
+            br#"{"schema":"xagent.connector.packet/v1","packet_id":"p1","request_id":"r1","type":"tool.invoke","connector_channel_id":"c","payload":{"tool_id":"t","arguments":{"text":"x"},"context":{"tool_call_id":"k"}}}"#,
+            br#"{"schema":"xagent.connector.packet/v1","packet_id":"p","type":"connector.hello","payload":{"supported_profiles":["xagent.im.v1"],"protocol_version":"3.0"}}"#,
+            br#"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["#,
+        ];
+        for input in crate::testutil::mutations(&seeds, 3000, 7) {
+            let _ = Packet::parse(&String::from_utf8_lossy(&input));
+        }
+        let deep = "[".repeat(100_000);
+        assert!(
+            Packet::parse(&deep).is_err(),
+            "deep nesting is an error, not a stack overflow"
+        );
+    }
+
+    #[test]
     fn versions_compare_numerically() {
         assert!(version_at_least("3.0", "3.0"));
         assert!(version_at_least("3.1", "3.0"));

@@ -394,6 +394,17 @@ mod tests {
     }
 
     #[test]
+    fn body_parser_survives_thousands_of_malformed_bodies() {
+        let seeds: [&[u8]; 2] = [
+            br#"{"message_id":"m1","sender_id":"u","sender_name":"Ada","chat_id":"c","chat_type":"group","message_type":"text","text":"hi","event_time":1790000000000}"#,
+            br#"{"message_id":12345678901234567890,"sender_id":-1,"text":"\u00e9\ud83d\ude00"}"#,
+        ];
+        for input in crate::testutil::mutations(&seeds, 5000, 11) {
+            let _ = parse_body(&input);
+        }
+    }
+
+    #[test]
     fn hmac_signatures_verify_and_tampering_fails() {
         let hook = Webhook {
             secret: crate::config::Secret::new("k"),

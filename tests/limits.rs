@@ -1,0 +1,189 @@
+//! Limits and takeovers: the connector_id lease, max_connections, oversized packets, a second
+//! data-plane connection taking a channel over.
+
+mod common;
+
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+#[test]
+fn channels_are_unregistered_after_a_continuous_offline_lease() {
+    let dir = temp_dir("lease");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, "[xagent]\nlease = 1s\n"));
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    x.close();
+    assert_eq!(
+        d.post_hook("alerts", &json!({"message_id": "while-away", "sender_id": "u"}))
+            .0,
+        202
+    );
+    let deadline = Instant::now() + Duration::from_secs(6);
+    loop {
+        let s = get_json(&d.url("/status"));
+        if s["channels"].as_array().unwrap().is_empty() {
+            assert_eq!(
+                s["unbound"]["pending"], 1,
+                "the pending message stays, unbound, under its TTL: {s}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "lease never expired: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        d.log().contains("channel(s) unregistered"),
+        "the unregistration is logged"
+    );
+    let mut y = d.xagent();
+    y.hello("");
+    let (fresh, open) = y.open(Some(&cch));
+    assert_ne!(fresh, cch, "the old channel is unknown now");
+    assert_eq!(
+        open["payload"]["connection_descriptor"]["connection"]["status"],
+        "created"
+    );
+}
+
+#[test]
+fn a_reconnect_within_the_lease_keeps_every_channel() {
+    let dir = temp_dir("lease-kept");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, "[xagent]\nlease = 3s\n"));
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    x.close();
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut y = d.xagent();
+    y.hello("");
+    std::thread::sleep(Duration::from_millis(2500)); // past the first lease, but it was cancelled
+    let (again, _) = y.open(Some(&cch));
+    assert_eq!(again, cch);
+}
+
+#[test]
+fn a_second_connection_takes_a_channel_over() {
+    let dir = temp_dir("takeover");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    let mut y = d.xagent();
+    y.hello("");
+    assert_eq!(y.open(Some(&cch)).0, cch);
+    d.post_hook("alerts", &json!({"message_id": "t1", "sender_id": "u"}));
+    assert_eq!(
+        y.next_push(Duration::from_secs(5)).unwrap()["payload"]["message_id"],
+        "t1"
+    );
+    assert!(
+        x.next_push(Duration::from_millis(500)).is_none(),
+        "the old connection no longer gets pushes"
+    );
+    let a = x.request("connection.descriptor.get", Some(&cch), json!({}));
+    assert_eq!(a["error"]["code"], "channel_not_open", "nor answers for the channel");
+}
+
+#[test]
+fn connections_beyond_max_connections_get_503() {
+    let dir = temp_dir("maxconn");
+    let conf =
+        config_text(free_port(), &dir, None, "").replace("log_level = debug", "log_level = debug\nmax_connections = 2");
+    let d = Daemon::start(&dir, &conf);
+    std::thread::sleep(Duration::from_millis(200)); // the harness's readiness probe lets go of its slot
+    let _a = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let _b = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = String::new();
+    let _ = c.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer:?}\n{}", d.log());
+    drop((_a, _b));
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(http_get(&d.url("/connector-card.json"), &[]).0, 200, "slots come back");
+}
+
+#[test]
+fn an_oversized_packet_closes_that_connection_not_the_process() {
+    let dir = temp_dir("bigpacket");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let mut x = d.xagent();
+    x.hello("");
+    let big = format!(
+        r#"{{"schema":"xagent.connector.packet/v1","packet_id":"p","type":"ping","payload":{{"x":"{}"}}}}"#,
+        "a".repeat(2 << 20)
+    );
+    x.send_raw(&big);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !d.log().contains("ended: read error") {
+        assert!(
+            Instant::now() < deadline,
+            "the session ends on the oversized frame: {}",
+            d.log()
+        );
+        let _ = x.recv_within(Duration::from_millis(50));
+    }
+    assert_eq!(
+        http_get(&d.url("/connector-card.json"), &[]).0,
+        200,
+        "the process is fine"
+    );
+    let mut y = d.xagent();
+    y.hello("");
+    assert_eq!(
+        y.request("ping", None, json!({}))["type"],
+        "pong",
+        "and so is the data plane"
+    );
+}
+
+#[test]
+fn slow_clients_are_cut_off_by_the_head_and_body_timeouts() {
+    use std::io::Write;
+    let dir = temp_dir("slowloris");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let port = d.port;
+    // One trickles its request head, one stalls in the middle of its body.
+    let head = std::thread::spawn(move || {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let start = Instant::now();
+        for b in b"POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n" {
+            if s.write_all(&[*b]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        start.elapsed()
+    });
+    let body = std::thread::spawn(move || {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(s, "POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOOK_SECRET}\r\nContent-Length: 100\r\n\r\n{{\"mess").unwrap();
+        let start = Instant::now();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        start.elapsed()
+    });
+    // Meanwhile everyone else is served.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(http_get(&d.url("/connector-card.json"), &[]).0, 200);
+    let head_cut = head.join().unwrap();
+    let body_cut = body.join().unwrap();
+    assert!(
+        head_cut < Duration::from_secs(14),
+        "a trickled head is cut at the 10 s head timeout: {head_cut:?}"
+    );
+    assert!(
+        body_cut < Duration::from_secs(14),
+        "a stalled body is cut after 10 s of silence: {body_cut:?}"
+    );
+    assert!(d.log().contains("request body stalled"), "{}", d.log());
+}
