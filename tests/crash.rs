@@ -154,20 +154,17 @@ fn sigkill_at_random_points_loses_no_accepted_message_and_keeps_order() {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let mut accepted: HashMap<&str, Vec<String>> = HashMap::new();
     let (mut next_a, mut next_o) = (0u64, 0u64);
+    let spawn_receiver = |stop: &Arc<AtomicBool>| {
+        let (seen, stop, cid) = (seen.clone(), stop.clone(), connector_id.clone());
+        let chans = vec![alerts.clone(), ops.clone()];
+        std::thread::spawn(move || receive(port, cid, chans, seen, stop))
+    };
     for round in 0..ROUNDS {
         if round > 0 {
             d = d.restart();
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let receiver = {
-            let (seen, stop, cid, chans) = (
-                seen.clone(),
-                stop.clone(),
-                connector_id.clone(),
-                vec![alerts.clone(), ops.clone()],
-            );
-            std::thread::spawn(move || receive(port, cid, chans, seen, stop))
-        };
+        let receiver = spawn_receiver(&stop);
         let a = {
             let stop = stop.clone();
             std::thread::spawn(move || send(port, "alerts", HOOK_SECRET, "a", next_a, stop))
@@ -191,15 +188,7 @@ fn sigkill_at_random_points_loses_no_accepted_message_and_keeps_order() {
     // Last start: let everything drain.
     let d = d.restart();
     let stop = Arc::new(AtomicBool::new(false));
-    let receiver = {
-        let (seen, stop, cid, chans) = (
-            seen.clone(),
-            stop.clone(),
-            connector_id.clone(),
-            vec![alerts.clone(), ops.clone()],
-        );
-        std::thread::spawn(move || receive(port, cid, chans, seen, stop))
-    };
+    let receiver = spawn_receiver(&stop);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let s = get_json(&d.url("/status"));

@@ -9,15 +9,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::{json, Value};
 
-fn bound_session(d: &Daemon) -> (Sim, String) {
-    let mut x = d.xagent();
-    x.hello("");
-    let (cch, _) = x.open(None);
-    let a = x.bind_webhook(&cch, "alerts", HOOK_SECRET);
-    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
-    (x, cch)
-}
-
 #[test]
 fn card_is_public_valid_and_shares_its_build_with_health() {
     let dir = temp_dir("card");
@@ -313,7 +304,7 @@ fn reply_ref_of_one_channel_is_rejected_on_another_bound_channel() {
     let dir = temp_dir("crossref");
     let extra = format!("[webhook.ops]\nsecret = ops-secret-1\nreply_url = {}\n", receiver.url);
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&receiver.url), &extra));
-    let (mut x, cch) = bound_session(&d);
+    let (mut x, cch) = d.bound_xagent();
     let (ops, _) = x.open(None);
     assert_eq!(
         x.bind_webhook(&ops, "ops", "ops-secret-1")["payload"]["status"],
@@ -338,7 +329,7 @@ fn failing_reply_url_comes_back_as_a_tool_error_with_a_stable_code() {
     let receiver = ReplyReceiver::start(500);
     let dir = temp_dir("upstream");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&receiver.url), ""));
-    let (mut x, cch) = bound_session(&d);
+    let (mut x, cch) = d.bound_xagent();
     let a = x.tool(&cch, "imgate_message_send", json!({"text":"hi"}), "c1");
     assert_eq!(a["type"], "tool.invoke.ack");
     assert_eq!(a["error"]["code"], "upstream_rejected");
@@ -445,7 +436,7 @@ fn messages_accepted_before_binding_are_delivered_once_a_channel_binds() {
             202
         );
     }
-    let (mut x, _) = bound_session(&d);
+    let (mut x, _) = d.bound_xagent();
     let ids: Vec<String> = (0..3)
         .map(|_| {
             x.next_push(Duration::from_secs(10)).unwrap()["payload"]["message_id"]
@@ -474,7 +465,7 @@ fn messages_accepted_before_binding_are_delivered_once_a_channel_binds() {
 fn unconfirmed_pushes_are_redelivered_with_the_same_message_id_after_reconnect() {
     let dir = temp_dir("redeliver");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
-    let (mut x, cch) = bound_session(&d);
+    let (mut x, cch) = d.bound_xagent();
     let connector_id = get_json(&d.url("/status"))["connector_id"]
         .as_str()
         .unwrap()
@@ -522,7 +513,7 @@ fn unconfirmed_pushes_are_redelivered_with_the_same_message_id_after_reconnect()
 fn restart_keeps_bindings_and_accepted_messages() {
     let dir = temp_dir("restart");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
-    let (x, cch) = bound_session(&d);
+    let (x, cch) = d.bound_xagent();
     let connector_id = get_json(&d.url("/status"))["connector_id"]
         .as_str()
         .unwrap()
@@ -555,7 +546,7 @@ fn restart_keeps_bindings_and_accepted_messages() {
 fn binding_a_second_channel_to_the_endpoint_moves_it_and_tells_the_first() {
     let dir = temp_dir("move");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
-    let (mut x, first) = bound_session(&d);
+    let (mut x, first) = d.bound_xagent();
     let (second, _) = x.open(None);
     assert_eq!(
         x.bind_webhook(&second, "alerts", HOOK_SECRET)["payload"]["status"],

@@ -13,10 +13,7 @@ use serde_json::json;
 fn channels_are_unregistered_after_a_continuous_offline_lease() {
     let dir = temp_dir("lease");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, "[xagent]\nlease = 1s\n"));
-    let mut x = d.xagent();
-    x.hello("");
-    let (cch, _) = x.open(None);
-    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    let (x, cch) = d.bound_xagent();
     x.close();
     assert_eq!(
         d.post_hook("alerts", &json!({"message_id": "while-away", "sender_id": "u"}))
@@ -54,10 +51,7 @@ fn channels_are_unregistered_after_a_continuous_offline_lease() {
 fn a_reconnect_within_the_lease_keeps_every_channel() {
     let dir = temp_dir("lease-kept");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, "[xagent]\nlease = 3s\n"));
-    let mut x = d.xagent();
-    x.hello("");
-    let (cch, _) = x.open(None);
-    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    let (x, cch) = d.bound_xagent();
     x.close();
     std::thread::sleep(Duration::from_millis(1500));
     let mut y = d.xagent();
@@ -71,10 +65,7 @@ fn a_reconnect_within_the_lease_keeps_every_channel() {
 fn a_second_connection_takes_a_channel_over() {
     let dir = temp_dir("takeover");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
-    let mut x = d.xagent();
-    x.hello("");
-    let (cch, _) = x.open(None);
-    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    let (mut x, cch) = d.bound_xagent();
     let mut y = d.xagent();
     y.hello("");
     assert_eq!(y.open(Some(&cch)).0, cch);

@@ -244,6 +244,16 @@ impl Daemon {
         Sim::connect(self.port, Some(API_KEY))
     }
 
+    /// An xAgent simulator past hello with a new channel bound to the `alerts` endpoint.
+    pub fn bound_xagent(&self) -> (Sim, String) {
+        let mut x = self.xagent();
+        x.hello("");
+        let (cch, _) = x.open(None);
+        let a = x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+        assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+        (x, cch)
+    }
+
     /// POSTs a webhook message authenticated with the endpoint's Bearer secret.
     pub fn post_hook(&self, name: &str, body: &Value) -> (u16, Value) {
         http_post(
