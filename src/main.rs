@@ -308,6 +308,8 @@ fn start_maintenance(app: Arc<app::App>) {
                 std::thread::sleep(every.min(std::time::Duration::from_millis(100)));
                 if lease_checked.elapsed() >= std::time::Duration::from_secs(1) {
                     lease_checked = std::time::Instant::now();
+                    // A disk that was full or read-only may be back: reopen after an I/O error.
+                    app.store.db.recover();
                     check_lease(&app);
                 }
             }

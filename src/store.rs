@@ -8,7 +8,10 @@
 
 use miniserde::{Deserialize, Serialize};
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
 use crate::ids;
 
@@ -32,8 +35,84 @@ impl std::fmt::Display for StoreError {
 
 impl<E: Into<redb::Error>> From<E> for StoreError {
     fn from(e: E) -> Self {
-        StoreError(e.into().to_string())
+        let e = e.into();
+        if matches!(e, redb::Error::Io(_) | redb::Error::PreviousIo) {
+            // redb refuses every transaction after an I/O error until the file is reopened.
+            NEEDS_REOPEN.store(true, Ordering::SeqCst);
+        }
+        StoreError(e.to_string())
     }
+}
+
+/// Set by any I/O error (a full or read-only disk); `Db::recover` then reopens the file.
+static NEEDS_REOPEN: AtomicBool = AtomicBool::new(false);
+
+/// The database handle, replaceable: after an I/O error redb answers every later transaction
+/// with "previous I/O error" until the file is closed and opened again, so a full SD card would
+/// otherwise keep imgate refusing messages long after space came back.
+pub(crate) struct Db {
+    path: PathBuf,
+    cell: RwLock<Option<Arc<Database>>>,
+    last_attempt: Mutex<Option<Instant>>,
+}
+
+impl Db {
+    /// The current handle. Callers take it once per operation and drop it at the end.
+    pub fn get(&self) -> Result<Arc<Database>> {
+        self.cell
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| StoreError("the database is being reopened".into()))
+    }
+
+    /// After an I/O error: closes and reopens the file (at most once a second). True when a
+    /// fresh handle is in place.
+    pub fn recover(&self) -> bool {
+        if !NEEDS_REOPEN.load(Ordering::SeqCst) {
+            return false;
+        }
+        {
+            let mut last = self.last_attempt.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < REOPEN_EVERY) {
+                return false;
+            }
+            *last = Some(Instant::now());
+        }
+        let mut cell = self.cell.write().unwrap_or_else(|e| e.into_inner());
+        let Some(old) = cell.take() else { return false };
+        // Operations that already hold the old handle finish first (each holds it briefly).
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Arc::strong_count(&old) > 1 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if Arc::strong_count(&old) > 1 {
+            *cell = Some(old);
+            return false;
+        }
+        drop(old);
+        match open_db(&self.path) {
+            Ok(db) => {
+                NEEDS_REOPEN.store(false, Ordering::SeqCst);
+                *cell = Some(Arc::new(db));
+                log::warn!("store: database reopened after an I/O error");
+                true
+            }
+            Err(e) => {
+                log::error!("store: cannot reopen the database: {e}");
+                false
+            }
+        }
+    }
+}
+
+const REOPEN_EVERY: Duration = Duration::from_secs(1);
+
+fn open_db(path: &Path) -> Result<Database> {
+    redb::Builder::new()
+        .set_cache_size(CACHE_BYTES)
+        .create(path)
+        .map_err(|e| StoreError(format!("cannot open {}: {e}", path.display())))
 }
 
 pub type Result<T> = std::result::Result<T, StoreError>;
@@ -59,7 +138,7 @@ struct ToolCall {
 }
 
 pub struct Store {
-    pub(crate) db: std::sync::Arc<Database>,
+    pub(crate) db: Arc<Db>,
     pub(crate) outbox: std::sync::Arc<crate::outbox::Shared>,
     pub(crate) committer: crate::outbox::Committer,
 }
@@ -70,10 +149,7 @@ impl Store {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| StoreError(format!("cannot create state_dir {}: {e}", state_dir.display())))?;
         let path = state_dir.join("imgate.redb");
-        let db = redb::Builder::new()
-            .set_cache_size(CACHE_BYTES)
-            .create(&path)
-            .map_err(|e| StoreError(format!("cannot open {}: {e}", path.display())))?;
+        let db = open_db(&path)?;
         let txn = db.begin_write()?;
         {
             txn.open_table(META)?;
@@ -84,17 +160,21 @@ impl Store {
             crate::outbox::create_tables(&txn)?;
         }
         txn.commit()?;
-        let db = std::sync::Arc::new(db);
+        let db = Arc::new(Db {
+            path,
+            cell: RwLock::new(Some(Arc::new(db))),
+            last_attempt: Mutex::new(None),
+        });
         let (outbox, committer) = Store::start_outbox(db.clone())?;
         Ok(Store { db, outbox, committer })
     }
 
     /// The persistent `connector_id`, created on first use and then never changed.
     pub fn connector_id(&self) -> Result<String> {
-        if let Some(id) = self.db.begin_read()?.open_table(META)?.get("connector_id")? {
+        if let Some(id) = self.db.get()?.begin_read()?.open_table(META)?.get("connector_id")? {
             return Ok(id.value().to_string());
         }
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         let id = {
             let mut t = txn.open_table(META)?;
             let existing = t.get("connector_id")?.map(|v| v.value().to_string());
@@ -112,13 +192,13 @@ impl Store {
     }
 
     pub fn channel(&self, cch: &str) -> Result<Option<ChannelRecord>> {
-        let t = self.db.begin_read()?.open_table(CHANNELS)?;
+        let t = self.db.get()?.begin_read()?.open_table(CHANNELS)?;
         let rec = t.get(cch)?.and_then(|v| miniserde::json::from_str(v.value()).ok());
         Ok(rec)
     }
 
     pub fn channels(&self) -> Result<Vec<(String, ChannelRecord)>> {
-        let t = self.db.begin_read()?.open_table(CHANNELS)?;
+        let t = self.db.get()?.begin_read()?.open_table(CHANNELS)?;
         let mut out = Vec::new();
         for row in t.iter()? {
             let (k, v) = row?;
@@ -142,7 +222,7 @@ impl Store {
             source: None,
             created_at: ids::now_ms(),
         };
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         txn.open_table(CHANNELS)?
             .insert(cch.as_str(), miniserde::json::to_string(&rec).as_str())?;
         txn.commit()?;
@@ -151,7 +231,7 @@ impl Store {
 
     /// Binds `cch` to `source`. A source has one channel: the previous holder (returned) loses it.
     pub fn bind(&self, cch: &str, source: &str) -> Result<Option<String>> {
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         let previous = {
             let mut channels = txn.open_table(CHANNELS)?;
             let mut bindings = txn.open_table(BINDINGS)?;
@@ -175,13 +255,13 @@ impl Store {
 
     /// Since when no data plane has completed hello (`None` while one is connected).
     pub fn offline_since(&self) -> Result<Option<u64>> {
-        let t = self.db.begin_read()?.open_table(META)?;
+        let t = self.db.get()?.begin_read()?.open_table(META)?;
         let v = t.get("offline_since")?.and_then(|v| v.value().parse().ok());
         Ok(v)
     }
 
     pub fn set_offline_since(&self, since: Option<u64>) -> Result<()> {
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         {
             let mut t = txn.open_table(META)?;
             match since {
@@ -198,7 +278,7 @@ impl Store {
     /// many channels went, `None` while the lease runs. One transaction, so a hello recorded at
     /// the same moment is never overtaken.
     pub fn expire_lease(&self, now: u64, lease_ms: u64) -> Result<Option<usize>> {
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         let gone = {
             let mut meta = txn.open_table(META)?;
             let since: Option<u64> = meta.get("offline_since")?.and_then(|v| v.value().parse().ok());
@@ -223,7 +303,7 @@ impl Store {
 
     /// `auth.logout`: forgets the channel's binding; returns the source it had.
     pub fn unbind(&self, cch: &str) -> Result<Option<String>> {
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         let old = {
             let mut channels = txn.open_table(CHANNELS)?;
             let mut bindings = txn.open_table(BINDINGS)?;
@@ -240,13 +320,13 @@ impl Store {
 
     /// The channel bound to `source`, if any.
     pub fn bound_channel(&self, source: &str) -> Result<Option<String>> {
-        let t = self.db.begin_read()?.open_table(BINDINGS)?;
+        let t = self.db.get()?.begin_read()?.open_table(BINDINGS)?;
         let v = t.get(source)?.map(|v| v.value().to_string());
         Ok(v)
     }
 
     pub fn reply_ref(&self, reference: &str) -> Result<Option<ReplyRef>> {
-        let t = self.db.begin_read()?.open_table(REPLY_REFS)?;
+        let t = self.db.get()?.begin_read()?.open_table(REPLY_REFS)?;
         let v = t
             .get(reference)?
             .and_then(|v| miniserde::json::from_str(v.value()).ok());
@@ -255,7 +335,7 @@ impl Store {
 
     /// The stored result of a tool call already made with this `tool_call_id`.
     pub fn tool_result(&self, call_id: &str) -> Result<Option<String>> {
-        let t = self.db.begin_read()?.open_table(TOOL_CALLS)?;
+        let t = self.db.get()?.begin_read()?.open_table(TOOL_CALLS)?;
         let rec: Option<ToolCall> = t.get(call_id)?.and_then(|v| miniserde::json::from_str(v.value()).ok());
         Ok(rec.filter(|r| r.expires_at > ids::now_ms()).map(|r| r.result))
     }
@@ -265,7 +345,7 @@ impl Store {
             result: result.to_string(),
             expires_at,
         };
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         txn.open_table(TOOL_CALLS)?
             .insert(call_id, miniserde::json::to_string(&rec).as_str())?;
         txn.commit()?;
@@ -274,7 +354,7 @@ impl Store {
 
     /// Drops reply references and tool-call results past their expiry; returns how many.
     pub fn sweep_refs(&self, now: u64) -> Result<u64> {
-        let txn = self.db.begin_write()?;
+        let txn = self.db.get()?.begin_write()?;
         let mut n = 0;
         {
             let mut refs = txn.open_table(REPLY_REFS)?;

@@ -34,7 +34,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, WriteTran
 use self::index::{Index, Place};
 pub use self::record::{Header, StoredMessage};
 use crate::config::Overflow;
-use crate::store::{ReplyRef, Result, Store, StoreError, REPLY_REFS};
+use crate::store::{Db, ReplyRef, Result, Store, StoreError, REPLY_REFS};
 
 /// `(source, seq)` → record (`record.rs`). `seq` grows per source: key order is acceptance order.
 const MESSAGES: TableDefinition<(&str, u64), &str> = TableDefinition::new("messages");
@@ -132,7 +132,7 @@ struct Job {
 
 /// The outbox's shared state: the database and its in-memory index.
 pub(crate) struct Shared {
-    db: Arc<Database>,
+    db: Arc<Db>,
     index: Mutex<Index>,
 }
 
@@ -145,15 +145,18 @@ impl Shared {
     /// rebuilt from what the database really holds.
     fn write<T>(&self, f: impl FnOnce(&WriteTransaction, &mut Index) -> Result<T>) -> Result<T> {
         let mut idx = self.lock();
-        let run = || -> Result<T> {
-            let txn = self.db.begin_write()?;
-            let v = f(&txn, &mut idx)?;
+        let run = |idx: &mut Index| -> Result<T> {
+            let db = self.db.get()?;
+            let txn = db.begin_write()?;
+            let v = f(&txn, idx)?;
             txn.commit()?;
             Ok(v)
         };
-        let result = run();
+        let result = run(&mut idx);
         if result.is_err() {
-            match load_index(&self.db) {
+            // After an I/O error (disk full, read-only) the file must be reopened first.
+            self.db.recover();
+            match self.db.get().and_then(|db| load_index(&db)) {
                 Ok(fresh) => *idx = fresh,
                 Err(e) => log::error!("outbox: cannot reload the index: {e}"),
             }
@@ -210,9 +213,9 @@ fn load_index(db: &Database) -> Result<Index> {
 
 impl Store {
     /// Loads the index and starts the committer thread; called once by `Store::open`.
-    pub(crate) fn start_outbox(db: Arc<Database>) -> Result<(Arc<Shared>, Committer)> {
+    pub(crate) fn start_outbox(db: Arc<Db>) -> Result<(Arc<Shared>, Committer)> {
         let shared = Arc::new(Shared {
-            index: Mutex::new(load_index(&db)?),
+            index: Mutex::new(load_index(&*db.get()?)?),
             db,
         });
         let (tx, rx) = mpsc::channel::<Job>();
@@ -282,7 +285,7 @@ impl Store {
 
     /// Up to `limit` unexpired pending messages of `source`, oldest first.
     pub fn pending(&self, source: &str, limit: usize, now: u64) -> Result<Vec<Pending>> {
-        let t = self.db.begin_read()?.open_table(MESSAGES)?;
+        let t = self.db.get()?.begin_read()?.open_table(MESSAGES)?;
         let mut out = Vec::new();
         for row in t.range((source, 0)..=(source, u64::MAX))? {
             let (k, v) = row?;
@@ -390,7 +393,7 @@ impl Store {
     /// Figures of every source that has any.
     pub fn stats(&self) -> Result<Vec<(String, Counters)>> {
         let mut out: Vec<(String, Counters)> = Vec::new();
-        for row in self.db.begin_read()?.open_table(COUNTERS)?.iter()? {
+        for row in self.db.get()?.begin_read()?.open_table(COUNTERS)?.iter()? {
             let (k, v) = row?;
             let t: Tally = miniserde::json::from_str(v.value()).unwrap_or_default();
             let c = Counters {
@@ -703,7 +706,7 @@ mod tests {
 
     /// The index must always agree with what the table holds.
     fn assert_accounting(s: &Store) {
-        let txn = s.db.begin_read().unwrap();
+        let txn = s.db.get().unwrap().begin_read().unwrap();
         let t = txn.open_table(MESSAGES).unwrap();
         let mut per: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
         let mut total = 0;
@@ -969,7 +972,7 @@ mod tests {
         );
         // Only the newest 1000 delivered IDs are kept: the oldest ones are new again.
         assert!(accepted(s.enqueue(msg("d0", 2000, 60_000), ROOMY)));
-        let txn = s.db.begin_read().unwrap();
+        let txn = s.db.get().unwrap().begin_read().unwrap();
         assert_eq!(txn.open_table(DELIVERED).unwrap().len().unwrap(), 1000);
         drop(txn);
         assert_accounting(&s);
