@@ -18,6 +18,7 @@ pub const SKILL_NAME: &str = "connector-im-imgate";
 
 pub const TOOL_SEND: &str = "imgate_message_send";
 pub const TOOL_REPLY: &str = "imgate_message_reply";
+pub const TOOL_FILE_SEND: &str = "imgate_file_send";
 
 /// Protocol error codes (common protocol section 8.23) plus imgate's own stable ones.
 pub mod code {

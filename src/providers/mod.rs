@@ -3,6 +3,7 @@
 //! The data plane calls only the functions here; each provider module owns its inbound
 //! parsing, binding rules and outbound calls.
 
+pub mod inbound;
 pub mod webhook;
 
 use crate::app::App;

@@ -5,13 +5,14 @@
 
 use ring::hmac;
 
+use super::inbound::{self, Inbound};
 use super::Failure;
 use crate::app::App;
 use crate::config::Webhook;
 use crate::ids;
-use crate::json::{self, b, obj, opt_s, s, strs, Object, Value};
+use crate::json::{self, obj, opt_s, s, Object, Value};
 use crate::outbox::{Enqueued, NewMessage, StoredMessage};
-use crate::protocol::{code, PROFILE, SKILL_NAME, TOOL_REPLY, TOOL_SEND};
+use crate::protocol::code;
 use crate::store::ReplyRef;
 
 const SOURCE_PREFIX: &str = "webhook:";
@@ -72,19 +73,6 @@ fn unhex(h: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// A validated inbound message; stored as is in the outbox and rendered at push time.
-#[derive(Debug, PartialEq, miniserde::Serialize, miniserde::Deserialize)]
-pub struct Inbound {
-    pub message_id: String,
-    pub sender_id: String,
-    pub sender_name: Option<String>,
-    pub chat_id: Option<String>,
-    pub chat_type: String,
-    pub message_type: String,
-    pub text: String,
-    pub event_time: Option<u64>,
-}
-
 /// Parses a webhook body (contract section 4); the `Err` is the `detail` of a 400.
 pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
     let text = std::str::from_utf8(body).map_err(|_| "body is not UTF-8".to_string())?;
@@ -137,19 +125,8 @@ pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
         message_type,
         text: str_field("text")?.unwrap_or_default(),
         event_time,
+        files: None,
     })
-}
-
-/// Shows a few characters of an identifier, enough to tell senders apart.
-pub fn redact(id: &str) -> String {
-    let chars: Vec<char> = id.chars().collect();
-    if chars.len() <= 6 {
-        "***".into()
-    } else {
-        let head: String = chars[..2].iter().collect();
-        let tail: String = chars[chars.len() - 2..].iter().collect();
-        format!("{head}***{tail}")
-    }
 }
 
 /// The `message.push` payload of a stored message (IM profile v1 sections 5 and 6).
@@ -164,46 +141,14 @@ pub fn render_push(app: &App, name: &str, stored: &StoredMessage) -> Value {
     // The label as configured now; an endpoint removed since acceptance keeps its name.
     let label = app.config.webhooks.get(name).map_or(name, |h| h.label.as_str());
     let h = &stored.header;
-    render(label, &m, h.reply_ref.as_deref(), h.accepted_at, h.expires_at)
-}
-
-fn render(label: &str, m: &Inbound, reply_ref: Option<&str>, accepted_at: u64, expires_at: u64) -> Value {
-    let sender = m.sender_name.clone().unwrap_or_else(|| redact(&m.sender_id));
-    let user_text = if m.text.is_empty() { "none" } else { m.text.as_str() };
-    let text = format!(
-        "User message from {}:\nSender: {}\nConversation type: {}\nMessage type: {}\nUser text: {}",
-        label, sender, m.chat_type, m.message_type, user_text
-    );
-    let reply = reply_ref.map_or(Value::Null, |r| {
-        obj([("required", b(true)), ("tool_id", s(TOOL_REPLY)), ("reply_ref", s(r))])
-    });
-    obj([
-        ("provider", s("webhook")),
-        ("profile", s(PROFILE)),
-        ("event_kind", s("im.message.received")),
-        ("message_id", s(&m.message_id)),
-        ("source", s(label)),
-        ("sender_id", s(&m.sender_id)),
-        ("sender_name", s(&sender)),
-        ("display_name", s(&sender)),
-        ("chat_id", opt_s(m.chat_id.clone())),
-        ("chat_type", s(&m.chat_type)),
-        ("message_type", s(&m.message_type)),
-        ("raw_text", s(&m.text)),
-        ("text", s(text)),
-        ("reply", reply),
-        (
-            "skill",
-            obj([
-                ("skill_id", s(SKILL_NAME)),
-                ("name", s(SKILL_NAME)),
-                ("tool_ids", strs([TOOL_SEND, TOOL_REPLY])),
-            ]),
-        ),
-        ("event_time", m.event_time.map_or(Value::Null, json::n)),
-        ("accepted_at", json::n(accepted_at)),
-        ("expires_at", json::n(expires_at)),
-    ])
+    inbound::render(
+        "webhook",
+        label,
+        &m,
+        h.reply_ref.as_deref(),
+        h.accepted_at,
+        h.expires_at,
+    )
 }
 
 /// Handles `POST /hooks/NAME` once the body is read (size was checked by the HTTP layer).
@@ -418,11 +363,5 @@ mod tests {
         assert!(authorized(&hook, Some("Bearer k"), None, b""));
         assert!(!authorized(&hook, Some("Bearer x"), None, b""));
         assert!(!authorized(&hook, None, None, b""));
-    }
-
-    #[test]
-    fn redaction_hides_the_middle_of_an_id() {
-        assert_eq!(redact("1234567890"), "12***90");
-        assert_eq!(redact("abc"), "***");
     }
 }

@@ -1,0 +1,131 @@
+//! What every IM provider's inbound message becomes: the stored event and its rendering as
+//! a `message.push` payload with every field of IM profile v1 section 5.
+
+use crate::json::{self, arr, b, obj, opt_s, s, strs, Value};
+use crate::protocol::{PROFILE, SKILL_NAME, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+
+/// A validated inbound message; stored as is in the outbox and rendered at push time.
+#[derive(Debug, PartialEq, miniserde::Serialize, miniserde::Deserialize)]
+pub struct Inbound {
+    pub message_id: String,
+    pub sender_id: String,
+    pub sender_name: Option<String>,
+    pub chat_id: Option<String>,
+    pub chat_type: String,
+    pub message_type: String,
+    pub text: String,
+    pub event_time: Option<u64>,
+    /// Files of the message, already in imgate's file cache.
+    pub files: Option<Vec<FileItem>>,
+}
+
+/// One file of an inbound message (IM profile v1 section 9).
+#[derive(Debug, Clone, PartialEq, miniserde::Serialize, miniserde::Deserialize)]
+pub struct FileItem {
+    pub file_ref: String,
+    pub kind: String,
+    pub filename: String,
+    pub mime_type: String,
+    pub byte_size: u64,
+    pub expires_at: u64,
+}
+
+impl Inbound {
+    /// Tools the agent may use on this message's channel.
+    fn tool_ids(&self) -> Vec<&'static str> {
+        if self.files.is_some() {
+            vec![TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND]
+        } else {
+            vec![TOOL_SEND, TOOL_REPLY]
+        }
+    }
+}
+
+/// Shows a few characters of an identifier, enough to tell senders apart.
+pub fn redact(id: &str) -> String {
+    let chars: Vec<char> = id.chars().collect();
+    if chars.len() <= 6 {
+        "***".into()
+    } else {
+        let head: String = chars[..2].iter().collect();
+        let tail: String = chars[chars.len() - 2..].iter().collect();
+        format!("{head}***{tail}")
+    }
+}
+
+/// The `message.push` payload (IM profile v1 sections 5, 6 and 9) of one inbound message.
+pub fn render(
+    provider: &str,
+    label: &str,
+    m: &Inbound,
+    reply_ref: Option<&str>,
+    accepted_at: u64,
+    expires_at: u64,
+) -> Value {
+    let sender = m.sender_name.clone().unwrap_or_else(|| redact(&m.sender_id));
+    let user_text = if m.text.is_empty() { "none" } else { m.text.as_str() };
+    let text = format!(
+        "User message from {}:\nSender: {}\nConversation type: {}\nMessage type: {}\nUser text: {}",
+        label, sender, m.chat_type, m.message_type, user_text
+    );
+    let reply = reply_ref.map_or(Value::Null, |r| {
+        obj([("required", b(true)), ("tool_id", s(TOOL_REPLY)), ("reply_ref", s(r))])
+    });
+    obj([
+        ("provider", s(provider)),
+        ("profile", s(PROFILE)),
+        ("event_kind", s("im.message.received")),
+        ("message_id", s(&m.message_id)),
+        ("source", s(label)),
+        ("sender_id", s(&m.sender_id)),
+        ("sender_name", s(&sender)),
+        ("display_name", s(&sender)),
+        ("chat_id", opt_s(m.chat_id.clone())),
+        ("chat_type", s(&m.chat_type)),
+        ("message_type", s(&m.message_type)),
+        ("raw_text", s(&m.text)),
+        ("text", s(text)),
+        ("reply", reply),
+        (
+            "files",
+            m.files
+                .as_ref()
+                .filter(|f| !f.is_empty())
+                .map_or(Value::Null, |f| arr(f.iter().map(file_json))),
+        ),
+        (
+            "skill",
+            obj([
+                ("skill_id", s(SKILL_NAME)),
+                ("name", s(SKILL_NAME)),
+                ("tool_ids", strs(m.tool_ids())),
+            ]),
+        ),
+        ("event_time", m.event_time.map_or(Value::Null, json::n)),
+        ("accepted_at", json::n(accepted_at)),
+        ("expires_at", json::n(expires_at)),
+    ])
+}
+
+fn file_json(f: &FileItem) -> Value {
+    obj([
+        ("type", s(&f.kind)),
+        ("file_ref", s(&f.file_ref)),
+        ("filename", s(&f.filename)),
+        ("mime_type", s(&f.mime_type)),
+        ("byte_size", json::n(f.byte_size)),
+        ("expires_at", json::n(f.expires_at)),
+        ("download_url", s(format!("/files/refs/{}", f.file_ref))),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_hides_the_middle_of_an_id() {
+        assert_eq!(redact("1234567890"), "12***90");
+        assert_eq!(redact("abc"), "***");
+    }
+}
