@@ -13,6 +13,8 @@ pub struct App {
     pub connector_id: String,
     /// One HTTP client for every outbound call (reply_url, provider APIs).
     pub http: ureq::Agent,
+    /// Telegram long-poll loops, one per bot with a binding.
+    pub telegram: crate::providers::telegram::poll::Pollers,
     /// Set on SIGTERM: workers finish what they hold and exit.
     pub stopping: std::sync::atomic::AtomicBool,
 }
@@ -33,6 +35,7 @@ impl App {
             connector_id,
             http: ureq::Agent::new_with_config(http_config),
             stopping: std::sync::atomic::AtomicBool::new(false),
+            telegram: Default::default(),
         }))
     }
 

@@ -475,7 +475,12 @@ impl Parser<'_> {
                         }
                     }
                     "mode" => match value {
-                        "poll" | "webhook" => t.mode = value.into(),
+                        "poll" => t.mode = value.into(),
+                        "webhook" => self.err(
+                            line,
+                            "mode = webhook is not available in this version yet; use mode = poll (works behind NAT)"
+                                .into(),
+                        ),
                         _ => self.err(line, format!("mode: `{value}` is not poll or webhook")),
                     },
                     "webhook_secret" => {

@@ -207,6 +207,7 @@ fn run(cfg: config::Config) -> ExitCode {
         log::warn!("api_key is empty on a non-loopback listener: anyone who can reach it can act as xAgent");
     }
     start_maintenance(app.clone());
+    providers::bindings_changed(&app);
     let dial = app
         .config
         .xagent
@@ -327,14 +328,17 @@ fn start_maintenance(app: Arc<app::App>) {
 }
 
 /// Common protocol 8.2: one continuous offline `lease` unregisters the `connector_id`'s channels.
-fn check_lease(app: &app::App) {
+fn check_lease(app: &Arc<app::App>) {
     let lease = app.config.xagent.lease;
     match app.store.expire_lease(ids::now_ms(), lease.as_millis() as u64) {
         Ok(None) | Ok(Some(0)) => {}
-        Ok(Some(n)) => log::warn!(
-            "lease: no xAgent for {}; {n} channel(s) unregistered (their pending messages stay unbound until their TTL)",
-            config::fmt_duration(lease)
-        ),
+        Ok(Some(n)) => {
+            log::warn!(
+                "lease: no xAgent for {}; {n} channel(s) unregistered (their pending messages stay unbound until their TTL)",
+                config::fmt_duration(lease)
+            );
+            providers::bindings_changed(app);
+        }
         Err(e) => log::error!("lease: cannot unregister channels: {e}"),
     }
 }

@@ -157,6 +157,7 @@ impl Store {
             txn.open_table(BINDINGS)?;
             txn.open_table(REPLY_REFS)?;
             txn.open_table(TOOL_CALLS)?;
+            txn.open_table(crate::providers::telegram::TG_CHATS)?;
             crate::outbox::create_tables(&txn)?;
         }
         txn.commit()?;
@@ -251,6 +252,27 @@ impl Store {
         };
         txn.commit()?;
         Ok(previous)
+    }
+
+    /// A provider's consumer cursor (e.g. a Telegram update offset).
+    pub fn cursor(&self, key: &str) -> Result<Option<u64>> {
+        let t = self.db.get()?.begin_read()?.open_table(META)?;
+        let v = t.get(key)?.and_then(|v| v.value().parse().ok());
+        Ok(v)
+    }
+
+    /// Moves a cursor forward (never back).
+    pub fn set_cursor(&self, key: &str, value: u64) -> Result<()> {
+        let txn = self.db.get()?.begin_write()?;
+        {
+            let mut t = txn.open_table(META)?;
+            let current: u64 = t.get(key)?.and_then(|v| v.value().parse().ok()).unwrap_or(0);
+            if value > current {
+                t.insert(key, value.to_string().as_str())?;
+            }
+        }
+        txn.commit()?;
+        Ok(())
     }
 
     /// Since when no data plane has completed hello (`None` while one is connected).

@@ -265,9 +265,12 @@ async fn deliver_loop(
             let recorded = blocking(&app, move |app| {
                 let mut all = true;
                 for (source, seqs) in done {
-                    if let Err(e) = app.store.mark_delivered(&source, &seqs, app.policy()) {
-                        log::error!("outbox: cannot record delivery for {source}: {e}");
-                        all = false;
+                    match app.store.mark_delivered(&source, &seqs, app.policy()) {
+                        Ok(_) => providers::delivered(app, &source),
+                        Err(e) => {
+                            log::error!("outbox: cannot record delivery for {source}: {e}");
+                            all = false;
+                        }
                     }
                 }
                 all
@@ -530,6 +533,7 @@ async fn auth_start(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profil
                     .with_payload(obj([("connection_descriptor", d)]));
                 app.hub.send_to_channel(prev, push);
             }
+            bindings_changed(app).await;
             app.hub.wake_channel(cch);
             AuthSession {
                 cch: cch.to_string(),
@@ -591,12 +595,19 @@ async fn auth_cancel(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profi
     ]))
 }
 
+/// Pollers and stored tokens follow the bindings.
+async fn bindings_changed(app: &Arc<App>) {
+    let app = app.clone();
+    smol::unblock(move || providers::bindings_changed(&app)).await;
+}
+
 async fn auth_logout(app: &Arc<App>, p: &Packet, cch: &str, profiles: &[String]) -> Packet {
     let c = cch.to_string();
     match blocking(app, move |app| app.store.unbind(&c)).await {
         Ok(old) => {
             if let Some(src) = old {
                 log::info!("data plane: channel {cch} unbound from {src}");
+                bindings_changed(app).await;
             }
             let d = descriptor(app, cch, profiles).await;
             Packet::answer(p, "auth.logout.ack").with_payload(obj([("status", s("ok")), ("connection_descriptor", d)]))

@@ -123,7 +123,13 @@ fn handle(app: &App, mut req: Request) {
     let path = route(app, req.url());
     let method = req.method().clone();
     let response = match (&method, path.as_str()) {
-        (Method::Get, "/connector-card.json") => json_response(200, &card::card(app.config.server.api_key.is_some())),
+        (Method::Get, "/connector-card.json") => json_response(
+            200,
+            &card::card(
+                app.config.server.api_key.is_some(),
+                app.config.telegram.as_ref().map(|t| t.bot_token.is_some()),
+            ),
+        ),
         (Method::Get, "/skill.md") => Response::from_data(card::SKILL.as_bytes().to_vec())
             .with_header(content_type("text/markdown; charset=utf-8")),
         (Method::Get, "/health") if authorized(app, &req) => json_response(200, &card::health()),

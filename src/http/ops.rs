@@ -134,6 +134,13 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
     out.push_str("# TYPE imgate_outbox_bytes gauge\n");
     out.push_str(&format!("imgate_outbox_bytes {}\n", app.store.total_bytes()));
+    if app.config.telegram.is_some() {
+        out.push_str("# TYPE imgate_telegram_pollers gauge\n");
+        out.push_str(&format!("imgate_telegram_pollers {}\n", app.telegram.count()));
+        out.push_str("# TYPE imgate_telegram_unbound_updates_total counter\n");
+        let unbound = crate::providers::telegram::poll::UNBOUND_UPDATES.load(std::sync::atomic::Ordering::Relaxed);
+        out.push_str(&format!("imgate_telegram_unbound_updates_total {unbound}\n"));
+    }
     let (commits, grouped) = app.store.commit_stats();
     out.push_str("# TYPE imgate_outbox_commits_total counter\n");
     out.push_str(&format!("imgate_outbox_commits_total {commits}\n"));

@@ -122,6 +122,9 @@ pub struct NewMessage {
     pub reply_ref: Option<(String, ReplyRef)>,
     pub accepted_at: u64,
     pub expires_at: u64,
+    /// A provider's consumer cursor (key, value) advanced in the same transaction, accepted or
+    /// duplicate: a crash can then neither skip the message nor accept it twice.
+    pub cursor: Option<(String, u64)>,
 }
 
 struct Job {
@@ -390,6 +393,11 @@ impl Store {
         })
     }
 
+    /// Counts messages that expired before acceptance (a provider's backlog older than the TTL).
+    pub fn record_expired(&self, source: &str, n: u64) -> Result<()> {
+        self.outbox.write(|txn, _| tally(txn, source, |t| t.expired += n))
+    }
+
     /// Figures of every source that has any.
     pub fn stats(&self) -> Result<Vec<(String, Counters)>> {
         let mut out: Vec<(String, Counters)> = Vec::new();
@@ -453,6 +461,23 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
 
 /// The enqueue rules of one message inside a (group) transaction.
 fn enqueue_in(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
+    let outcome = enqueue_message(txn, idx, m, policy)?;
+    if let Some((key, value)) = &m.cursor {
+        if outcome != Enqueued::CapacityExceeded {
+            let mut meta = txn.open_table(crate::store::META)?;
+            let current: u64 = meta
+                .get(key.as_str())?
+                .and_then(|v| v.value().parse().ok())
+                .unwrap_or(0);
+            if *value > current {
+                meta.insert(key.as_str(), value.to_string().as_str())?;
+            }
+        }
+    }
+    Ok(outcome)
+}
+
+fn enqueue_message(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
     let (src, now) = (m.source.as_str(), m.accepted_at);
     let hash = idx.hash(&m.message_id);
     if let Some(place) = idx.source(src).lookup(hash, now) {
@@ -680,6 +705,7 @@ mod tests {
             )),
             accepted_at: now,
             expires_at: now + ttl,
+            cursor: None,
         }
     }
 

@@ -4,6 +4,7 @@
 //! parsing, binding rules and outbound calls.
 
 pub mod inbound;
+pub mod telegram;
 pub mod webhook;
 
 use crate::app::App;
@@ -30,60 +31,38 @@ impl Failure {
 
 /// The Connection Descriptor of a channel in its current state.
 pub fn describe(app: &App, cch: &str, rec: &ChannelRecord, profiles: &[String]) -> Value {
-    let (status, target, tools) = match rec.source.as_deref().and_then(webhook::endpoint_of) {
-        Some(name) => match app.config.webhooks.get(name) {
-            Some(hook) => {
-                let reply = if hook.reply_url.is_some() {
-                    ToolState::available()
-                } else {
-                    ToolState::unavailable("this endpoint has no reply_url configured")
-                };
-                (
-                    "connected",
-                    Target {
-                        provider: "webhook".into(),
-                        label: hook.label.clone(),
-                        display_name: format!("Webhook {}", hook.label),
-                        account_hint: Some(name.to_string()),
-                    },
-                    vec![(TOOL_SEND, reply.clone()), (TOOL_REPLY, reply)],
-                )
-            }
-            // Bound to an endpoint that was removed from the config.
-            None => (
-                "error",
-                Target {
-                    provider: "webhook".into(),
-                    label: name.to_string(),
-                    display_name: format!("Webhook {name} (no longer configured)"),
-                    account_hint: None,
-                },
-                unbound_tools("the bound endpoint is no longer configured"),
-            ),
+    let (status, target, tools) = match rec.source.as_deref() {
+        Some(src) if telegram::is_source(src) => telegram::describe(app, src),
+        Some(src) => match webhook::endpoint_of(src) {
+            Some(name) => webhook::describe(app, name),
+            None => unbound("error", "unknown source", "the binding refers to an unknown provider"),
         },
-        None => (
-            "created",
-            Target {
-                provider: "webhook".into(),
-                label: "imgate".into(),
-                display_name: "imgate (not bound)".into(),
-                account_hint: None,
-            },
-            unbound_tools("channel is not bound yet"),
-        ),
+        None => unbound("created", "imgate (not bound)", "channel is not bound yet"),
     };
     descriptor::build(CARD_ID, &app.connector_id, cch, profiles, status, &target, &tools)
 }
 
-fn unbound_tools(reason: &str) -> Vec<(&'static str, ToolState)> {
-    vec![
-        (TOOL_SEND, ToolState::unavailable(reason)),
-        (TOOL_REPLY, ToolState::unavailable(reason)),
-    ]
+fn unbound(status: &'static str, name: &str, reason: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
+    (
+        status,
+        Target {
+            provider: "imgate".into(),
+            label: "imgate".into(),
+            display_name: name.into(),
+            account_hint: None,
+        },
+        vec![
+            (TOOL_SEND, ToolState::unavailable(reason)),
+            (TOOL_REPLY, ToolState::unavailable(reason)),
+        ],
+    )
 }
 
 /// The wire payload of a stored message of `source`.
 pub fn render_push(app: &App, source: &str, stored: &crate::outbox::StoredMessage) -> Value {
+    if telegram::is_source(source) {
+        return telegram::render_push(stored);
+    }
     match webhook::endpoint_of(source) {
         Some(name) => webhook::render_push(app, name, stored),
         None => {
@@ -93,18 +72,32 @@ pub fn render_push(app: &App, source: &str, stored: &crate::outbox::StoredMessag
     }
 }
 
-/// Runs an auth flow for `cch`. On success returns the source now bound to the channel.
+/// Runs an auth flow. On success returns the source to bind the channel to.
 pub fn authenticate(app: &App, flow_id: &str, input: &Object) -> Result<String, Failure> {
     match flow_id {
         "webhook_binding" => webhook::check_binding(app, input),
+        "telegram_bot_binding" if app.config.telegram.is_some() => telegram::check_binding(app, input),
         other => Err(Failure::new(
             code::INVALID_ARGUMENTS,
-            format!("unknown auth flow `{other}`; this connector offers webhook_binding"),
+            format!("unknown auth flow `{other}`; see the Connector Card's auth_flows"),
         )),
     }
 }
 
-/// Runs a tool on a bound channel. `call_key` dedupes repeated calls (channel + tool_call_id).
+/// After bindings changed (auth, logout, lease): pollers follow, unused tokens are forgotten.
+pub fn bindings_changed(app: &std::sync::Arc<App>) {
+    telegram::poll::Pollers::sync(app);
+    telegram::forget_unused_tokens(app);
+}
+
+/// After messages of `source` were delivered (best effort, never affects delivery).
+pub fn delivered(app: &App, source: &str) {
+    if telegram::is_source(source) {
+        telegram::typing(app, source);
+    }
+}
+
+/// Runs a tool on a bound channel. `idempotency_key` names the call to the provider.
 pub fn invoke(app: &App, source: &str, tool_id: &str, args: &Object, idempotency_key: &str) -> Result<Value, Failure> {
     let text = || -> Result<&str, Failure> {
         json::get_str(args, "text")
@@ -116,14 +109,8 @@ pub fn invoke(app: &App, source: &str, tool_id: &str, args: &Object, idempotency
                 )
             })
     };
-    let Some(name) = webhook::endpoint_of(source) else {
-        return Err(Failure::new(
-            code::CHANNEL_UNAVAILABLE,
-            "channel is bound to an unknown provider",
-        ));
-    };
-    match tool_id {
-        TOOL_SEND => webhook::send(app, name, text()?, None, idempotency_key),
+    let reply_to = match tool_id {
+        TOOL_SEND => None,
         TOOL_REPLY => {
             let reference = json::get_str(args, "reply_ref")
                 .ok_or_else(|| Failure::new(code::INVALID_ARGUMENTS, "`reply_ref` is required"))?;
@@ -138,11 +125,23 @@ pub fn invoke(app: &App, source: &str, tool_id: &str, args: &Object, idempotency
                         "reply_ref is unknown, expired or belongs to another channel",
                     )
                 })?;
-            webhook::send(app, name, text()?, Some(&r.message_id), idempotency_key)
+            Some(r.message_id)
         }
-        other => Err(Failure::new(
-            code::UNKNOWN_TOOL,
-            format!("tool `{other}` is not declared by this connector"),
+        other => {
+            return Err(Failure::new(
+                code::UNKNOWN_TOOL,
+                format!("tool `{other}` is not declared by this connector"),
+            ))
+        }
+    };
+    if telegram::is_source(source) {
+        return telegram::send(app, source, text()?, reply_to.as_deref());
+    }
+    match webhook::endpoint_of(source) {
+        Some(name) => webhook::send(app, name, text()?, reply_to.as_deref(), idempotency_key),
+        None => Err(Failure::new(
+            code::CHANNEL_UNAVAILABLE,
+            "channel is bound to an unknown provider",
         )),
     }
 }

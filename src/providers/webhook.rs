@@ -12,7 +12,8 @@ use crate::config::Webhook;
 use crate::ids;
 use crate::json::{self, obj, opt_s, s, Object, Value};
 use crate::outbox::{Enqueued, NewMessage, StoredMessage};
-use crate::protocol::code;
+use crate::protocol::descriptor::{Target, ToolState};
+use crate::protocol::{code, TOOL_REPLY, TOOL_SEND};
 use crate::store::ReplyRef;
 
 const SOURCE_PREFIX: &str = "webhook:";
@@ -198,6 +199,7 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
         }),
         accepted_at: now,
         expires_at,
+        cursor: None,
     };
     match app.store.enqueue(message, app.policy()) {
         Ok(Enqueued::Accepted { .. }) => {
@@ -214,6 +216,49 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
             log::error!("webhook {name}: cannot store message {}: {e}", m.message_id);
             answer(503, vec![("error", s("storage_unavailable"))])
         }
+    }
+}
+
+/// Descriptor parts of a webhook channel.
+pub fn describe(app: &App, name: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
+    match app.config.webhooks.get(name) {
+        Some(hook) => {
+            let reply = if hook.reply_url.is_some() {
+                ToolState::available()
+            } else {
+                ToolState::unavailable("this endpoint has no reply_url configured")
+            };
+            (
+                "connected",
+                Target {
+                    provider: "webhook".into(),
+                    label: hook.label.clone(),
+                    display_name: format!("Webhook {}", hook.label),
+                    account_hint: Some(name.to_string()),
+                },
+                vec![(TOOL_SEND, reply.clone()), (TOOL_REPLY, reply)],
+            )
+        }
+        // Bound to an endpoint that was removed from the config.
+        None => (
+            "error",
+            Target {
+                provider: "webhook".into(),
+                label: name.to_string(),
+                display_name: format!("Webhook {name} (no longer configured)"),
+                account_hint: None,
+            },
+            vec![
+                (
+                    TOOL_SEND,
+                    ToolState::unavailable("the bound endpoint is no longer configured"),
+                ),
+                (
+                    TOOL_REPLY,
+                    ToolState::unavailable("the bound endpoint is no longer configured"),
+                ),
+            ],
+        ),
     }
 }
 

@@ -3,6 +3,8 @@
 //! and JSON Schema validation of everything imgate emits.
 #![allow(dead_code)]
 
+pub mod botapi;
+
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

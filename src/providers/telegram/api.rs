@@ -64,35 +64,52 @@ impl Api {
     /// Calls `method` with a JSON object of parameters; returns `result`.
     pub fn call(&self, token: &str, method: &str, params: &Value) -> Result<Value, ApiError> {
         let agent = if method == "getUpdates" { &self.poll } else { &self.http };
-        self.post(agent, token, method, "application/json", json::to_string(params).into_bytes())
+        self.post(
+            agent,
+            token,
+            method,
+            "application/json",
+            json::to_string(params).into_bytes(),
+        )
     }
 
-    /// Calls `method` with a ready multipart/form-data body (file uploads).
-    pub fn call_multipart(&self, token: &str, method: &str, boundary: &str, body: Vec<u8>) -> Result<Value, ApiError> {
-        self.post(&self.http, token, method, &format!("multipart/form-data; boundary={boundary}"), body)
-    }
-
-    fn post(&self, agent: &ureq::Agent, token: &str, method: &str, ctype: &str, body: Vec<u8>) -> Result<Value, ApiError> {
+    fn post(
+        &self,
+        agent: &ureq::Agent,
+        token: &str,
+        method: &str,
+        ctype: &str,
+        body: Vec<u8>,
+    ) -> Result<Value, ApiError> {
         let url = format!("{}/bot{token}/{method}", self.base);
         let scrub = |s: String| s.replace(token, "<token>");
-        let mut resp = agent.post(&url).header("Content-Type", ctype).send(&body[..]).map_err(|e| ApiError {
-            code: 0,
-            description: scrub(e.to_string()),
-            retry_after: None,
-        })?;
+        let mut resp = agent
+            .post(&url)
+            .header("Content-Type", ctype)
+            .send(&body[..])
+            .map_err(|e| ApiError {
+                code: 0,
+                description: scrub(e.to_string()),
+                retry_after: None,
+            })?;
         let status = resp.status().as_u16();
-        let text = resp.body_mut().with_config().limit(8 << 20).read_to_string().map_err(|e| ApiError {
-            code: 0,
-            description: scrub(e.to_string()),
-            retry_after: None,
-        })?;
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(8 << 20)
+            .read_to_string()
+            .map_err(|e| ApiError {
+                code: 0,
+                description: scrub(e.to_string()),
+                retry_after: None,
+            })?;
         let v = json::parse(&text).map_err(|_| ApiError {
             code: status,
             description: format!("answer to {method} is not JSON"),
             retry_after: None,
         })?;
         let o = json::as_object(&v).cloned().unwrap_or_default();
-        if o.get("ok") == Some(&Value::Bool(true)) {
+        if matches!(o.get("ok"), Some(Value::Bool(true))) {
             return Ok(o.get("result").cloned().unwrap_or(Value::Null));
         }
         let code = json::get_u64(&o, "error_code").map_or(status, |c| c as u16);
@@ -100,26 +117,6 @@ impl Api {
             code: if code == 0 { 500 } else { code },
             description: scrub(json::get_str(&o, "description").unwrap_or("no description").to_string()),
             retry_after: json::get_obj(&o, "parameters").and_then(|p| json::get_u64(p, "retry_after")),
-        })
-    }
-
-    /// Downloads a file Telegram named by `file_path` (from `getFile`), at most `limit` bytes.
-    pub fn download(&self, token: &str, file_path: &str, limit: u64) -> Result<Vec<u8>, ApiError> {
-        let url = format!("{}/file/bot{token}/{file_path}", self.base);
-        let scrub = |s: String| s.replace(token, "<token>");
-        let mut resp = self.http.get(&url).call().map_err(|e| ApiError {
-            code: 0,
-            description: scrub(e.to_string()),
-            retry_after: None,
-        })?;
-        let status = resp.status().as_u16();
-        if status != 200 {
-            return Err(ApiError { code: status, description: "file download refused".into(), retry_after: None });
-        }
-        resp.body_mut().with_config().limit(limit).read_to_vec().map_err(|e| ApiError {
-            code: 413,
-            description: scrub(e.to_string()),
-            retry_after: None,
         })
     }
 }

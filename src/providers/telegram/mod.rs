@@ -1,0 +1,415 @@
+//! The Telegram provider: bot binding, long-poll inbound, send and reply tools.
+//!
+//! Source key: `telegram:{bot_id}:{chat_id}`. A binding stores display names in `TG_CHATS`;
+//! a bot token given in the auth form is kept in `state_dir/telegram/bot{id}.token` (mode 0600),
+//! never in the database, a packet or a log line. The default bot of `[telegram] bot_token` is
+//! used when the form leaves the token empty.
+
+pub mod api;
+pub mod poll;
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use miniserde::{Deserialize, Serialize};
+use redb::{ReadableDatabase, TableDefinition};
+
+use self::api::{Api, ApiError};
+use super::inbound::{self, Inbound};
+use super::Failure;
+use crate::app::App;
+use crate::json::{self, obj, s, Object, Value};
+use crate::outbox::StoredMessage;
+use crate::protocol::code;
+use crate::protocol::descriptor::{Target, ToolState};
+use crate::protocol::{TOOL_REPLY, TOOL_SEND};
+
+const SOURCE_PREFIX: &str = "telegram:";
+/// source → `ChatInfo` JSON.
+pub(crate) const TG_CHATS: TableDefinition<&str, &str> = TableDefinition::new("telegram_chats");
+/// Telegram's limit for one message's text.
+const MAX_TEXT: usize = 4096;
+/// A tool call retries 429 and 5xx answers until this much time has passed.
+const TOOL_DEADLINE: Duration = Duration::from_secs(20);
+
+/// What a binding knows about its bot and chat, for the Descriptor and for routing.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct ChatInfo {
+    pub bot_id: u64,
+    pub bot_username: String,
+    pub chat_id: i64,
+    pub chat_title: String,
+    /// `p2p` or `group`.
+    pub chat_type: String,
+    /// The token is in `state_dir/telegram/bot{bot_id}.token` (else the configured default).
+    pub own_token: bool,
+}
+
+pub fn source_of(bot_id: u64, chat_id: i64) -> String {
+    format!("{SOURCE_PREFIX}{bot_id}:{chat_id}")
+}
+
+pub fn is_source(source: &str) -> bool {
+    source.starts_with(SOURCE_PREFIX)
+}
+
+pub fn api(app: &App) -> Option<Api> {
+    app.config.telegram.as_ref().map(|t| Api::new(&t.api_base))
+}
+
+fn token_path(app: &App, bot_id: u64) -> PathBuf {
+    app.config
+        .server
+        .state_dir
+        .join("telegram")
+        .join(format!("bot{bot_id}.token"))
+}
+
+/// The token that speaks for a binding.
+pub fn token_for(app: &App, info: &ChatInfo) -> Option<String> {
+    if info.own_token {
+        std::fs::read_to_string(token_path(app, info.bot_id))
+            .ok()
+            .map(|t| t.trim().to_string())
+    } else {
+        app.config
+            .telegram
+            .as_ref()?
+            .bot_token
+            .as_ref()
+            .map(|t| t.expose().to_string())
+    }
+}
+
+pub fn chat_info(app: &App, source: &str) -> Option<ChatInfo> {
+    let db = app.store.db.get().ok()?;
+    let txn = db.begin_read().ok()?;
+    let t = txn.open_table(TG_CHATS).ok()?;
+    let v = t.get(source).ok()??;
+    miniserde::json::from_str(v.value()).ok()
+}
+
+fn save_chat_info(app: &App, source: &str, info: &ChatInfo) -> Result<(), Failure> {
+    let write = || -> crate::store::Result<()> {
+        let db = app.store.db.get()?;
+        let txn = db.begin_write()?;
+        txn.open_table(TG_CHATS)?
+            .insert(source, miniserde::json::to_string(info).as_str())?;
+        txn.commit()?;
+        Ok(())
+    };
+    write().map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the binding: {e}")))
+}
+
+/// Every binding whose source is still bound to a channel, with its source key.
+pub fn bound_chats(app: &App) -> Vec<(String, ChatInfo)> {
+    let Ok(channels) = app.store.channels() else {
+        return vec![];
+    };
+    channels
+        .into_iter()
+        .filter_map(|(_, rec)| rec.source)
+        .filter(|s| is_source(s))
+        .filter_map(|s| chat_info(app, &s).map(|i| (s, i)))
+        .collect()
+}
+
+fn redact_id(id: i64) -> String {
+    inbound::redact(&id.to_string())
+}
+
+/// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
+pub fn check_binding(app: &App, input: &Object) -> Result<String, Failure> {
+    let Some(api) = api(app) else {
+        return Err(Failure::new(
+            code::INVALID_ARGUMENTS,
+            "Telegram is not enabled on this device ([telegram] is missing)",
+        ));
+    };
+    let given = json::get_str(input, "bot_token")
+        .map(str::trim)
+        .filter(|t| !t.is_empty());
+    let default = app
+        .config
+        .telegram
+        .as_ref()
+        .and_then(|t| t.bot_token.as_ref())
+        .map(|t| t.expose());
+    let Some(token) = given.or(default) else {
+        return Err(Failure::new(
+            code::INVALID_ARGUMENTS,
+            "a bot token is required (none is configured on the device)",
+        ));
+    };
+    let chat_raw = json::get_str(input, "chat_id").map(str::trim).unwrap_or_default();
+    let chat_param = match chat_raw.parse::<i64>() {
+        Ok(n) => json::Value::Number(json::Number::I64(n)),
+        Err(_) if chat_raw.starts_with('@') && chat_raw.len() > 1 => s(chat_raw),
+        Err(_) => {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                "chat_id must be a number or an @channelname",
+            ))
+        }
+    };
+    let me = api.call(token, "getMe", &obj([])).map_err(|e| match e.code {
+        401 | 404 => Failure::new(code::CONNECTION_NOT_AUTHENTICATED, "Telegram rejected the bot token"),
+        _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the bot token: {e}")),
+    })?;
+    let me = json::as_object(&me).cloned().unwrap_or_default();
+    let bot_id =
+        json::get_u64(&me, "id").ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "getMe returned no bot id"))?;
+    let bot_username = json::get_str(&me, "username").unwrap_or("bot").to_string();
+    let chat = api.call(token, "getChat", &obj([("chat_id", chat_param)])).map_err(|e| match e.code {
+        400 => Failure::new(
+            code::CONNECTION_NOT_AUTHENTICATED,
+            "Telegram does not know this chat for the bot: check the chat ID, add the bot to the group, or send the bot a message first",
+        ),
+        403 => Failure::new(code::CONNECTION_NOT_AUTHENTICATED, "the bot is not a member of this chat (blocked or removed)"),
+        _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the chat: {e}")),
+    })?;
+    let chat = json::as_object(&chat).cloned().unwrap_or_default();
+    let chat_id = match chat.get("id") {
+        Some(Value::Number(json::Number::I64(n))) => *n,
+        Some(Value::Number(json::Number::U64(n))) => *n as i64,
+        _ => return Err(Failure::new(code::UPSTREAM_REJECTED, "getChat returned no chat id")),
+    };
+    let kind = json::get_str(&chat, "type").unwrap_or("private");
+    let title = json::get_str(&chat, "title")
+        .or_else(|| json::get_str(&chat, "first_name"))
+        .or_else(|| json::get_str(&chat, "username"))
+        .map_or_else(|| redact_id(chat_id), str::to_string);
+    let own_token = given.is_some() && Some(token) != default;
+    if own_token {
+        store_token(app, bot_id, token)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the bot token: {e}")))?;
+    }
+    let info = ChatInfo {
+        bot_id,
+        bot_username,
+        chat_id,
+        chat_title: title,
+        chat_type: if kind == "private" {
+            "p2p".into()
+        } else {
+            "group".into()
+        },
+        own_token,
+    };
+    let source = source_of(bot_id, chat_id);
+    save_chat_info(app, &source, &info)?;
+    Ok(source)
+}
+
+fn store_token(app: &App, bot_id: u64, token: &str) -> std::io::Result<()> {
+    let path = token_path(app, bot_id);
+    std::fs::create_dir_all(path.parent().expect("a parent"))?;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(token.as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(tmp, path)
+}
+
+/// After `auth.logout` or a lease expiry: forgets tokens no binding uses any more.
+pub fn forget_unused_tokens(app: &App) {
+    let in_use: Vec<u64> = bound_chats(app)
+        .iter()
+        .filter(|(_, i)| i.own_token)
+        .map(|(_, i)| i.bot_id)
+        .collect();
+    let dir = app.config.server.state_dir.join("telegram");
+    let Ok(entries) = std::fs::read_dir(&dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let id = name
+            .strip_prefix("bot")
+            .and_then(|n| n.strip_suffix(".token"))
+            .and_then(|n| n.parse::<u64>().ok());
+        if let Some(id) = id.filter(|id| !in_use.contains(id)) {
+            let _ = std::fs::remove_file(e.path());
+            log::info!("telegram: token of bot {id} forgotten (no binding uses it)");
+        }
+    }
+}
+
+/// Descriptor parts of a Telegram channel.
+pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
+    match chat_info(app, source).filter(|i| token_for(app, i).is_some()) {
+        Some(info) => (
+            "connected",
+            Target {
+                provider: "telegram".into(),
+                label: "Telegram".into(),
+                display_name: format!("@{} in {}", info.bot_username, info.chat_title),
+                account_hint: Some(redact_id(info.chat_id)),
+            },
+            vec![
+                (TOOL_SEND, ToolState::available()),
+                (TOOL_REPLY, ToolState::available()),
+            ],
+        ),
+        None => (
+            "error",
+            Target {
+                provider: "telegram".into(),
+                label: "Telegram".into(),
+                display_name: "Telegram (binding lost: bind again)".into(),
+                account_hint: None,
+            },
+            vec![
+                (
+                    TOOL_SEND,
+                    ToolState::unavailable("the bot token is no longer available"),
+                ),
+                (
+                    TOOL_REPLY,
+                    ToolState::unavailable("the bot token is no longer available"),
+                ),
+            ],
+        ),
+    }
+}
+
+pub fn render_push(stored: &StoredMessage) -> Value {
+    match miniserde::json::from_str::<Inbound>(&stored.payload) {
+        Ok(m) => {
+            let h = &stored.header;
+            inbound::render(
+                "telegram",
+                "Telegram",
+                &m,
+                h.reply_ref.as_deref(),
+                h.accepted_at,
+                h.expires_at,
+            )
+        }
+        Err(_) => obj([]),
+    }
+}
+
+/// Splits text at Telegram's limit, preferring line breaks, never inside a character.
+pub fn split_text(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while rest.chars().count() > MAX_TEXT {
+        let cut = rest.char_indices().nth(MAX_TEXT).map_or(rest.len(), |(i, _)| i);
+        let at = rest[..cut].rfind('\n').filter(|&i| i > cut / 2).map_or(cut, |i| i + 1);
+        out.push(rest[..at].to_string());
+        rest = &rest[at..];
+    }
+    if !rest.is_empty() || out.is_empty() {
+        out.push(rest.to_string());
+    }
+    out
+}
+
+/// Calls the Bot API, retrying rate limits and server errors until `deadline`.
+fn call_with_retry(api: &Api, token: &str, method: &str, params: &Value, deadline: Instant) -> Result<Value, ApiError> {
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        match api.call(token, method, params) {
+            Err(e) if e.temporary() => {
+                let wait = e.retry_after.map_or(backoff, Duration::from_secs);
+                if Instant::now() + wait >= deadline {
+                    return Err(e);
+                }
+                log::info!("telegram: {method}: {e}; retrying in {wait:?}");
+                std::thread::sleep(wait);
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// `imgate_message_send` / `imgate_message_reply` on a Telegram channel.
+pub fn send(app: &App, source: &str, text: &str, reply_to: Option<&str>) -> Result<Value, Failure> {
+    let (api, info, token) = route(app, source)?;
+    let reply_to_id = reply_to
+        .and_then(|r| r.rsplit(':').next())
+        .and_then(|m| m.parse::<u64>().ok());
+    let deadline = Instant::now() + TOOL_DEADLINE;
+    let mut last_id = String::new();
+    for (i, chunk) in split_text(text).into_iter().enumerate() {
+        let reply = match reply_to_id {
+            Some(m) if i == 0 => obj([
+                ("message_id", json::n(m)),
+                ("allow_sending_without_reply", json::b(true)),
+            ]),
+            _ => Value::Null,
+        };
+        let params = obj([
+            ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
+            ("text", s(chunk)),
+            ("reply_parameters", reply),
+        ]);
+        let sent = call_with_retry(&api, &token, "sendMessage", &params, deadline).map_err(|e| failure(&e))?;
+        let id = json::as_object(&sent)
+            .and_then(|o| json::get_u64(o, "message_id"))
+            .unwrap_or(0);
+        last_id = format!("{}:{id}", info.chat_id);
+    }
+    Ok(obj([("status", s("sent")), ("message_id", s(last_id))]))
+}
+
+fn route(app: &App, source: &str) -> Result<(Api, ChatInfo, String), Failure> {
+    let api =
+        api(app).ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "Telegram is not enabled on this device"))?;
+    let info = chat_info(app, source)
+        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the Telegram binding is gone"))?;
+    let token = token_for(app, &info)
+        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bot token is no longer available"))?;
+    Ok((api, info, token))
+}
+
+fn failure(e: &ApiError) -> Failure {
+    if e.code == 0 {
+        Failure::new(code::UPSTREAM_UNREACHABLE, e.to_string())
+    } else {
+        Failure::new(code::UPSTREAM_REJECTED, e.to_string())
+    }
+}
+
+/// After a message was delivered: show "typing" in the chat (best effort; Telegram clears it
+/// after 5 s or with the reply).
+pub fn typing(app: &App, source: &str) {
+    if let Ok((api, info, token)) = route(app, source) {
+        let params = obj([
+            ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
+            ("action", s("typing")),
+        ]);
+        if let Err(e) = api.call(&token, "sendChatAction", &params) {
+            log::debug!("telegram: typing indicator failed: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_text_is_split_at_the_limit_without_breaking_characters() {
+        let text = "é".repeat(5000);
+        let parts = split_text(&text);
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].chars().count(), 4096);
+        assert_eq!(parts.concat(), text);
+        let lines = format!("{}\n{}", "a".repeat(3000), "b".repeat(3000));
+        let parts = split_text(&lines);
+        assert_eq!(
+            parts[0],
+            format!("{}\n", "a".repeat(3000)),
+            "a line break is the preferred cut"
+        );
+        assert_eq!(split_text("hi"), ["hi"]);
+    }
+}

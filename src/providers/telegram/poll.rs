@@ -1,0 +1,279 @@
+//! One `getUpdates` long-poll loop per distinct bot, shared by every channel bound to a chat of
+//! that bot: it starts with the first binding and stops with the last (`Pollers::sync`).
+//!
+//! The update offset is written in the same transaction that accepts a message, so a crash
+//! between `getUpdates` and the commit re-reads the update (never skips it) and the commit
+//! that took a message also moved the offset past it (never accepts it twice).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use super::api::POLL_SECONDS;
+use super::{api, source_of, token_for, ChatInfo};
+use crate::app::App;
+use crate::ids;
+use crate::json::{self, obj, strs, Value};
+use crate::outbox::{Enqueued, NewMessage};
+use crate::providers::inbound::Inbound;
+use crate::store::ReplyRef;
+
+/// Updates from chats no channel is bound to (counted, logged at debug, not stored).
+pub static UNBOUND_UPDATES: AtomicU64 = AtomicU64::new(0);
+
+/// The running poll loops, by bot ID.
+#[derive(Default)]
+pub struct Pollers {
+    running: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+}
+
+fn offset_key(bot_id: u64) -> String {
+    format!("telegram_offset:{bot_id}")
+}
+
+impl Pollers {
+    /// Starts a loop for every bot with a binding and stops the loops of bots without one.
+    pub fn sync(app: &Arc<App>) {
+        if app.config.telegram.is_none() {
+            return;
+        }
+        let mut wanted: HashMap<u64, ChatInfo> = HashMap::new();
+        for (_, info) in super::bound_chats(app) {
+            wanted.entry(info.bot_id).or_insert(info);
+        }
+        let mut running = app.telegram.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.retain(|bot, stop| {
+            let keep = wanted.contains_key(bot);
+            if !keep {
+                stop.store(true, Ordering::SeqCst);
+                log::info!("telegram: bot {bot} has no binding left; its poller stops");
+            }
+            keep
+        });
+        for (bot, info) in wanted {
+            if running.contains_key(&bot) {
+                continue;
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            running.insert(bot, stop.clone());
+            let weak = Arc::downgrade(app);
+            log::info!("telegram: polling bot @{} ({bot})", info.bot_username);
+            let spawned = std::thread::Builder::new()
+                .name(format!("tg-poll-{bot}"))
+                .spawn(move || run(weak, info, stop));
+            if let Err(e) = spawned {
+                log::error!("telegram: cannot start the poller: {e}");
+            }
+        }
+    }
+
+    pub fn count(&self) -> usize {
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+/// The loop. It holds the app only between calls, so a long poll never delays a shutdown.
+fn run(app: Weak<App>, info: ChatInfo, stop: Arc<AtomicBool>) {
+    let mut backoff = Duration::from_secs(1);
+    let mut last_error = String::new();
+    loop {
+        let Some((api, token, offset)) = app.upgrade().and_then(|a| {
+            if a.is_stopping() || stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            let offset = a.store.cursor(&offset_key(info.bot_id)).ok().flatten().unwrap_or(0);
+            Some((api(&a)?, token_for(&a, &info)?, offset))
+        }) else {
+            return;
+        };
+        let params = obj([
+            ("offset", json::n(offset)),
+            ("timeout", json::n(POLL_SECONDS)),
+            ("allowed_updates", strs(["message"])),
+        ]);
+        let wait = match api.call(&token, "getUpdates", &params) {
+            Ok(Value::Array(updates)) => {
+                backoff = Duration::from_secs(1);
+                if !last_error.is_empty() {
+                    log::info!("telegram: bot {}: polling works again", info.bot_id);
+                    last_error.clear();
+                }
+                let Some(app) = app.upgrade() else { return };
+                if stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                accept(&app, &info, &updates)
+            }
+            Ok(_) => Some(backoff),
+            Err(e) => {
+                let why = e.to_string();
+                if why != last_error {
+                    log::warn!(
+                        "telegram: bot {}: getUpdates failed: {why}; retrying with backoff",
+                        info.bot_id
+                    );
+                    last_error = why;
+                }
+                let wait = match e.code {
+                    401 => Duration::from_secs(60),
+                    _ => e.retry_after.map_or(backoff, Duration::from_secs),
+                };
+                backoff = (backoff * 2).min(Duration::from_secs(30));
+                Some(wait)
+            }
+        };
+        if let Some(wait) = wait {
+            // Sleep in steps so stop and shutdown are noticed.
+            let until = std::time::Instant::now() + wait;
+            while std::time::Instant::now() < until {
+                if stop.load(Ordering::SeqCst) || app.upgrade().is_none_or(|a| a.is_stopping()) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// Accepts one batch of updates; `Some(wait)` when the loop should pause before polling again.
+fn accept(app: &App, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
+    let key = offset_key(info.bot_id);
+    let ttl = app.ttl_ms();
+    let now = ids::now_ms();
+    let mut next = 0;
+    for u in updates.iter().filter_map(json::as_object) {
+        let Some(update_id) = json::get_u64(u, "update_id") else {
+            continue;
+        };
+        let after = update_id + 1;
+        let Some(m) = json::get_obj(u, "message") else {
+            next = next.max(after);
+            continue;
+        };
+        let Some(chat_id) = json::get_obj(m, "chat").and_then(|c| int(c, "id")) else {
+            next = next.max(after);
+            continue;
+        };
+        let source = source_of(info.bot_id, chat_id);
+        if !matches!(app.store.bound_channel(&source), Ok(Some(_))) {
+            UNBOUND_UPDATES.fetch_add(1, Ordering::Relaxed);
+            log::debug!(
+                "telegram: bot {}: update from a chat no channel is bound to",
+                info.bot_id
+            );
+            next = next.max(after);
+            continue;
+        }
+        let event_time = json::get_u64(m, "date").map(|d| d * 1000);
+        if event_time.is_some_and(|t| t + ttl <= now) {
+            // A backlog after a long outage: older than the TTL, never pushed.
+            if let Err(e) = app.store.record_expired(&source, 1) {
+                log::error!("telegram: {e}");
+            }
+            next = next.max(after);
+            continue;
+        }
+        let inbound = inbound_of(m, chat_id);
+        let expires_at = now + ttl;
+        let reply_ref = ids::token("rr_");
+        let message = NewMessage {
+            source: source.clone(),
+            message_id: inbound.message_id.clone(),
+            payload: miniserde::json::to_string(&inbound),
+            reply_ref: Some((
+                reply_ref,
+                ReplyRef {
+                    source: source.clone(),
+                    message_id: inbound.message_id.clone(),
+                    expires_at,
+                },
+            )),
+            accepted_at: now,
+            expires_at,
+            cursor: Some((key.clone(), after)),
+        };
+        match app.store.enqueue(message, app.policy()) {
+            Ok(Enqueued::Accepted { .. }) => app.hub.notify_source(&app.store, &source),
+            Ok(Enqueued::Duplicate) => {}
+            Ok(Enqueued::CapacityExceeded) => {
+                // reject_new: Telegram keeps the update; stop advancing the offset (backpressure).
+                log::warn!("telegram: {source}: queue full; leaving updates at Telegram until there is room");
+                return Some(Duration::from_secs(5));
+            }
+            Err(e) => {
+                log::error!("telegram: {source}: cannot store update {update_id}: {e}");
+                return Some(Duration::from_secs(1));
+            }
+        }
+        next = next.max(after);
+    }
+    if next > 0 {
+        if let Err(e) = app.store.set_cursor(&key, next) {
+            log::error!("telegram: cannot store the update offset: {e}");
+        }
+    }
+    None
+}
+
+fn int(o: &json::Object, key: &str) -> Option<i64> {
+    match o.get(key) {
+        Some(Value::Number(json::Number::I64(n))) => Some(*n),
+        Some(Value::Number(json::Number::U64(n))) => i64::try_from(*n).ok(),
+        _ => None,
+    }
+}
+
+/// A Telegram `Message` as imgate's inbound event.
+fn inbound_of(m: &json::Object, chat_id: i64) -> Inbound {
+    let chat = json::get_obj(m, "chat");
+    let from = json::get_obj(m, "from");
+    let message_id = int(m, "message_id").unwrap_or(0);
+    let sender_id = from.and_then(|f| int(f, "id")).unwrap_or(chat_id).to_string();
+    let sender_name = from.and_then(|f| {
+        let first = json::get_str(f, "first_name").unwrap_or_default();
+        let last = json::get_str(f, "last_name").unwrap_or_default();
+        let full = format!("{first} {last}").trim().to_string();
+        if full.is_empty() {
+            json::get_str(f, "username").map(|u| format!("@{u}"))
+        } else {
+            Some(full)
+        }
+    });
+    let kind = chat.and_then(|c| json::get_str(c, "type")).unwrap_or("private");
+    let (message_type, text) = if let Some(t) = json::get_str(m, "text") {
+        ("text", t.to_string())
+    } else {
+        let caption = json::get_str(m, "caption").unwrap_or_default().to_string();
+        let kind = [
+            ("photo", "image"),
+            ("document", "file"),
+            ("video", "video"),
+            ("voice", "audio"),
+            ("audio", "audio"),
+        ]
+        .iter()
+        .find(|(field, _)| m.contains_key(*field))
+        .map(|(_, t)| *t);
+        match (kind, json::get_obj(m, "sticker")) {
+            (Some(t), _) => (t, caption),
+            (None, Some(st)) => ("sticker", json::get_str(st, "emoji").unwrap_or_default().to_string()),
+            (None, None) => ("other", caption),
+        }
+    };
+    Inbound {
+        message_id: format!("{chat_id}:{message_id}"),
+        sender_id,
+        sender_name,
+        chat_id: Some(chat_id.to_string()),
+        chat_type: if kind == "private" {
+            "p2p".into()
+        } else {
+            "group".into()
+        },
+        message_type: message_type.to_string(),
+        text,
+        event_time: json::get_u64(m, "date").map(|d| d * 1000),
+        files: None,
+    }
+}

@@ -1,0 +1,230 @@
+//! A Telegram Bot API simulator written from the public Bot API documentation: `getMe`,
+//! `getChat`, `getUpdates` (offset confirms earlier updates, `timeout` long-polls),
+//! `sendMessage`, `sendChatAction`, and error answers with `error_code`, `description` and
+//! `parameters.retry_after`. Every call is `POST /bot<token>/<method>` with a JSON body.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+#[derive(Default)]
+struct State {
+    bots: HashMap<String, (u64, String)>,
+    /// (bot id, chat id) → chat object, for chats the bot is a member of.
+    chats: HashMap<(u64, i64), Value>,
+    /// bot id → pending updates.
+    updates: HashMap<u64, Vec<Value>>,
+    next_update_id: u64,
+    next_message_id: u64,
+    /// Every call: (bot id, method, params).
+    calls: Vec<(u64, String, Value)>,
+    /// method → errors to answer with first: (error_code, retry_after).
+    failures: HashMap<String, Vec<(u16, Option<u64>)>>,
+    polls_now: HashMap<u64, usize>,
+    polls_max: HashMap<u64, usize>,
+}
+
+pub struct BotApi {
+    pub base: String,
+    state: Arc<(Mutex<State>, Condvar)>,
+}
+
+impl BotApi {
+    pub fn start() -> BotApi {
+        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
+        let port = server.server_addr().to_ip().unwrap().port();
+        let state: Arc<(Mutex<State>, Condvar)> = Arc::default();
+        state.0.lock().unwrap().next_update_id = 1000;
+        for _ in 0..8 {
+            let (server, state) = (server.clone(), state.clone());
+            std::thread::spawn(move || {
+                while let Ok(mut req) = server.recv() {
+                    let mut body = String::new();
+                    let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                    let (status, answer) = handle(&state, req.url(), &body);
+                    let resp = tiny_http::Response::from_string(answer.to_string())
+                        .with_status_code(status)
+                        .with_header(tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap());
+                    let _ = req.respond(resp);
+                }
+            });
+        }
+        BotApi {
+            base: format!("http://127.0.0.1:{port}"),
+            state,
+        }
+    }
+
+    pub fn add_bot(&self, token: &str, id: u64, username: &str) {
+        self.state
+            .0
+            .lock()
+            .unwrap()
+            .bots
+            .insert(token.to_string(), (id, username.to_string()));
+    }
+
+    /// Makes the bot a member of a chat (`private` chats are "started" by the user).
+    pub fn add_chat(&self, bot_id: u64, chat: Value) {
+        let id = chat["id"].as_i64().unwrap();
+        self.state.0.lock().unwrap().chats.insert((bot_id, id), chat);
+    }
+
+    /// A user writes `text` in `chat_id`; `age` makes the message that much older.
+    pub fn user_says(&self, bot_id: u64, chat_id: i64, text: &str, age: Duration) -> u64 {
+        let (lock, cv) = &*self.state;
+        let mut s = lock.lock().unwrap();
+        s.next_update_id += 1;
+        s.next_message_id += 1;
+        let (update_id, message_id) = (s.next_update_id, s.next_message_id);
+        let chat = s
+            .chats
+            .get(&(bot_id, chat_id))
+            .cloned()
+            .unwrap_or(json!({"id": chat_id, "type": "private"}));
+        let date = (std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            - age)
+            .as_secs();
+        let update = json!({
+            "update_id": update_id,
+            "message": {
+                "message_id": message_id,
+                "from": {"id": 4242, "is_bot": false, "first_name": "Ada", "last_name": "Lovelace", "username": "ada"},
+                "chat": chat,
+                "date": date,
+                "text": text,
+            }
+        });
+        s.updates.entry(bot_id).or_default().push(update);
+        cv.notify_all();
+        update_id
+    }
+
+    /// The next `n` calls of `method` fail with `code` (and `retry_after` seconds).
+    pub fn fail(&self, method: &str, code: u16, retry_after: Option<u64>, n: usize) {
+        let mut s = self.state.0.lock().unwrap();
+        s.failures
+            .entry(method.to_string())
+            .or_default()
+            .extend(std::iter::repeat_n((code, retry_after), n));
+    }
+
+    /// Parameters of every call of `method`.
+    pub fn calls(&self, method: &str) -> Vec<Value> {
+        let s = self.state.0.lock().unwrap();
+        s.calls
+            .iter()
+            .filter(|(_, m, _)| m == method)
+            .map(|(_, _, p)| p.clone())
+            .collect()
+    }
+
+    pub fn max_concurrent_polls(&self, bot_id: u64) -> usize {
+        self.state
+            .0
+            .lock()
+            .unwrap()
+            .polls_max
+            .get(&bot_id)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Waits until `method` has been called `n` times.
+    pub fn wait_calls(&self, method: &str, n: usize, timeout: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let calls = self.calls(method);
+            if calls.len() >= n || Instant::now() >= deadline {
+                return calls;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn error(code: u16, description: &str, retry_after: Option<u64>) -> (u16, Value) {
+    let mut v = json!({"ok": false, "error_code": code, "description": description});
+    if let Some(r) = retry_after {
+        v["parameters"] = json!({"retry_after": r});
+    }
+    (code, v)
+}
+
+fn ok(result: Value) -> (u16, Value) {
+    (200, json!({"ok": true, "result": result}))
+}
+
+fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &str) -> (u16, Value) {
+    let Some(rest) = url.strip_prefix("/bot") else {
+        return error(404, "Not Found", None);
+    };
+    let Some((token, method)) = rest.split_once('/') else {
+        return error(404, "Not Found", None);
+    };
+    let params: Value = serde_json::from_str(body).unwrap_or(json!({}));
+    let (lock, cv) = &**state;
+    let mut s = lock.lock().unwrap();
+    let Some((bot_id, username)) = s.bots.get(token).cloned() else {
+        return error(401, "Unauthorized", None);
+    };
+    s.calls.push((bot_id, method.to_string(), params.clone()));
+    if let Some(list) = s.failures.get_mut(method) {
+        if !list.is_empty() {
+            let (code, retry) = list.remove(0);
+            let desc = if code == 429 {
+                "Too Many Requests: retry later"
+            } else {
+                "Bad Request: simulated failure"
+            };
+            return error(code, desc, retry);
+        }
+    }
+    match method {
+        "getMe" => ok(json!({"id": bot_id, "is_bot": true, "first_name": "imgate test", "username": username})),
+        "getChat" => {
+            let id = params["chat_id"]
+                .as_i64()
+                .or_else(|| params["chat_id"].as_str().and_then(|c| c.parse().ok()));
+            match id.and_then(|id| s.chats.get(&(bot_id, id)).cloned()) {
+                Some(chat) => ok(chat),
+                None => error(400, "Bad Request: chat not found", None),
+            }
+        }
+        "getUpdates" => {
+            let offset = params["offset"].as_u64().unwrap_or(0);
+            let timeout = Duration::from_secs(params["timeout"].as_u64().unwrap_or(0).min(30));
+            // An offset confirms every earlier update: Telegram forgets them.
+            s.updates
+                .entry(bot_id)
+                .or_default()
+                .retain(|u| u["update_id"].as_u64().unwrap() >= offset);
+            *s.polls_now.entry(bot_id).or_default() += 1;
+            let now = s.polls_now[&bot_id];
+            let max = s.polls_max.entry(bot_id).or_default();
+            *max = (*max).max(now);
+            let deadline = Instant::now() + timeout;
+            while s.updates.get(&bot_id).is_none_or(|u| u.is_empty()) && Instant::now() < deadline {
+                let left = deadline.saturating_duration_since(Instant::now());
+                s = cv.wait_timeout(s, left).unwrap().0;
+            }
+            *s.polls_now.get_mut(&bot_id).unwrap() -= 1;
+            ok(Value::Array(s.updates.get(&bot_id).cloned().unwrap_or_default()))
+        }
+        "sendMessage" => {
+            let chat_id = params["chat_id"].as_i64().unwrap_or(0);
+            if !s.chats.contains_key(&(bot_id, chat_id)) {
+                return error(400, "Bad Request: chat not found", None);
+            }
+            s.next_message_id += 1;
+            let id = s.next_message_id;
+            ok(json!({"message_id": id, "chat": {"id": chat_id}, "date": 1, "text": params["text"]}))
+        }
+        "sendChatAction" => ok(json!(true)),
+        _ => error(404, "Not Found: method not found", None),
+    }
+}

@@ -1,0 +1,266 @@
+//! The Telegram provider against the Bot API simulator: binding and its failures, long-poll
+//! inbound, reply and send tools, retries, one poller per bot, offsets across restarts, and a
+//! bot token that never leaves imgate.
+
+mod common;
+
+use std::time::Duration;
+
+use common::botapi::BotApi;
+use common::*;
+use serde_json::{json, Value};
+
+const TOKEN: &str = "123456:AAsecret-bot-token-xyz";
+const BOT: u64 = 123456;
+const CHAT: i64 = 7_770_012_345;
+
+fn telegram(tag: &str, extra: &str) -> (Daemon, BotApi) {
+    let api = BotApi::start();
+    api.add_bot(TOKEN, BOT, "imgate_test_bot");
+    api.add_chat(BOT, json!({"id": CHAT, "type": "private", "first_name": "Ada"}));
+    let dir = temp_dir(tag);
+    let conf = format!("[telegram]\napi_base = {}\n{extra}", api.base);
+    (Daemon::start(&dir, &config_text(free_port(), &dir, None, &conf)), api)
+}
+
+fn bind(x: &mut Sim, cch: &str, token: &str, chat: &str) -> Value {
+    x.request(
+        "auth.start",
+        Some(cch),
+        json!({"flow_id": "telegram_bot_binding", "input": {"bot_token": token, "chat_id": chat}}),
+    )
+}
+
+fn bound(d: &Daemon) -> (Sim, String) {
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    let a = bind(&mut x, &cch, TOKEN, &CHAT.to_string());
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    (x, cch)
+}
+
+#[test]
+fn binding_checks_token_and_chat_and_shows_only_display_names() {
+    let (d, _api) = telegram("tg-bind", "");
+    let (_, card) = http_get(&d.url("/connector-card.json"), &[]);
+    let card: Value = serde_json::from_str(&card).unwrap();
+    assert_card(&card);
+    let flow = card["auth_flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["id"] == "telegram_bot_binding")
+        .cloned();
+    let flow = flow.expect("the Card offers telegram_bot_binding when [telegram] is set");
+    assert_eq!(
+        flow["fields"][0]["required"], true,
+        "no default bot: the token is required"
+    );
+
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    let bad = bind(&mut x, &cch, "999:wrong", &CHAT.to_string());
+    assert_eq!(bad["payload"]["status"], "failed");
+    assert!(
+        bad["payload"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("rejected the bot token"),
+        "{bad}"
+    );
+    let unknown = bind(&mut x, &cch, TOKEN, "555");
+    assert_eq!(unknown["payload"]["status"], "failed");
+    assert!(
+        unknown["payload"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("does not know this chat"),
+        "{unknown}"
+    );
+    let ok = bind(&mut x, &cch, TOKEN, &CHAT.to_string());
+    assert_eq!(ok["payload"]["status"], "authenticated", "{ok}");
+    let target = &ok["payload"]["connection_descriptor"]["target"];
+    assert_eq!(target["provider"], "telegram");
+    assert_eq!(target["display_name"], "@imgate_test_bot in Ada");
+    assert_eq!(target["account_hint"], "77***45", "a redacted hint only");
+
+    let token_file = d.dir.join("state/telegram/bot123456.token");
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&token_file).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "the token file is private");
+    let all = serde_json::to_string(&x.seen).unwrap() + &card.to_string() + &get_json(&d.url("/status")).to_string();
+    assert_no_secret(&all, &[TOKEN], "a packet, the Card or /status");
+}
+
+#[test]
+fn messages_arrive_and_replies_go_back_to_the_chat() {
+    let (d, api) = telegram("tg-roundtrip", "");
+    let (mut x, cch) = bound(&d);
+    api.user_says(BOT, CHAT, "is the door locked?", Duration::ZERO);
+    let push = x
+        .next_push(Duration::from_secs(10))
+        .expect("the Telegram message is pushed");
+    assert_eq!(push["connector_channel_id"], json!(cch));
+    let p = &push["payload"];
+    assert_eq!(p["provider"], "telegram");
+    assert_eq!(p["profile"], "xagent.im.v1");
+    assert_eq!(p["event_kind"], "im.message.received");
+    assert!(
+        p["message_id"].as_str().unwrap().starts_with(&format!("{CHAT}:")),
+        "{p}"
+    );
+    assert_eq!(p["sender_name"], "Ada Lovelace");
+    assert_eq!(p["chat_type"], "p2p");
+    assert_eq!(p["message_type"], "text");
+    assert_eq!(p["raw_text"], "is the door locked?");
+    assert!(p["text"].as_str().unwrap().starts_with("User message from Telegram:"));
+    let reply_ref = p["reply"]["reply_ref"].as_str().unwrap().to_string();
+    let tg_message_id: u64 = p["message_id"]
+        .as_str()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    let a = x.tool(
+        &cch,
+        "imgate_message_reply",
+        json!({"reply_ref": reply_ref, "text": "yes, locked"}),
+        "tg-1",
+    );
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let sent = api.calls("sendMessage");
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0]["chat_id"], CHAT);
+    assert_eq!(sent[0]["text"], "yes, locked");
+    assert_eq!(sent[0]["reply_parameters"]["message_id"], tg_message_id);
+
+    let long = "z".repeat(5000);
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": long}), "tg-2");
+    assert_eq!(a["payload"]["result"]["status"], "sent");
+    let sent = api.calls("sendMessage");
+    assert_eq!(sent.len(), 3, "5000 characters go as two messages");
+    assert_eq!(sent[1]["text"].as_str().unwrap().chars().count(), 4096);
+    assert!(sent[2].get("reply_parameters").is_none());
+
+    assert!(
+        !api.wait_calls("sendChatAction", 1, Duration::from_secs(5)).is_empty(),
+        "typing after delivery"
+    );
+    assert_no_secret(&d.log(), &[TOKEN], "the trace log");
+    assert_no_secret(
+        &serde_json::to_string(&x.seen).unwrap(),
+        &[TOKEN],
+        "a packet or tool result",
+    );
+}
+
+#[test]
+fn rate_limits_are_retried_and_permanent_errors_come_back_with_a_stable_code() {
+    let (d, api) = telegram("tg-retry", "");
+    let (mut x, cch) = bound(&d);
+    api.fail("sendMessage", 429, Some(1), 1);
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "after a pause"}), "r-1");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    assert_eq!(api.calls("sendMessage").len(), 2, "one 429, then the retry");
+    api.fail("sendMessage", 400, None, 1);
+    let b = x.tool(&cch, "imgate_message_send", json!({"text": "refused"}), "r-2");
+    assert_eq!(b["error"]["code"], "upstream_rejected", "{b}");
+    assert_no_secret(&b.to_string(), &[TOKEN], "a tool error");
+}
+
+#[test]
+fn one_poller_per_bot_starts_with_the_first_binding_and_stops_with_the_last() {
+    let (d, api) = telegram("tg-pollers", "");
+    api.add_chat(BOT, json!({"id": -100200, "type": "supergroup", "title": "Ops"}));
+    let (mut x, first) = bound(&d);
+    let (second, _) = x.open(None);
+    assert_eq!(
+        bind(&mut x, &second, TOKEN, "-100200")["payload"]["status"],
+        "authenticated"
+    );
+    api.user_says(BOT, -100200, "group hello", Duration::ZERO);
+    let push = x.next_push(Duration::from_secs(10)).unwrap();
+    assert_eq!(push["connector_channel_id"], json!(second));
+    assert_eq!(push["payload"]["chat_type"], "group");
+    assert_eq!(
+        api.max_concurrent_polls(BOT),
+        1,
+        "both bindings share one getUpdates loop"
+    );
+
+    x.request("auth.logout", Some(&first), json!({}));
+    x.request("auth.logout", Some(&second), json!({}));
+    std::thread::sleep(Duration::from_millis(300));
+    let before = api.calls("getUpdates").len();
+    api.user_says(BOT, CHAT, "nobody listens", Duration::ZERO); // wakes a poll still waiting
+    std::thread::sleep(Duration::from_millis(1500));
+    let after = api.calls("getUpdates").len();
+    assert!(
+        after <= before + 1,
+        "polling stops with the last binding ({before} -> {after})"
+    );
+    assert!(
+        !d.dir.join("state/telegram/bot123456.token").exists(),
+        "the token is forgotten"
+    );
+}
+
+#[test]
+fn the_offset_survives_a_restart_and_old_or_foreign_updates_are_counted_not_pushed() {
+    let (d, api) = telegram("tg-offset", "");
+    let (mut x, cch) = bound(&d);
+    let connector_id = get_json(&d.url("/status"))["connector_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let first = api.user_says(BOT, CHAT, "one", Duration::ZERO);
+    x.next_push(Duration::from_secs(10)).unwrap();
+    api.user_says(BOT, 31337, "from a chat nobody bound", Duration::ZERO);
+    api.user_says(BOT, CHAT, "from yesterday", Duration::from_secs(2 * 3600));
+    api.user_says(BOT, CHAT, "two", Duration::ZERO);
+    assert_eq!(
+        x.next_push(Duration::from_secs(10)).unwrap()["payload"]["raw_text"],
+        "two"
+    );
+    // Let the barrier confirm both before leaving, so nothing is merely redelivered.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while get_json(&d.url("/status"))["channels"][0]["delivered"] != 2 {
+        assert!(std::time::Instant::now() < deadline);
+        x.recv_within(Duration::from_millis(50));
+    }
+    x.close();
+    let mut d = d;
+    d.kill();
+    let d = d.restart();
+    let polls = api.wait_calls("getUpdates", 1, Duration::from_secs(5));
+    let offsets: Vec<u64> = polls.iter().filter_map(|p| p["offset"].as_u64()).collect();
+    assert!(
+        offsets.last().is_some_and(|o| *o > first + 3),
+        "polling resumes after the last update: {offsets:?}"
+    );
+    let mut y = d.xagent();
+    y.hello(&connector_id);
+    y.open(Some(&cch));
+    assert!(
+        y.next_push(Duration::from_secs(1)).is_none(),
+        "nothing is accepted twice"
+    );
+    let s = get_json(&d.url("/status"));
+    let ch = s["channels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["connector_channel_id"] == json!(cch))
+        .unwrap()
+        .clone();
+    assert_eq!(
+        ch["expired"], 1,
+        "the update older than the TTL is counted expired: {s}"
+    );
+    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert!(metrics.contains("imgate_telegram_unbound_updates_total"), "{metrics}");
+}
