@@ -3,6 +3,7 @@
 mod app;
 mod config;
 mod dataplane;
+mod files;
 mod http;
 mod ids;
 mod json;
@@ -321,6 +322,7 @@ fn start_maintenance(app: Arc<app::App>) {
             if let Err(e) = app.store.sweep_refs(now) {
                 log::error!("store: reference sweep failed: {e}");
             }
+            files::sweep(&app, now);
         });
     if let Err(e) = spawned {
         log::error!("cannot start maintenance thread: {e}");

@@ -158,6 +158,7 @@ impl Store {
             txn.open_table(REPLY_REFS)?;
             txn.open_table(TOOL_CALLS)?;
             txn.open_table(crate::providers::telegram::TG_CHATS)?;
+            txn.open_table(crate::files::FILES)?;
             crate::outbox::create_tables(&txn)?;
         }
         txn.commit()?;

@@ -264,3 +264,103 @@ fn the_offset_survives_a_restart_and_old_or_foreign_updates_are_counted_not_push
     let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
     assert!(metrics.contains("imgate_telegram_unbound_updates_total"), "{metrics}");
 }
+
+#[test]
+fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() {
+    let (d, api) = telegram("tg-files", "");
+    let (mut x, cch) = bound(&d);
+    let photo: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+    api.user_sends_photo(BOT, CHAT, &photo, "the front door");
+    let push = x
+        .next_push(Duration::from_secs(10))
+        .expect("the photo message is pushed");
+    let p = &push["payload"];
+    assert_eq!(p["message_type"], "image");
+    assert_eq!(p["raw_text"], "the front door");
+    let file = &p["files"][0];
+    assert_eq!(file["type"], "image");
+    assert_eq!(file["byte_size"], 5000);
+    assert_eq!(file["mime_type"], "image/jpeg");
+    let url = file["download_url"].as_str().unwrap().to_string();
+    assert!(url.starts_with("/files/refs/file_"), "{url}");
+    assert_no_secret(&push.to_string(), &[TOKEN, "api.telegram", &api.base], "a file item");
+    let mut resp = load_agent().get(&d.url(&url)).call().unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(
+        resp.body_mut().read_to_vec().unwrap(),
+        photo,
+        "the cached bytes are served"
+    );
+    assert_eq!(
+        http_get(&d.url("/files/refs/file_0123456789abcdef0123456789abcdef"), &[]).0,
+        404
+    );
+
+    // Upload for this channel, then send it.
+    let boundary = "XyZb0undary";
+    let mut body = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"plan.png\"\r\nContent-Type: image/png\r\n\r\n").into_bytes();
+    body.extend_from_slice(b"\x89PNG-bytes");
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let upload = |channel: &str, key: &str| {
+        let mut r = load_agent()
+            .post(&d.url("/files/uploads"))
+            .header("Authorization", &format!("Bearer {key}"))
+            .header("X-XAgent-Connector-Channel-ID", channel)
+            .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
+            .send(&body[..])
+            .unwrap();
+        let status = r.status().as_u16();
+        (
+            status,
+            serde_json::from_str::<Value>(&r.body_mut().read_to_string().unwrap()).unwrap_or(Value::Null),
+        )
+    };
+    let wrong = upload(&cch, "wrong");
+    assert_eq!(wrong.0, 401, "{wrong:?}");
+    let (status, up) = upload(&cch, API_KEY);
+    assert_eq!(status, 200, "{up}");
+    assert_eq!(up["file_type"], "image");
+    assert_eq!(up["filename"], "plan.png");
+    assert_eq!(up["byte_size"], 10);
+    let file_ref = up["file_ref"].as_str().unwrap().to_string();
+    assert_eq!(
+        http_get(&d.url(&format!("/files/refs/{file_ref}")), &[]).0,
+        404,
+        "uploads are not downloadable"
+    );
+
+    let a = x.tool(
+        &cch,
+        "imgate_file_send",
+        json!({"file_ref": file_ref, "caption": "here"}),
+        "f-1",
+    );
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let uploads = api.uploads();
+    let (method, ctype, raw) = uploads.last().unwrap();
+    assert_eq!(method, "sendPhoto");
+    assert!(ctype.starts_with("multipart/form-data; boundary="));
+    assert!(
+        raw.windows(10).any(|w| w == b"\x89PNG-bytes"),
+        "the file bytes go to Telegram"
+    );
+    let forged = x.tool(
+        &cch,
+        "imgate_file_send",
+        json!({"file_ref": "file_0123456789abcdef0123456789abcdef"}),
+        "f-2",
+    );
+    assert_eq!(forged["error"]["code"], "file_ref_invalid");
+
+    let desc = x.request("connection.descriptor.get", Some(&cch), json!({}));
+    let tools = desc["payload"]["connection_descriptor"]["tools"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert!(
+        tools
+            .iter()
+            .any(|t| t["tool_id"] == "imgate_file_send" && t["status"] == "available"),
+        "{tools:?}"
+    );
+}

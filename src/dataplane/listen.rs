@@ -104,7 +104,9 @@ struct Head {
 }
 
 fn parse_head(buf: &[u8]) -> Option<Head> {
-    let text = std::str::from_utf8(buf).ok()?;
+    // The buffer may already hold body bytes (binary uploads): read only the head.
+    let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(buf.len());
+    let text = std::str::from_utf8(&buf[..end]).ok()?;
     let mut lines = text.split("\r\n");
     let mut first = lines.next()?.split(' ');
     let method = first.next()?.to_string();
@@ -422,5 +424,24 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Replay<S> {
     }
     fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_close(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_head_parses_even_when_binary_body_bytes_follow_it() {
+        let mut buf = b"POST /files/uploads?x=1 HTTP/1.1\r\nAuthorization: Bearer k\r\nUpgrade: websocket\r\nSec-WebSocket-Protocol: a, xagent.connector.packet.v1\r\n\r\n".to_vec();
+        buf.extend_from_slice(&[0x89, 0xff, 0xfe, 0x00]);
+        let h = parse_head(&buf).expect("parses");
+        assert_eq!((h.method.as_str(), h.path.as_str()), ("POST", "/files/uploads"));
+        assert_eq!(h.authorization.as_deref(), Some("Bearer k"));
+        assert!(h.upgrade_websocket && h.protocols.contains(&SUBPROTOCOL.to_string()));
+        assert!(parse_head(b"\xff\xfe\r\n\r\n").is_none());
+        for input in crate::testutil::mutations(&[&buf], 3000, 9) {
+            let _ = parse_head(&input);
+        }
     }
 }

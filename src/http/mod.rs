@@ -1,6 +1,7 @@
 //! Every HTTP route except `/ws`, on tiny_http with blocking handlers (the front door relays
 //! connections here over a Unix socket in the state dir).
 
+pub mod multipart;
 pub mod ops;
 
 use std::io::Read;
@@ -119,6 +120,75 @@ fn read_body(req: &mut Request, limit: u64) -> Result<Vec<u8>, ()> {
     Ok(body)
 }
 
+/// `GET /files/refs/{ref}`: the bytes of an inbound file; the unguessable ref is the credential.
+fn download(app: &App, req: Request, file_ref: &str) {
+    let Some((rec, path)) = crate::files::get(app, file_ref).filter(|(r, _)| r.direction == "in") else {
+        let _ = req.respond(error(404, "not_found"));
+        return;
+    };
+    match std::fs::File::open(&path) {
+        Ok(f) => {
+            let disposition = format!("attachment; filename=\"{}\"", rec.filename);
+            let resp = Response::from_file(f)
+                .with_header(content_type(&rec.mime_type))
+                .with_header(Header::from_bytes("Content-Disposition", disposition).expect("sanitized name"));
+            let _ = req.respond(resp);
+        }
+        Err(e) => {
+            log::error!("files: {file_ref}: {e}");
+            let _ = req.respond(error(404, "not_found"));
+        }
+    }
+}
+
+/// `POST /files/uploads`: multipart `file` for the channel in `X-XAgent-Connector-Channel-ID`.
+fn upload(app: &App, req: &mut Request) -> Response<std::io::Cursor<Vec<u8>>> {
+    let bad = |detail: &str| json_response(400, &obj([("error", s("invalid_upload")), ("detail", s(detail))]));
+    let Some(cch) = header(req, "X-XAgent-Connector-Channel-ID") else {
+        return bad("X-XAgent-Connector-Channel-ID is required");
+    };
+    let Some(source) = app.store.channel(&cch).ok().flatten().and_then(|r| r.source) else {
+        return json_response(404, &obj([("error", s("connection_not_found"))]));
+    };
+    let Some(boundary) = header(req, "Content-Type").as_deref().and_then(multipart::boundary) else {
+        return bad("the body must be multipart/form-data with a boundary");
+    };
+    // The file cap plus room for the multipart framing.
+    let Ok(body) = read_body(req, app.config.files.max_file_bytes + 64 * 1024) else {
+        return error(413, "too_large");
+    };
+    let parts = match multipart::parse(&body, &boundary) {
+        Ok(p) => p,
+        Err(e) => return bad(&e),
+    };
+    let Some(file) = parts.iter().find(|p| p.name == "file") else {
+        return bad("the multipart body has no `file` part");
+    };
+    let mime = file
+        .content_type
+        .clone()
+        .unwrap_or_else(|| "application/octet-stream".into());
+    let name = file.filename.clone().unwrap_or_else(|| "file".into());
+    match crate::files::store(app, &source, &name, &mime, file.data, "out") {
+        Ok((file_ref, rec)) => json_response(
+            200,
+            &obj([
+                ("file_ref", s(file_ref)),
+                ("file_type", s(&rec.kind)),
+                ("filename", s(&rec.filename)),
+                ("byte_size", json::n(rec.byte_size)),
+                ("expires_at", json::n(rec.expires_at)),
+            ]),
+        ),
+        Err(crate::files::FileError::TooLarge) => error(413, "too_large"),
+        Err(crate::files::FileError::CacheFull) => error(503, "capacity_exceeded"),
+        Err(e) => {
+            log::error!("files: upload failed: {e}");
+            error(503, "storage_unavailable")
+        }
+    }
+}
+
 fn handle(app: &App, mut req: Request) {
     let path = route(app, req.url());
     let method = req.method().clone();
@@ -149,6 +219,11 @@ fn handle(app: &App, mut req: Request) {
             }
         },
         (Method::Get, "/health" | "/status" | "/metrics") => error(401, "unauthorized"),
+        (Method::Get, p) if p.starts_with("/files/refs/") => {
+            return download(app, req, &p["/files/refs/".len()..]);
+        }
+        (Method::Post, "/files/uploads") if authorized(app, &req) => upload(app, &mut req),
+        (Method::Post, "/files/uploads") => error(401, "unauthorized"),
         (Method::Post, p) if p.starts_with("/hooks/") => {
             let name = &p["/hooks/".len()..];
             if !app.config.webhooks.contains_key(name) {

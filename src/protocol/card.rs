@@ -1,6 +1,6 @@
 //! Connector Card, Skill and health object (common protocol section 4).
 
-use super::{CARD_ID, PROFILE, PROTOCOL_VERSION, SKILL_NAME, TOOL_REPLY, TOOL_SEND};
+use super::{CARD_ID, PROFILE, PROTOCOL_VERSION, SKILL_NAME, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::json::{arr, b, obj, s, strs, Value};
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -81,7 +81,42 @@ pub fn card(api_key_required: bool, telegram: Option<bool>) -> Value {
         ("description", s("Any system that can POST JSON to an HTTP endpoint.")),
     ])];
     let mut flows = vec![webhook_flow()];
+    let mut tools = vec![
+        tool(
+            TOOL_SEND,
+            "Send a Message",
+            "Send text to the conversation bound to the current channel.",
+            input_schema(&["text"], vec![("text", "Text to send.")]),
+        ),
+        tool(
+            TOOL_REPLY,
+            "Reply to a Message",
+            "Reply to an inbound message, using the reply_ref that came with it.",
+            input_schema(
+                &["reply_ref", "text"],
+                vec![
+                    (
+                        "reply_ref",
+                        "The opaque reply.reply_ref of the inbound message, unchanged.",
+                    ),
+                    ("text", "Reply text."),
+                ],
+            ),
+        ),
+    ];
     if let Some(default_bot) = telegram {
+        tools.push(tool(
+            TOOL_FILE_SEND,
+            "Send a File",
+            "Send a file (photo or document) uploaded for the current channel, with an optional caption.",
+            input_schema(
+                &["file_ref"],
+                vec![
+                    ("file_ref", "The file to send, as a unified file_ref."),
+                    ("caption", "Optional caption."),
+                ],
+            ),
+        ));
         targets.push(obj([
             ("target_type", s("im")),
             ("provider", s("telegram")),
@@ -113,29 +148,7 @@ pub fn card(api_key_required: bool, telegram: Option<bool>) -> Value {
                 ("profiles", strs([PROFILE])),
             ]),
         ),
-        (
-            "tools",
-            arr([
-                tool(
-                    TOOL_SEND,
-                    "Send a Message",
-                    "Send text to the conversation bound to the current channel.",
-                    input_schema(&["text"], vec![("text", "Text to send.")]),
-                ),
-                tool(
-                    TOOL_REPLY,
-                    "Reply to a Message",
-                    "Reply to an inbound message, using the reply_ref that came with it.",
-                    input_schema(
-                        &["reply_ref", "text"],
-                        vec![
-                            ("reply_ref", "The opaque reply.reply_ref of the inbound message, unchanged."),
-                            ("text", "Reply text."),
-                        ],
-                    ),
-                ),
-            ]),
-        ),
+        ("tools", arr(tools)),
         ("auth_flows", arr(flows)),
         (
             "security",

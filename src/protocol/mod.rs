@@ -36,6 +36,7 @@ pub mod code {
     pub const UNKNOWN_TOOL: &str = "unknown_tool";
     pub const INVALID_ARGUMENTS: &str = "invalid_arguments";
     pub const REPLY_REF_INVALID: &str = "reply_ref_invalid";
+    pub const FILE_REF_INVALID: &str = "file_ref_invalid";
     pub const UPSTREAM_REJECTED: &str = "upstream_rejected";
     pub const UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
 }

@@ -54,6 +54,8 @@ pub fn redact(id: &str) -> String {
 }
 
 /// The `message.push` payload (IM profile v1 sections 5, 6 and 9) of one inbound message.
+/// `base` is `[server] public_url` (empty: `download_url` stays relative, xAgent resolves it).
+#[allow(clippy::too_many_arguments)]
 pub fn render(
     provider: &str,
     label: &str,
@@ -61,6 +63,7 @@ pub fn render(
     reply_ref: Option<&str>,
     accepted_at: u64,
     expires_at: u64,
+    base: &str,
 ) -> Value {
     let sender = m.sender_name.clone().unwrap_or_else(|| redact(&m.sender_id));
     let user_text = if m.text.is_empty() { "none" } else { m.text.as_str() };
@@ -91,7 +94,7 @@ pub fn render(
             m.files
                 .as_ref()
                 .filter(|f| !f.is_empty())
-                .map_or(Value::Null, |f| arr(f.iter().map(file_json))),
+                .map_or(Value::Null, |f| arr(f.iter().map(|f| file_json(f, base)))),
         ),
         (
             "skill",
@@ -107,7 +110,7 @@ pub fn render(
     ])
 }
 
-fn file_json(f: &FileItem) -> Value {
+fn file_json(f: &FileItem, base: &str) -> Value {
     obj([
         ("type", s(&f.kind)),
         ("file_ref", s(&f.file_ref)),
@@ -115,7 +118,7 @@ fn file_json(f: &FileItem) -> Value {
         ("mime_type", s(&f.mime_type)),
         ("byte_size", json::n(f.byte_size)),
         ("expires_at", json::n(f.expires_at)),
-        ("download_url", s(format!("/files/refs/{}", f.file_ref))),
+        ("download_url", s(format!("{base}/files/refs/{}", f.file_ref))),
     ])
 }
 

@@ -10,7 +10,7 @@ pub mod webhook;
 use crate::app::App;
 use crate::json::{self, Object, Value};
 use crate::protocol::descriptor::{self, Target, ToolState};
-use crate::protocol::{code, CARD_ID, TOOL_REPLY, TOOL_SEND};
+use crate::protocol::{code, CARD_ID, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::store::ChannelRecord;
 
 /// A failed tool call or binding: a stable code and a message without secrets.
@@ -39,6 +39,11 @@ pub fn describe(app: &App, cch: &str, rec: &ChannelRecord, profiles: &[String]) 
         },
         None => unbound("created", "imgate (not bound)", "channel is not bound yet"),
     };
+    let mut tools = tools;
+    // The file tool is in the Card when Telegram is enabled; channels that cannot use it say so.
+    if app.config.telegram.is_some() && !tools.iter().any(|(id, _)| *id == TOOL_FILE_SEND) {
+        tools.push((TOOL_FILE_SEND, ToolState::unavailable("this channel cannot send files")));
+    }
     descriptor::build(CARD_ID, &app.connector_id, cch, profiles, status, &target, &tools)
 }
 
@@ -61,7 +66,7 @@ fn unbound(status: &'static str, name: &str, reason: &str) -> (&'static str, Tar
 /// The wire payload of a stored message of `source`.
 pub fn render_push(app: &App, source: &str, stored: &crate::outbox::StoredMessage) -> Value {
     if telegram::is_source(source) {
-        return telegram::render_push(stored);
+        return telegram::render_push(app, stored);
     }
     match webhook::endpoint_of(source) {
         Some(name) => webhook::render_push(app, name, stored),
@@ -109,6 +114,17 @@ pub fn invoke(app: &App, source: &str, tool_id: &str, args: &Object, idempotency
                 )
             })
     };
+    if tool_id == TOOL_FILE_SEND && app.config.telegram.is_some() {
+        let file_ref = json::get_str(args, "file_ref")
+            .ok_or_else(|| Failure::new(code::INVALID_ARGUMENTS, "`file_ref` is required"))?;
+        if !telegram::is_source(source) {
+            return Err(Failure::new(
+                code::CHANNEL_UNAVAILABLE,
+                "this channel cannot send files",
+            ));
+        }
+        return telegram::send_file(app, source, file_ref, json::get_str(args, "caption"));
+    }
     let reply_to = match tool_id {
         TOOL_SEND => None,
         TOOL_REPLY => {

@@ -142,6 +142,7 @@ pub fn render_push(app: &App, name: &str, stored: &StoredMessage) -> Value {
     // The label as configured now; an endpoint removed since acceptance keeps its name.
     let label = app.config.webhooks.get(name).map_or(name, |h| h.label.as_str());
     let h = &stored.header;
+    let base = app.config.server.public_url.as_deref().unwrap_or("");
     inbound::render(
         "webhook",
         label,
@@ -149,6 +150,7 @@ pub fn render_push(app: &App, name: &str, stored: &StoredMessage) -> Value {
         h.reply_ref.as_deref(),
         h.accepted_at,
         h.expires_at,
+        base,
     )
 }
 

@@ -22,6 +22,11 @@ struct State {
     calls: Vec<(u64, String, Value)>,
     /// method → errors to answer with first: (error_code, retry_after).
     failures: HashMap<String, Vec<(u16, Option<u64>)>>,
+    /// file_path → bytes, served at `/file/bot<token>/<file_path>`; file_id → file_path.
+    files: HashMap<String, Vec<u8>>,
+    file_ids: HashMap<String, String>,
+    /// Raw bodies of multipart uploads (sendPhoto, sendDocument): (method, content type, body).
+    uploads: Vec<(String, String, Vec<u8>)>,
     polls_now: HashMap<u64, usize>,
     polls_max: HashMap<u64, usize>,
 }
@@ -41,8 +46,23 @@ impl BotApi {
             let (server, state) = (server.clone(), state.clone());
             std::thread::spawn(move || {
                 while let Ok(mut req) = server.recv() {
-                    let mut body = String::new();
-                    let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                    let mut raw = Vec::new();
+                    let _ = std::io::Read::read_to_end(req.as_reader(), &mut raw);
+                    if let Some(bytes) = file_download(&state, req.url()) {
+                        let _ = req.respond(tiny_http::Response::from_data(bytes));
+                        continue;
+                    }
+                    let ctype = req
+                        .headers()
+                        .iter()
+                        .find(|h| h.field.equiv("Content-Type"))
+                        .map(|h| h.value.to_string())
+                        .unwrap_or_default();
+                    if ctype.starts_with("multipart/form-data") {
+                        let method = req.url().rsplit('/').next().unwrap_or_default().to_string();
+                        state.0.lock().unwrap().uploads.push((method, ctype, raw.clone()));
+                    }
+                    let body = String::from_utf8_lossy(&raw).to_string();
                     let (status, answer) = handle(&state, req.url(), &body);
                     let resp = tiny_http::Response::from_string(answer.to_string())
                         .with_status_code(status)
@@ -104,6 +124,49 @@ impl BotApi {
         update_id
     }
 
+    /// A user sends a photo (the bytes) with a caption.
+    pub fn user_sends_photo(&self, bot_id: u64, chat_id: i64, bytes: &[u8], caption: &str) -> u64 {
+        let (lock, cv) = &*self.state;
+        let mut s = lock.lock().unwrap();
+        s.next_update_id += 1;
+        s.next_message_id += 1;
+        let (update_id, message_id) = (s.next_update_id, s.next_message_id);
+        let file_id = format!("AgAD{message_id}");
+        let path = format!("photos/file_{message_id}.jpg");
+        s.files.insert(path.clone(), bytes.to_vec());
+        s.file_ids.insert(file_id.clone(), path);
+        let chat = s
+            .chats
+            .get(&(bot_id, chat_id))
+            .cloned()
+            .unwrap_or(json!({"id": chat_id, "type": "private"}));
+        let date = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        s.updates.entry(bot_id).or_default().push(json!({
+            "update_id": update_id,
+            "message": {
+                "message_id": message_id,
+                "from": {"id": 4242, "is_bot": false, "first_name": "Ada"},
+                "chat": chat,
+                "date": date,
+                "caption": caption,
+                "photo": [
+                    {"file_id": format!("{file_id}s"), "file_unique_id": "s", "width": 90, "height": 90, "file_size": 10},
+                    {"file_id": file_id, "file_unique_id": "l", "width": 800, "height": 600, "file_size": bytes.len()},
+                ],
+            }
+        }));
+        cv.notify_all();
+        update_id
+    }
+
+    /// Multipart uploads received: (method, content type, raw body).
+    pub fn uploads(&self) -> Vec<(String, String, Vec<u8>)> {
+        self.state.0.lock().unwrap().uploads.clone()
+    }
+
     /// The next `n` calls of `method` fail with `code` (and `retry_after` seconds).
     pub fn fail(&self, method: &str, code: u16, retry_after: Option<u64>, n: usize) {
         let mut s = self.state.0.lock().unwrap();
@@ -145,6 +208,14 @@ impl BotApi {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// `GET /file/bot<token>/<file_path>`: the file bytes, for a known token.
+fn file_download(state: &Arc<(Mutex<State>, Condvar)>, url: &str) -> Option<Vec<u8>> {
+    let rest = url.strip_prefix("/file/bot")?;
+    let (token, path) = rest.split_once('/')?;
+    let s = state.0.lock().unwrap();
+    s.bots.contains_key(token).then(|| s.files.get(path).cloned()).flatten()
 }
 
 fn error(code: u16, description: &str, retry_after: Option<u64>) -> (u16, Value) {
@@ -225,6 +296,18 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &str) -> (u16, 
             ok(json!({"message_id": id, "chat": {"id": chat_id}, "date": 1, "text": params["text"]}))
         }
         "sendChatAction" => ok(json!(true)),
+        "getFile" => match params["file_id"].as_str().and_then(|id| s.file_ids.get(id).cloned()) {
+            Some(path) => {
+                let size = s.files.get(&path).map_or(0, Vec::len);
+                ok(json!({"file_id": params["file_id"], "file_unique_id": "u", "file_size": size, "file_path": path}))
+            }
+            None => error(400, "Bad Request: invalid file_id", None),
+        },
+        "sendPhoto" | "sendDocument" => {
+            s.next_message_id += 1;
+            let id = s.next_message_id;
+            ok(json!({"message_id": id, "chat": {"id": 0}, "date": 1}))
+        }
         _ => error(404, "Not Found: method not found", None),
     }
 }

@@ -73,6 +73,47 @@ impl Api {
         )
     }
 
+    /// Calls `method` with a ready multipart/form-data body (file uploads).
+    pub fn call_multipart(&self, token: &str, method: &str, boundary: &str, body: Vec<u8>) -> Result<Value, ApiError> {
+        self.post(
+            &self.http,
+            token,
+            method,
+            &format!("multipart/form-data; boundary={boundary}"),
+            body,
+        )
+    }
+
+    /// Downloads a file named by `getFile`'s `file_path`, at most `limit` bytes. The URL holds
+    /// the token, so it never leaves this function.
+    pub fn download(&self, token: &str, file_path: &str, limit: u64) -> Result<Vec<u8>, ApiError> {
+        let url = format!("{}/file/bot{token}/{file_path}", self.base);
+        let scrub = |s: String| s.replace(token, "<token>");
+        let unreachable = |e: ureq::Error| ApiError {
+            code: 0,
+            description: scrub(e.to_string()),
+            retry_after: None,
+        };
+        let mut resp = self.http.get(&url).call().map_err(unreachable)?;
+        let status = resp.status().as_u16();
+        if status != 200 {
+            return Err(ApiError {
+                code: status,
+                description: "file download refused".into(),
+                retry_after: None,
+            });
+        }
+        resp.body_mut()
+            .with_config()
+            .limit(limit)
+            .read_to_vec()
+            .map_err(|e| ApiError {
+                code: 413,
+                description: scrub(e.to_string()),
+                retry_after: None,
+            })
+    }
+
     fn post(
         &self,
         agent: &ureq::Agent,

@@ -24,7 +24,7 @@ use crate::json::{self, obj, s, Object, Value};
 use crate::outbox::StoredMessage;
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
-use crate::protocol::{TOOL_REPLY, TOOL_SEND};
+use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 
 const SOURCE_PREFIX: &str = "telegram:";
 /// source → `ChatInfo` JSON.
@@ -254,6 +254,7 @@ pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static
             vec![
                 (TOOL_SEND, ToolState::available()),
                 (TOOL_REPLY, ToolState::available()),
+                (TOOL_FILE_SEND, ToolState::available()),
             ],
         ),
         None => (
@@ -273,15 +274,20 @@ pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static
                     TOOL_REPLY,
                     ToolState::unavailable("the bot token is no longer available"),
                 ),
+                (
+                    TOOL_FILE_SEND,
+                    ToolState::unavailable("the bot token is no longer available"),
+                ),
             ],
         ),
     }
 }
 
-pub fn render_push(stored: &StoredMessage) -> Value {
+pub fn render_push(app: &App, stored: &StoredMessage) -> Value {
     match miniserde::json::from_str::<Inbound>(&stored.payload) {
         Ok(m) => {
             let h = &stored.header;
+            let base = app.config.server.public_url.as_deref().unwrap_or("");
             inbound::render(
                 "telegram",
                 "Telegram",
@@ -289,6 +295,7 @@ pub fn render_push(stored: &StoredMessage) -> Value {
                 h.reply_ref.as_deref(),
                 h.accepted_at,
                 h.expires_at,
+                base,
             )
         }
         Err(_) => obj([]),
@@ -358,6 +365,66 @@ pub fn send(app: &App, source: &str, text: &str, reply_to: Option<&str>) -> Resu
         last_id = format!("{}:{id}", info.chat_id);
     }
     Ok(obj([("status", s("sent")), ("message_id", s(last_id))]))
+}
+
+/// `imgate_file_send`: a file uploaded for this channel goes as a photo or a document.
+pub fn send_file(app: &App, source: &str, file_ref: &str, caption: Option<&str>) -> Result<Value, Failure> {
+    let (rec, path) = crate::files::get(app, file_ref)
+        .filter(|(r, _)| r.direction == "out" && r.source == source)
+        .ok_or_else(|| {
+            Failure::new(
+                code::FILE_REF_INVALID,
+                "file_ref is unknown, expired or was uploaded for another channel",
+            )
+        })?;
+    let (api, info, token) = route(app, source)?;
+    let bytes = std::fs::read(&path)
+        .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot read the file: {e}")))?;
+    let (method, field) = if rec.kind == "image" {
+        ("sendPhoto", "photo")
+    } else {
+        ("sendDocument", "document")
+    };
+    let boundary = format!("imgate{}", crate::ids::random_hex(12));
+    let mut body = Vec::with_capacity(bytes.len() + 512);
+    let mut text_part = |name: &str, value: &str| {
+        body.extend_from_slice(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").as_bytes(),
+        );
+    };
+    text_part("chat_id", &info.chat_id.to_string());
+    if let Some(c) = caption.filter(|c| !c.is_empty()) {
+        text_part("caption", c);
+    }
+    body.extend_from_slice(
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"{}\"\r\nContent-Type: {}\r\n\r\n",
+            rec.filename, rec.mime_type
+        )
+        .as_bytes(),
+    );
+    body.extend_from_slice(&bytes);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let deadline = Instant::now() + TOOL_DEADLINE;
+    let mut backoff = Duration::from_millis(500);
+    let sent = loop {
+        match api.call_multipart(&token, method, &boundary, body.clone()) {
+            Err(e)
+                if e.temporary() && Instant::now() + e.retry_after.map_or(backoff, Duration::from_secs) < deadline =>
+            {
+                std::thread::sleep(e.retry_after.map_or(backoff, Duration::from_secs));
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            other => break other.map_err(|e| failure(&e))?,
+        }
+    };
+    let id = json::as_object(&sent)
+        .and_then(|o| json::get_u64(o, "message_id"))
+        .unwrap_or(0);
+    Ok(obj([
+        ("status", s("sent")),
+        ("message_id", s(format!("{}:{id}", info.chat_id))),
+    ]))
 }
 
 fn route(app: &App, source: &str) -> Result<(Api, ChatInfo, String), Failure> {

@@ -16,7 +16,7 @@ use crate::app::App;
 use crate::ids;
 use crate::json::{self, obj, strs, Value};
 use crate::outbox::{Enqueued, NewMessage};
-use crate::providers::inbound::Inbound;
+use crate::providers::inbound::{FileItem, Inbound};
 use crate::store::ReplyRef;
 
 /// Updates from chats no channel is bound to (counted, logged at debug, not stored).
@@ -103,7 +103,7 @@ fn run(app: Weak<App>, info: ChatInfo, stop: Arc<AtomicBool>) {
                 if stop.load(Ordering::SeqCst) {
                     return;
                 }
-                accept(&app, &info, &updates)
+                accept(&app, &api, &token, &info, &updates)
             }
             Ok(_) => Some(backoff),
             Err(e) => {
@@ -137,7 +137,7 @@ fn run(app: Weak<App>, info: ChatInfo, stop: Arc<AtomicBool>) {
 }
 
 /// Accepts one batch of updates; `Some(wait)` when the loop should pause before polling again.
-fn accept(app: &App, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
+fn accept(app: &App, api: &super::api::Api, token: &str, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
     let key = offset_key(info.bot_id);
     let ttl = app.ttl_ms();
     let now = ids::now_ms();
@@ -174,7 +174,19 @@ fn accept(app: &App, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
             next = next.max(after);
             continue;
         }
-        let inbound = inbound_of(m, chat_id);
+        let (mut inbound, media) = inbound_of(m, chat_id);
+        if let Some(media) = media {
+            // Fetched now: Telegram's file URLs carry the token and expire; ours do neither.
+            match fetch(app, api, token, &source, &media) {
+                Ok(item) => inbound.files = Some(vec![item]),
+                Err(why) => {
+                    log::warn!("telegram: {source}: {} not cached: {why}", media.kind);
+                    inbound.text = format!("{} [{} not available: {why}]", inbound.text, media.kind)
+                        .trim()
+                        .to_string();
+                }
+            }
+        }
         let expires_at = now + ttl;
         let reply_ref = ids::token("rr_");
         let message = NewMessage {
@@ -224,8 +236,72 @@ fn int(o: &json::Object, key: &str) -> Option<i64> {
     }
 }
 
-/// A Telegram `Message` as imgate's inbound event.
-fn inbound_of(m: &json::Object, chat_id: i64) -> Inbound {
+/// A file of a Telegram message, before it is fetched.
+struct Media {
+    file_id: String,
+    kind: &'static str,
+    filename: String,
+    mime_type: String,
+    file_size: Option<u64>,
+}
+
+fn media_of(m: &json::Object) -> Option<Media> {
+    let file = |o: &json::Object, kind: &'static str, name: &str, mime: &str| -> Option<Media> {
+        Some(Media {
+            file_id: json::get_str(o, "file_id")?.to_string(),
+            kind,
+            filename: json::get_str(o, "file_name").unwrap_or(name).to_string(),
+            mime_type: json::get_str(o, "mime_type").unwrap_or(mime).to_string(),
+            file_size: json::get_u64(o, "file_size"),
+        })
+    };
+    if let Some(Value::Array(sizes)) = m.get("photo") {
+        // The largest size Telegram offers comes last.
+        return sizes
+            .iter()
+            .filter_map(json::as_object)
+            .next_back()
+            .and_then(|p| file(p, "image", "photo.jpg", "image/jpeg"));
+    }
+    let kinds = [
+        ("document", "file", "document", "application/octet-stream"),
+        ("video", "video", "video.mp4", "video/mp4"),
+        ("voice", "audio", "voice.ogg", "audio/ogg"),
+        ("audio", "audio", "audio.mp3", "audio/mpeg"),
+    ];
+    kinds
+        .iter()
+        .find_map(|(field, kind, name, mime)| json::get_obj(m, field).and_then(|o| file(o, kind, name, mime)))
+}
+
+/// `getFile` and the download, into the file cache.
+fn fetch(app: &App, api: &super::api::Api, token: &str, source: &str, media: &Media) -> Result<FileItem, String> {
+    let limit = app.config.files.max_file_bytes;
+    if media.file_size.is_some_and(|s| s > limit) {
+        return Err("larger than [files] max_file_bytes".into());
+    }
+    let info = api
+        .call(token, "getFile", &obj([("file_id", json::s(&media.file_id))]))
+        .map_err(|e| e.to_string())?;
+    let path = json::as_object(&info)
+        .and_then(|o| json::get_str(o, "file_path"))
+        .ok_or("getFile gave no file_path")?
+        .to_string();
+    let bytes = api.download(token, &path, limit).map_err(|e| e.to_string())?;
+    let (file_ref, rec) =
+        crate::files::store(app, source, &media.filename, &media.mime_type, &bytes, "in").map_err(|e| e.to_string())?;
+    Ok(FileItem {
+        file_ref,
+        kind: rec.kind,
+        filename: rec.filename,
+        mime_type: rec.mime_type,
+        byte_size: rec.byte_size,
+        expires_at: rec.expires_at,
+    })
+}
+
+/// A Telegram `Message` as imgate's inbound event, and its file if it has one.
+fn inbound_of(m: &json::Object, chat_id: i64) -> (Inbound, Option<Media>) {
     let chat = json::get_obj(m, "chat");
     let from = json::get_obj(m, "from");
     let message_id = int(m, "message_id").unwrap_or(0);
@@ -261,7 +337,7 @@ fn inbound_of(m: &json::Object, chat_id: i64) -> Inbound {
             (None, None) => ("other", caption),
         }
     };
-    Inbound {
+    let inbound = Inbound {
         message_id: format!("{chat_id}:{message_id}"),
         sender_id,
         sender_name,
@@ -275,5 +351,6 @@ fn inbound_of(m: &json::Object, chat_id: i64) -> Inbound {
         text,
         event_time: json::get_u64(m, "date").map(|d| d * 1000),
         files: None,
-    }
+    };
+    (inbound, media_of(m))
 }
