@@ -257,6 +257,19 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
         if t.mode == "webhook" && t.webhook_secret.is_none() {
             p.err(line, "[telegram] mode = webhook needs `webhook_secret`".to_string());
         }
+        if t.mode == "webhook" && t.bot_token.is_none() {
+            p.err(
+                line,
+                "[telegram] mode = webhook needs the default bot's `bot_token`".to_string(),
+            );
+        }
+        if t.mode == "webhook" && cfg.server.public_url.is_none() {
+            p.err(
+                line,
+                "[telegram] mode = webhook needs [server] public_url (Telegram must reach /telegram/webhook)"
+                    .to_string(),
+            );
+        }
     }
     if let Ok(dir) = std::env::var("STATE_DIRECTORY") {
         // systemd may pass several colon-separated directories; the first is ours.
@@ -476,11 +489,7 @@ impl Parser<'_> {
                     }
                     "mode" => match value {
                         "poll" => t.mode = value.into(),
-                        "webhook" => self.err(
-                            line,
-                            "mode = webhook is not available in this version yet; use mode = poll (works behind NAT)"
-                                .into(),
-                        ),
+                        "webhook" => t.mode = value.into(),
                         _ => self.err(line, format!("mode: `{value}` is not poll or webhook")),
                     },
                     "webhook_secret" => {

@@ -209,6 +209,10 @@ fn run(cfg: config::Config) -> ExitCode {
     }
     start_maintenance(app.clone());
     providers::bindings_changed(&app);
+    {
+        let app = app.clone();
+        std::thread::spawn(move || providers::telegram::register_webhook(&app));
+    }
     let dial = app
         .config
         .xagent

@@ -364,3 +364,133 @@ fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() 
         "{tools:?}"
     );
 }
+
+#[test]
+fn webhook_mode_takes_updates_with_the_right_secret_only_and_does_not_poll() {
+    let api = BotApi::start();
+    api.add_bot(TOKEN, BOT, "imgate_test_bot");
+    api.add_chat(BOT, json!({"id": CHAT, "type": "private", "first_name": "Ada"}));
+    let dir = temp_dir("tg-webhook");
+    let port = free_port();
+    let conf = config_text(port, &dir, None, "").replace(
+        "log_level = debug",
+        &format!("log_level = debug\npublic_url = http://127.0.0.1:{port}"),
+    ) + &format!(
+        "[telegram]\napi_base = {}\nbot_token = {TOKEN}\nmode = webhook\nwebhook_secret = hook-secret-tg-1\n",
+        api.base
+    );
+    let d = Daemon::start(&dir, &conf);
+    let set = api.wait_calls("setWebhook", 1, Duration::from_secs(5));
+    assert_eq!(set[0]["url"], format!("http://127.0.0.1:{port}/telegram/webhook"));
+    assert_eq!(set[0]["secret_token"], "hook-secret-tg-1");
+
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    let ok = bind(&mut x, &cch, "", &CHAT.to_string());
+    assert_eq!(
+        ok["payload"]["status"], "authenticated",
+        "the device's default bot: {ok}"
+    );
+    // A fresh date, so the update is not stale.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let update = json!({"update_id": 9001, "message": {"message_id": 5, "from": {"id": 1, "first_name": "Ada"},
+        "chat": {"id": CHAT, "type": "private"}, "date": now, "text": "pushed to us"}});
+    let url = d.url("/telegram/webhook");
+    assert_eq!(
+        http_post(
+            &url,
+            &[("X-Telegram-Bot-Api-Secret-Token", "wrong")],
+            &update.to_string()
+        )
+        .0,
+        401
+    );
+    assert_eq!(http_post(&url, &[], &update.to_string()).0, 401);
+    assert_eq!(
+        http_post(&url, &[("X-Telegram-Bot-Api-Secret-Token", "hook-secret-tg-1")], "{bad").0,
+        400
+    );
+    let (code, _) = http_post(
+        &url,
+        &[("X-Telegram-Bot-Api-Secret-Token", "hook-secret-tg-1")],
+        &update.to_string(),
+    );
+    assert_eq!(code, 200);
+    let push = x
+        .next_push(Duration::from_secs(5))
+        .expect("the pushed update reaches xAgent");
+    assert_eq!(push["payload"]["raw_text"], "pushed to us");
+    // Telegram retries: the same update is accepted once.
+    http_post(
+        &url,
+        &[("X-Telegram-Bot-Api-Secret-Token", "hook-secret-tg-1")],
+        &update.to_string(),
+    );
+    assert!(x.next_push(Duration::from_millis(800)).is_none());
+    assert!(
+        api.calls("getUpdates").is_empty(),
+        "the default bot is not polled in webhook mode"
+    );
+    assert_no_secret(&d.log(), &[TOKEN, "hook-secret-tg-1"], "the trace log");
+}
+
+#[test]
+fn sigkill_between_get_updates_and_commit_neither_skips_nor_accepts_twice() {
+    let (d, api) = telegram("tg-crash", "");
+    let (x, cch) = bound(&d);
+    let connector_id = get_json(&d.url("/status"))["connector_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    x.close();
+    let api = std::sync::Arc::new(api);
+    let mut sent = 0usize;
+    let mut d = d;
+    let mut seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    for round in 0..10 {
+        if round > 0 {
+            d = d.restart();
+        }
+        // The user keeps writing while imgate polls; imgate dies at a random moment.
+        for _ in 0..20 {
+            api.user_says(BOT, CHAT, &format!("msg {sent:04}"), Duration::ZERO);
+            sent += 1;
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            std::thread::sleep(Duration::from_millis(seed % 15));
+        }
+        d.kill();
+    }
+    let d = d.restart();
+    let mut y = d.xagent();
+    y.hello(&connector_id);
+    y.open(Some(&cch));
+    let mut texts = std::collections::BTreeSet::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        while let Some(p) = y.next_push(Duration::from_millis(300)) {
+            texts.insert(p["payload"]["raw_text"].as_str().unwrap().to_string());
+        }
+        let s = get_json(&d.url("/status"));
+        let c = s["channels"][0].clone();
+        if c["pending"] == 0 && texts.len() >= sent {
+            assert_eq!(c["delivered"], sent as u64, "every update accepted exactly once: {c}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {sent} pushed: {c}",
+            texts.len()
+        );
+    }
+    assert_eq!(texts.len(), sent, "no update was skipped");
+}

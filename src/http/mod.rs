@@ -224,6 +224,14 @@ fn handle(app: &App, mut req: Request) {
         }
         (Method::Post, "/files/uploads") if authorized(app, &req) => upload(app, &mut req),
         (Method::Post, "/files/uploads") => error(401, "unauthorized"),
+        (Method::Post, "/telegram/webhook") => match read_body(&mut req, app.config.server.max_body) {
+            Err(()) => error(413, "too_large"),
+            Ok(body) => {
+                let secret = header(&req, "X-Telegram-Bot-Api-Secret-Token");
+                let (status, v) = crate::providers::telegram::webhook_update(app, secret.as_deref(), &body);
+                json_response(status, &v)
+            }
+        },
         (Method::Post, p) if p.starts_with("/hooks/") => {
             let name = &p["/hooks/".len()..];
             if !app.config.webhooks.contains_key(name) {

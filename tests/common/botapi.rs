@@ -295,7 +295,7 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &str) -> (u16, 
             let id = s.next_message_id;
             ok(json!({"message_id": id, "chat": {"id": chat_id}, "date": 1, "text": params["text"]}))
         }
-        "sendChatAction" => ok(json!(true)),
+        "sendChatAction" | "setWebhook" => ok(json!(true)),
         "getFile" => match params["file_id"].as_str().and_then(|id| s.file_ids.get(id).cloned()) {
             Some(path) => {
                 let size = s.files.get(&path).map_or(0, Vec::len);

@@ -240,6 +240,66 @@ pub fn forget_unused_tokens(app: &App) {
     }
 }
 
+/// The default bot's ID when `mode = webhook` (Telegram tokens start with the bot's ID).
+pub fn webhook_bot(app: &App) -> Option<u64> {
+    let t = app.config.telegram.as_ref().filter(|t| t.mode == "webhook")?;
+    t.bot_token.as_ref()?.expose().split(':').next()?.parse().ok()
+}
+
+/// Webhook mode: tells Telegram where to push the default bot's updates (once at start).
+pub fn register_webhook(app: &App) {
+    let (Some(t), Some(base)) = (app.config.telegram.as_ref(), app.config.server.public_url.as_deref()) else {
+        return;
+    };
+    let (Some(token), Some(secret)) = (t.bot_token.as_ref(), t.webhook_secret.as_ref()) else {
+        return;
+    };
+    if t.mode != "webhook" {
+        return;
+    }
+    let params = obj([
+        ("url", s(format!("{base}/telegram/webhook"))),
+        ("secret_token", s(secret.expose())),
+        ("allowed_updates", crate::json::strs(["message"])),
+    ]);
+    match Api::new(&t.api_base).call(token.expose(), "setWebhook", &params) {
+        Ok(_) => log::info!("telegram: webhook registered at {base}/telegram/webhook"),
+        Err(e) => log::error!("telegram: setWebhook failed: {e}; updates will not arrive until it succeeds"),
+    }
+}
+
+/// `POST /telegram/webhook`: one Update, answered 200 only after its commit (Telegram retries
+/// anything else).
+pub fn webhook_update(app: &App, secret_header: Option<&str>, body: &[u8]) -> (u16, Value) {
+    let Some(t) = app.config.telegram.as_ref().filter(|t| t.mode == "webhook") else {
+        return (404, obj([("error", s("not_found"))]));
+    };
+    let expected = t.webhook_secret.as_ref().map(|s| s.expose()).unwrap_or_default();
+    if expected.is_empty() || !crate::ids::secret_eq(secret_header.unwrap_or(""), expected) {
+        log::info!("telegram: webhook call with a missing or wrong secret refused");
+        return (401, obj([("error", s("unauthorized"))]));
+    }
+    let update = std::str::from_utf8(body).ok().and_then(|b| json::parse(b).ok());
+    let Some(update) = update.filter(|u| json::as_object(u).is_some()) else {
+        return (400, obj([("error", s("invalid_payload"))]));
+    };
+    let (Some(bot_id), Some(token)) = (webhook_bot(app), t.bot_token.as_ref()) else {
+        return (404, obj([("error", s("not_found"))]));
+    };
+    let info = ChatInfo {
+        bot_id,
+        bot_username: String::new(),
+        chat_id: 0,
+        chat_title: String::new(),
+        chat_type: String::new(),
+        own_token: false,
+    };
+    match poll::accept(app, &Api::new(&t.api_base), token.expose(), &info, &[update]) {
+        None => (200, obj([("ok", json::b(true))])),
+        Some(_) => (503, obj([("error", s("storage_unavailable"))])),
+    }
+}
+
 /// Descriptor parts of a Telegram channel.
 pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
     match chat_info(app, source).filter(|i| token_for(app, i).is_some()) {

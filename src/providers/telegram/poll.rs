@@ -39,7 +39,12 @@ impl Pollers {
             return;
         }
         let mut wanted: HashMap<u64, ChatInfo> = HashMap::new();
+        let pushed = super::webhook_bot(app);
         for (_, info) in super::bound_chats(app) {
+            // The default bot in webhook mode gets its updates from POST /telegram/webhook.
+            if pushed == Some(info.bot_id) && !info.own_token {
+                continue;
+            }
             wanted.entry(info.bot_id).or_insert(info);
         }
         let mut running = app.telegram.running.lock().unwrap_or_else(|e| e.into_inner());
@@ -137,7 +142,13 @@ fn run(app: Weak<App>, info: ChatInfo, stop: Arc<AtomicBool>) {
 }
 
 /// Accepts one batch of updates; `Some(wait)` when the loop should pause before polling again.
-fn accept(app: &App, api: &super::api::Api, token: &str, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
+pub(super) fn accept(
+    app: &App,
+    api: &super::api::Api,
+    token: &str,
+    info: &ChatInfo,
+    updates: &[Value],
+) -> Option<Duration> {
     let key = offset_key(info.bot_id);
     let ttl = app.ttl_ms();
     let now = ids::now_ms();
