@@ -42,7 +42,7 @@ fn bound(d: &Daemon) -> (Sim, String) {
 
 #[test]
 fn binding_checks_token_and_chat_and_shows_only_display_names() {
-    let (d, _api) = telegram("tg-bind", "");
+    let (d, api) = telegram("tg-bind", "");
     let (_, card) = http_get(&d.url("/connector-card.json"), &[]);
     let card: Value = serde_json::from_str(&card).unwrap();
     assert_card(&card);
@@ -78,6 +78,13 @@ fn binding_checks_token_and_chat_and_shows_only_display_names() {
             .unwrap()
             .contains("does not know this chat"),
         "{unknown}"
+    );
+    api.kick(BOT, -4001);
+    let kicked = bind(&mut x, &cch, TOKEN, "-4001");
+    assert_eq!(kicked["payload"]["status"], "failed");
+    assert!(
+        kicked["payload"]["message"].as_str().unwrap().contains("not a member"),
+        "{kicked}"
     );
     let ok = bind(&mut x, &cch, TOKEN, &CHAT.to_string());
     assert_eq!(ok["payload"]["status"], "authenticated", "{ok}");
@@ -344,6 +351,20 @@ fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() 
         raw.windows(10).any(|w| w == b"\x89PNG-bytes"),
         "the file bytes go to Telegram"
     );
+    // A document goes as sendDocument.
+    let pdf = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"report.pdf\"\r\nContent-Type: application/pdf\r\n\r\n%PDF-1.4\r\n--{boundary}--\r\n");
+    let mut r = load_agent()
+        .post(&d.url("/files/uploads"))
+        .header("Authorization", &format!("Bearer {API_KEY}"))
+        .header("X-XAgent-Connector-Channel-ID", &cch)
+        .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
+        .send(pdf.as_bytes())
+        .unwrap();
+    let doc: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+    assert_eq!(doc["file_type"], "file");
+    let a = x.tool(&cch, "imgate_file_send", json!({"file_ref": doc["file_ref"]}), "f-3");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    assert_eq!(api.uploads().last().unwrap().0, "sendDocument");
     let forged = x.tool(
         &cch,
         "imgate_file_send",

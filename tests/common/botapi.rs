@@ -14,6 +14,8 @@ struct State {
     bots: HashMap<String, (u64, String)>,
     /// (bot id, chat id) → chat object, for chats the bot is a member of.
     chats: HashMap<(u64, i64), Value>,
+    /// Chats that removed or blocked the bot: Telegram answers 403.
+    kicked: Vec<(u64, i64)>,
     /// bot id → pending updates.
     updates: HashMap<u64, Vec<Value>>,
     next_update_id: u64,
@@ -90,6 +92,11 @@ impl BotApi {
     pub fn add_chat(&self, bot_id: u64, chat: Value) {
         let id = chat["id"].as_i64().unwrap();
         self.state.0.lock().unwrap().chats.insert((bot_id, id), chat);
+    }
+
+    /// The bot was removed from (or blocked in) a chat.
+    pub fn kick(&self, bot_id: u64, chat_id: i64) {
+        self.state.0.lock().unwrap().kicked.push((bot_id, chat_id));
     }
 
     /// A user writes `text` in `chat_id`; `age` makes the message that much older.
@@ -261,6 +268,9 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &str) -> (u16, 
             let id = params["chat_id"]
                 .as_i64()
                 .or_else(|| params["chat_id"].as_str().and_then(|c| c.parse().ok()));
+            if id.is_some_and(|id| s.kicked.contains(&(bot_id, id))) {
+                return error(403, "Forbidden: bot was kicked from the group chat", None);
+            }
             match id.and_then(|id| s.chats.get(&(bot_id, id)).cloned()) {
                 Some(chat) => ok(chat),
                 None => error(400, "Bad Request: chat not found", None),
