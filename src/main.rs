@@ -150,6 +150,14 @@ fn init_logging(level: &str) {
 
 fn run(cfg: config::Config) -> ExitCode {
     init_logging(&cfg.server.log_level);
+    // First of all, so an early SIGTERM or SIGHUP is handled rather than fatal.
+    let signals = match service::signals() {
+        Ok(s) => s,
+        Err(e) => {
+            log::error!("cannot install signal handlers: {e}");
+            return ExitCode::from(1);
+        }
+    };
     if cfg.source == config::EMBEDDED {
         log::info!("no config file found; running with the embedded defaults");
     } else {
@@ -219,13 +227,6 @@ fn run(cfg: config::Config) -> ExitCode {
         .dial
         .clone()
         .map(|url| smol::spawn(dataplane::dial::run(app.clone(), url)));
-    let signals = match service::signals() {
-        Ok(s) => s,
-        Err(e) => {
-            log::error!("cannot install signal handlers: {e}");
-            return ExitCode::from(1);
-        }
-    };
     if let Some(every) = service::watchdog_interval() {
         smol::spawn(service::watchdog(every)).detach();
     }
