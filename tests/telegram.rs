@@ -515,3 +515,26 @@ fn sigkill_between_get_updates_and_commit_neither_skips_nor_accepts_twice() {
     }
     assert_eq!(texts.len(), sent, "no update was skipped");
 }
+
+#[test]
+fn the_file_tool_is_declared_with_telegram_and_refused_on_a_webhook_channel() {
+    let (d, _api) = telegram("tg-cross", "");
+    let (mut x, hook_ch) = d.bound_xagent();
+    let desc = x.request("connection.descriptor.get", Some(&hook_ch), json!({}));
+    let tools = desc["payload"]["connection_descriptor"]["tools"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let file = tools
+        .iter()
+        .find(|t| t["tool_id"] == "imgate_file_send")
+        .expect("listed, as the Card declares it");
+    assert_eq!(file["status"], "unavailable");
+    let a = x.tool(
+        &hook_ch,
+        "imgate_file_send",
+        json!({"file_ref": "file_0123456789abcdef0123456789abcdef"}),
+        "x-1",
+    );
+    assert_eq!(a["error"]["code"], "connector_channel_unavailable", "{a}");
+}
