@@ -538,3 +538,18 @@ fn the_file_tool_is_declared_with_telegram_and_refused_on_a_webhook_channel() {
     );
     assert_eq!(a["error"]["code"], "connector_channel_unavailable", "{a}");
 }
+
+#[test]
+fn a_file_ref_stops_working_when_the_file_ttl_ends() {
+    let (d, api) = telegram("tg-file-ttl", "[files]\nttl = 1s\n");
+    let (mut x, _) = bound(&d);
+    api.user_sends_photo(BOT, CHAT, b"short-lived", "");
+    let push = x.next_push(Duration::from_secs(10)).unwrap();
+    let url = push["payload"]["files"][0]["download_url"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(http_get(&d.url(&url), &[]).0, 200);
+    std::thread::sleep(Duration::from_millis(1200));
+    assert_eq!(http_get(&d.url(&url), &[]).0, 404, "an expired ref is refused");
+}
