@@ -60,10 +60,7 @@ fn bench_outbox_and_data_plane() {
     x.hello("");
     let (cch, _) = x.open(None);
     x.bind_webhook(&cch, "alerts", HOOK_SECRET);
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     std::thread::sleep(Duration::from_secs(2));
     fig(
         "peak RSS idle, one bound channel (VmHWM)",

@@ -145,10 +145,7 @@ fn sigkill_at_random_points_loses_no_accepted_message_and_keeps_order() {
         x.bind_webhook(&ops, "ops", OPS_SECRET)["payload"]["status"],
         "authenticated"
     );
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     x.close();
 
     let seen = Arc::new(Mutex::new(Seen::default()));

@@ -466,10 +466,7 @@ fn unconfirmed_pushes_are_redelivered_with_the_same_message_id_after_reconnect()
     let dir = temp_dir("redeliver");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
     let (mut x, cch) = d.bound_xagent();
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     x.auto_pong = false;
     d.post_hook("alerts", &json!({"message_id":"r1","sender_id":"u"}));
     let first = x.next_push(Duration::from_secs(10)).unwrap();
@@ -514,10 +511,7 @@ fn restart_keeps_bindings_and_accepted_messages() {
     let dir = temp_dir("restart");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
     let (x, cch) = d.bound_xagent();
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     x.close();
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(

@@ -56,10 +56,7 @@ fn messages_that_expire_while_imgate_is_stopped_are_never_delivered_and_are_coun
     let mut d = start("expire-stopped", "ttl = 1s\n");
     let mut x = d.xagent();
     let cch = bind(&mut x);
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     x.close();
     std::thread::sleep(Duration::from_millis(100));
     for i in 0..3 {

@@ -37,10 +37,7 @@ fn soak_with_flapping_xagent_loses_nothing_and_leaks_nothing() {
     );
     let pid = d.pid();
     let (x, cch) = d.bound_xagent();
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     x.close();
     let (fd0, rss0) = (fds(pid), rss_kib(pid));
 

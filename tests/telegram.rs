@@ -220,10 +220,7 @@ fn one_poller_per_bot_starts_with_the_first_binding_and_stops_with_the_last() {
 fn the_offset_survives_a_restart_and_old_or_foreign_updates_are_counted_not_pushed() {
     let (d, api) = telegram("tg-offset", "");
     let (mut x, cch) = bound(&d);
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     let first = api.user_says(BOT, CHAT, "one", Duration::ZERO);
     x.next_push(Duration::from_secs(10)).unwrap();
     api.user_says(BOT, 31337, "from a chat nobody bound", Duration::ZERO);
@@ -463,10 +460,7 @@ fn webhook_mode_takes_updates_with_the_right_secret_only_and_does_not_poll() {
 fn sigkill_between_get_updates_and_commit_neither_skips_nor_accepts_twice() {
     let (d, api) = telegram("tg-crash", "");
     let (x, cch) = bound(&d);
-    let connector_id = get_json(&d.url("/status"))["connector_id"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let connector_id = d.connector_id();
     x.close();
     let api = std::sync::Arc::new(api);
     let mut sent = 0usize;

@@ -246,6 +246,14 @@ impl Daemon {
         Sim::connect(self.port, Some(API_KEY))
     }
 
+    /// The daemon's persistent `connector_id`, from `/status`.
+    pub fn connector_id(&self) -> String {
+        get_json(&self.url("/status"))["connector_id"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+
     /// An xAgent simulator past hello with a new channel bound to the `alerts` endpoint.
     pub fn bound_xagent(&self) -> (Sim, String) {
         let mut x = self.xagent();
