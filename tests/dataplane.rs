@@ -200,6 +200,10 @@ fn listen_session_binds_a_webhook_pushes_its_messages_and_replies_through_the_to
     );
     assert_eq!(p["reply"]["tool_id"], "imgate_message_reply");
     assert_eq!(p["skill"]["skill_id"], "connector-im-imgate");
+    assert_eq!(
+        p["skill"]["tool_ids"],
+        json!(["imgate_message_send", "imgate_message_reply"])
+    );
     let reply_ref = p["reply"]["reply_ref"].as_str().unwrap().to_string();
     let text = push.to_string();
     assert!(!text.contains(HOOK_SECRET) && !text.contains(&receiver.url) && !text.contains(API_KEY));
@@ -649,4 +653,57 @@ fn hmac_hex(key: &str, body: &[u8]) -> String {
     let tag = ring::hmac::sign(&k, body);
     let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
     format!("sha256={hex}")
+}
+
+#[test]
+fn an_unreachable_reply_url_is_reported_without_echoing_the_url() {
+    let dead = free_port(); // nothing listens here
+    let url = format!("http://127.0.0.1:{dead}/reply?token=url-secret-31");
+    let dir = temp_dir("deadurl");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&url), ""));
+    let (mut x, cch) = d.bound_xagent();
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "hi"}), "u1");
+    assert_eq!(a["error"]["code"], "upstream_unreachable", "{a}");
+    assert_no_secret(&a.to_string(), &["url-secret-31"], "a tool error");
+    assert_no_secret(&d.log(), &["url-secret-31"], "the log");
+}
+
+#[test]
+fn every_route_works_below_the_path_prefix_of_public_url() {
+    use tungstenite::client::IntoClientRequest;
+    let dir = temp_dir("prefix");
+    let port = free_port();
+    let conf = config_text(port, &dir, None, "").replace(
+        "log_level = debug",
+        &format!("log_level = debug\npublic_url = http://127.0.0.1:{port}/edge/imgate/"),
+    );
+    let d = Daemon::start(&dir, &conf);
+    let (status, card) = http_get(&d.url("/edge/imgate/connector-card.json"), &[]);
+    assert_eq!(status, 200);
+    assert_card(&serde_json::from_str(&card).unwrap());
+    assert_eq!(
+        http_get(
+            &d.url("/edge/imgate/health"),
+            &[("Authorization", &format!("Bearer {API_KEY}"))]
+        )
+        .0,
+        200
+    );
+    let (code, _) = http_post(
+        &d.url("/edge/imgate/hooks/alerts"),
+        &[("Authorization", &format!("Bearer {HOOK_SECRET}"))],
+        &json!({"message_id": "p1", "sender_id": "u"}).to_string(),
+    );
+    assert_eq!(code, 202);
+    let mut req = format!("ws://127.0.0.1:{port}/edge/imgate/ws")
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("Authorization", format!("Bearer {API_KEY}").parse().unwrap());
+    req.headers_mut()
+        .insert("Sec-WebSocket-Protocol", SUBPROTOCOL.parse().unwrap());
+    let stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let (ws, _) = tungstenite::client(req, stream).expect("the data plane answers below the prefix too");
+    let mut x = Sim::from_ws(ws);
+    x.hello("");
 }

@@ -122,6 +122,10 @@ fn messages_arrive_and_replies_go_back_to_the_chat() {
     assert_eq!(p["message_type"], "text");
     assert_eq!(p["raw_text"], "is the door locked?");
     assert!(p["text"].as_str().unwrap().starts_with("User message from Telegram:"));
+    assert_eq!(
+        p["skill"]["tool_ids"],
+        json!(["imgate_message_send", "imgate_message_reply", "imgate_file_send"])
+    );
     let reply_ref = p["reply"]["reply_ref"].as_str().unwrap().to_string();
     let tg_message_id: u64 = p["message_id"]
         .as_str()

@@ -30,14 +30,13 @@ pub struct FileItem {
     pub expires_at: u64,
 }
 
-impl Inbound {
-    /// Tools the agent may use on this message's channel.
-    fn tool_ids(&self) -> Vec<&'static str> {
-        if self.files.is_some() {
-            vec![TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND]
-        } else {
-            vec![TOOL_SEND, TOOL_REPLY]
-        }
+/// Tools the agent may use on a channel of `provider` (the file tool works with Telegram only,
+/// and is declared only when Telegram is enabled, which a Telegram message implies).
+fn tool_ids(provider: &str) -> Vec<&'static str> {
+    if provider == "telegram" {
+        vec![TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND]
+    } else {
+        vec![TOOL_SEND, TOOL_REPLY]
     }
 }
 
@@ -101,7 +100,7 @@ pub fn render(
             obj([
                 ("skill_id", s(SKILL_NAME)),
                 ("name", s(SKILL_NAME)),
-                ("tool_ids", strs(m.tool_ids())),
+                ("tool_ids", strs(tool_ids(provider))),
             ]),
         ),
         ("event_time", m.event_time.map_or(Value::Null, json::n)),

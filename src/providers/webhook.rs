@@ -315,6 +315,8 @@ pub fn send(
         .header("X-Imgate-Signature", &signature)
         .send(body.as_bytes());
     let mut resp = result.map_err(|e| {
+        // The configured URL may carry a credential of its own: never echo it.
+        let e = e.to_string().replace(url, "<reply_url>");
         log::warn!("webhook {name}: reply_url unreachable: {e}");
         Failure::new(
             code::UPSTREAM_UNREACHABLE,
