@@ -551,3 +551,93 @@ fn a_file_ref_stops_working_when_the_file_ttl_ends() {
     std::thread::sleep(Duration::from_millis(1200));
     assert_eq!(http_get(&d.url(&url), &[]).0, 404, "an expired ref is refused");
 }
+
+#[test]
+fn polling_through_5xx_and_429_keeps_its_place_and_delivers_each_message_once() {
+    let (d, api) = telegram("tg-poll-faults", "");
+    // Waiting at Telegram before the binding: the first polls meet a sick Bot API.
+    api.user_says(BOT, CHAT, "one", Duration::ZERO);
+    let last = api.user_says(BOT, CHAT, "two", Duration::ZERO);
+    api.fail("getUpdates", 502, None, 2);
+    api.fail("getUpdates", 429, Some(1), 1);
+    let (mut x, _) = bound(&d);
+
+    let mut texts = Vec::new();
+    while let Some(p) = x.next_push(Duration::from_secs(15)) {
+        texts.push(p["payload"]["raw_text"].as_str().unwrap().to_string());
+        if texts.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(texts, ["one", "two"], "both arrive, in order, after the errors");
+    let polls = api.calls("getUpdates");
+    assert!(polls.len() >= 4, "three failed polls, then one that worked: {polls:?}");
+    for p in &polls[..4] {
+        assert_eq!(
+            p["offset"].as_u64().unwrap_or(0),
+            0,
+            "nothing is confirmed to Telegram before it is stored: {polls:?}"
+        );
+    }
+    let next = api.wait_calls("getUpdates", 5, Duration::from_secs(5));
+    assert_eq!(
+        next[4]["offset"],
+        json!(last + 1),
+        "the offset moves past exactly what was stored"
+    );
+
+    // A failure in the middle of the stream neither loses nor repeats a message.
+    api.fail("getUpdates", 500, None, 1);
+    api.user_says(BOT, CHAT, "three", Duration::ZERO);
+    let p = x.next_push(Duration::from_secs(15)).expect("three arrives");
+    assert_eq!(p["payload"]["raw_text"], "three");
+    assert!(
+        x.next_push(Duration::from_secs(3)).is_none(),
+        "no message is pushed twice"
+    );
+    let log = d.log();
+    assert_eq!(
+        log.matches("getUpdates failed: Telegram answered 502").count(),
+        1,
+        "a repeated error is logged once:\n{log}"
+    );
+    assert!(log.contains("polling works again"), "{log}");
+}
+
+#[test]
+fn a_stalled_bot_api_gets_a_tool_error_in_time_and_a_stalled_poll_is_retried() {
+    let (d, api) = telegram("tg-stall", "");
+    // Telegram takes the connection and never answers: the first poll hangs past its timeout.
+    api.stall("getUpdates", Duration::from_secs(45), 1);
+    api.user_says(BOT, CHAT, "while the API hung", Duration::ZERO);
+    let (mut x, cch) = bound(&d);
+
+    api.stall("sendMessage", Duration::from_secs(45), 3);
+    let started = std::time::Instant::now();
+    let (_, request_id) = x.send(
+        "tool.invoke",
+        Some(&cch),
+        json!({"tool_id": "imgate_message_send", "arguments": {"text": "hello?"},
+               "context": {"session_id": "s1", "tool_call_id": "stall-1"}}),
+    );
+    let a = x.answer_within(&request_id, Duration::from_secs(40));
+    let took = started.elapsed();
+    assert_eq!(a["error"]["code"], "upstream_unreachable", "{a}");
+    assert!(
+        took < Duration::from_secs(25),
+        "the tool answered after {took:?}; its deadline is 20 s"
+    );
+    assert_no_secret(&a.to_string(), &[TOKEN], "a tool error");
+
+    // The hung poll times out (25 s long poll + 10 s margin) and the next one gets the message.
+    let p = x
+        .next_push(Duration::from_secs(40))
+        .expect("the message arrives after the stalled poll");
+    assert_eq!(p["payload"]["raw_text"], "while the API hung");
+    assert!(
+        d.log().contains("getUpdates failed: Telegram unreachable"),
+        "{}",
+        d.log()
+    );
+    assert_no_secret(&d.log(), &[TOKEN], "the log");
+}

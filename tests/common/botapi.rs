@@ -24,6 +24,8 @@ struct State {
     calls: Vec<(u64, String, Value)>,
     /// method → errors to answer with first: (error_code, retry_after).
     failures: HashMap<String, Vec<(u16, Option<u64>)>>,
+    /// method → how long its next calls hang before they are answered.
+    stalls: HashMap<String, Vec<Duration>>,
     /// file_path → bytes, served at `/file/bot<token>/<file_path>`; file_id → file_path.
     files: HashMap<String, Vec<u8>>,
     file_ids: HashMap<String, String>,
@@ -65,6 +67,11 @@ impl BotApi {
                         state.0.lock().unwrap().uploads.push((method, ctype, raw.clone()));
                     }
                     let body = String::from_utf8_lossy(&raw).to_string();
+                    let method = req.url().rsplit('/').next().unwrap_or_default().to_string();
+                    let stall = state.0.lock().unwrap().stalls.get_mut(&method).and_then(|l| l.pop());
+                    if let Some(d) = stall {
+                        std::thread::sleep(d);
+                    }
                     let (status, answer) = handle(&state, req.url(), &body);
                     let resp = tiny_http::Response::from_string(answer.to_string())
                         .with_status_code(status)
@@ -172,6 +179,16 @@ impl BotApi {
     /// Multipart uploads received: (method, content type, raw body).
     pub fn uploads(&self) -> Vec<(String, String, Vec<u8>)> {
         self.state.0.lock().unwrap().uploads.clone()
+    }
+
+    /// The next `n` calls of `method` hang for `d` before they are answered, as a Bot API that
+    /// accepted the connection and then stalled.
+    pub fn stall(&self, method: &str, d: Duration, n: usize) {
+        let mut s = self.state.0.lock().unwrap();
+        s.stalls
+            .entry(method.to_string())
+            .or_default()
+            .extend(std::iter::repeat_n(d, n));
     }
 
     /// The next `n` calls of `method` fail with `code` (and `retry_after` seconds).

@@ -521,7 +521,12 @@ impl Sim {
 
     /// Waits for the answer to `request_id`, keeping pushes aside.
     pub fn answer_to(&mut self, request_id: &str) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
+        self.answer_within(request_id, Duration::from_secs(10))
+    }
+
+    /// Like `answer_to` with another patience.
+    pub fn answer_within(&mut self, request_id: &str, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
             let Some(v) = self.recv_within(Duration::from_secs(1)) else {
                 continue;

@@ -64,24 +64,28 @@ impl Api {
     /// Calls `method` with a JSON object of parameters; returns `result`.
     pub fn call(&self, token: &str, method: &str, params: &Value) -> Result<Value, ApiError> {
         let agent = if method == "getUpdates" { &self.poll } else { &self.http };
-        self.post(
-            agent,
-            token,
-            method,
-            "application/json",
-            json::to_string(params).into_bytes(),
-        )
+        let body = json::to_string(params).into_bytes();
+        self.post(agent, token, method, "application/json", body, None)
     }
 
-    /// Calls `method` with a ready multipart/form-data body (file uploads).
-    pub fn call_multipart(&self, token: &str, method: &str, boundary: &str, body: Vec<u8>) -> Result<Value, ApiError> {
-        self.post(
-            &self.http,
-            token,
-            method,
-            &format!("multipart/form-data; boundary={boundary}"),
-            body,
-        )
+    /// Like `call`, but gives up after `timeout` at most: a tool must answer in time even when
+    /// Telegram accepts the connection and never replies.
+    pub fn call_within(&self, token: &str, method: &str, params: &Value, timeout: Duration) -> Result<Value, ApiError> {
+        let body = json::to_string(params).into_bytes();
+        self.post(&self.http, token, method, "application/json", body, Some(timeout))
+    }
+
+    /// Calls `method` with a ready multipart/form-data body (file uploads), within `timeout`.
+    pub fn call_multipart(
+        &self,
+        token: &str,
+        method: &str,
+        boundary: &str,
+        body: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Value, ApiError> {
+        let ctype = format!("multipart/form-data; boundary={boundary}");
+        self.post(&self.http, token, method, &ctype, body, Some(timeout))
     }
 
     /// Downloads a file named by `getFile`'s `file_path`, at most `limit` bytes. The URL holds
@@ -114,6 +118,7 @@ impl Api {
             })
     }
 
+    /// One POST; `timeout` shortens the agent's own limit for this request.
     fn post(
         &self,
         agent: &ureq::Agent,
@@ -121,11 +126,16 @@ impl Api {
         method: &str,
         ctype: &str,
         body: Vec<u8>,
+        timeout: Option<Duration>,
     ) -> Result<Value, ApiError> {
         let url = format!("{}/bot{token}/{method}", self.base);
         let scrub = |s: String| s.replace(token, "<token>");
-        let mut resp = agent
-            .post(&url)
+        let mut req = agent.post(&url);
+        if let Some(t) = timeout {
+            let agent_limit = agent.config().timeouts().global.unwrap_or(t);
+            req = req.config().timeout_global(Some(t.min(agent_limit))).build();
+        }
+        let mut resp = req
             .header("Content-Type", ctype)
             .send(&body[..])
             .map_err(|e| ApiError {

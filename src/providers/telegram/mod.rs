@@ -31,7 +31,7 @@ const SOURCE_PREFIX: &str = "telegram:";
 pub(crate) const TG_CHATS: TableDefinition<&str, &str> = TableDefinition::new("telegram_chats");
 /// Telegram's limit for one message's text.
 const MAX_TEXT: usize = 4096;
-/// A tool call retries 429 and 5xx answers until this much time has passed.
+/// A tool call retries 429 and 5xx answers for at most this long, and no single call outlives it.
 const TOOL_DEADLINE: Duration = Duration::from_secs(20);
 
 /// What a binding knows about its bot and chat, for the Descriptor and for routing.
@@ -378,11 +378,18 @@ pub fn split_text(text: &str) -> Vec<String> {
     out
 }
 
-/// Calls the Bot API, retrying rate limits and server errors until `deadline`.
-fn call_with_retry(api: &Api, token: &str, method: &str, params: &Value, deadline: Instant) -> Result<Value, ApiError> {
+/// Runs `attempt` (one Bot API call, given the time left) until it succeeds, fails for good, or
+/// `deadline` passes: rate limits and server errors are retried with backoff, and no attempt may
+/// outlive the deadline, so a tool answers in time even when Telegram stalls.
+fn with_retry(
+    method: &str,
+    deadline: Instant,
+    mut attempt: impl FnMut(Duration) -> Result<Value, ApiError>,
+) -> Result<Value, ApiError> {
     let mut backoff = Duration::from_millis(500);
     loop {
-        match api.call(token, method, params) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match attempt(left.max(Duration::from_millis(1))) {
             Err(e) if e.temporary() => {
                 let wait = e.retry_after.map_or(backoff, Duration::from_secs);
                 if Instant::now() + wait >= deadline {
@@ -418,7 +425,10 @@ pub fn send(app: &App, source: &str, text: &str, reply_to: Option<&str>) -> Resu
             ("text", s(chunk)),
             ("reply_parameters", reply),
         ]);
-        let sent = call_with_retry(&api, &token, "sendMessage", &params, deadline).map_err(|e| failure(&e))?;
+        let sent = with_retry("sendMessage", deadline, |left| {
+            api.call_within(&token, "sendMessage", &params, left)
+        })
+        .map_err(|e| failure(&e))?;
         let id = json::as_object(&sent)
             .and_then(|o| json::get_u64(o, "message_id"))
             .unwrap_or(0);
@@ -466,18 +476,10 @@ pub fn send_file(app: &App, source: &str, file_ref: &str, caption: Option<&str>)
     body.extend_from_slice(&bytes);
     body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
     let deadline = Instant::now() + TOOL_DEADLINE;
-    let mut backoff = Duration::from_millis(500);
-    let sent = loop {
-        match api.call_multipart(&token, method, &boundary, body.clone()) {
-            Err(e)
-                if e.temporary() && Instant::now() + e.retry_after.map_or(backoff, Duration::from_secs) < deadline =>
-            {
-                std::thread::sleep(e.retry_after.map_or(backoff, Duration::from_secs));
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-            other => break other.map_err(|e| failure(&e))?,
-        }
-    };
+    let sent = with_retry(method, deadline, |left| {
+        api.call_multipart(&token, method, &boundary, body.clone(), left)
+    })
+    .map_err(|e| failure(&e))?;
     let id = json::as_object(&sent)
         .and_then(|o| json::get_u64(o, "message_id"))
         .unwrap_or(0);
