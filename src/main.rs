@@ -1,19 +1,7 @@
-//! imgate: an xAgent IM Connector Server for edge devices. CLI and wiring only.
+//! imgate: an xAgent IM Connector Server for edge devices. CLI and wiring only; the modules live in
+//! the library (src/lib.rs) so that the fuzz targets in fuzz/ can reach the parsers.
 
-mod app;
-mod config;
-mod dataplane;
-mod files;
-mod http;
-mod ids;
-mod json;
-mod outbox;
-mod protocol;
-mod providers;
-mod service;
-mod store;
-#[cfg(test)]
-mod testutil;
+use imgate::{app, config, dataplane, files, http, ids, json, protocol, providers, service, store};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -316,7 +304,7 @@ fn start_maintenance(app: Arc<app::App>) {
                 if lease_checked.elapsed() >= std::time::Duration::from_secs(1) {
                     lease_checked = std::time::Instant::now();
                     // A disk that was full or read-only may be back: reopen after an I/O error.
-                    app.store.db.recover();
+                    app.store.recover();
                     check_lease(&app);
                 }
             }

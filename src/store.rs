@@ -144,6 +144,11 @@ pub struct Store {
 }
 
 impl Store {
+    /// After a disk that was full or read-only: reopens the file if an I/O error asked for it.
+    pub fn recover(&self) -> bool {
+        self.db.recover()
+    }
+
     /// Opens (or creates) `state_dir/imgate.redb` and makes sure every table exists.
     pub fn open(state_dir: &Path) -> Result<Store> {
         std::fs::create_dir_all(state_dir)

@@ -95,7 +95,7 @@ fn plain(status: u16, reason: &str, body: &str) -> Vec<u8> {
 }
 
 /// The parts of a request head the front door decides on.
-struct Head {
+pub struct Head {
     method: String,
     path: String,
     upgrade_websocket: bool,
@@ -103,7 +103,9 @@ struct Head {
     protocols: Vec<String>,
 }
 
-fn parse_head(buf: &[u8]) -> Option<Head> {
+/// Reads the head at the start of `buf`; `None` for anything that is not an HTTP/1 head (answered
+/// 400). Public for the fuzz target.
+pub fn parse_head(buf: &[u8]) -> Option<Head> {
     // The buffer may already hold body bytes (binary uploads): read only the head.
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(buf.len());
     let text = std::str::from_utf8(&buf[..end]).ok()?;

@@ -1,0 +1,13 @@
+//! A WebSocket text frame from xAgent, as the packet engine decodes it.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    // Text frames are UTF-8 by the time they reach the decoder (tungstenite checks that).
+    if let Ok(text) = std::str::from_utf8(data) {
+        if let Ok(packet) = imgate::protocol::Packet::parse(text) {
+            // Whatever decodes must encode again without a panic.
+            let _ = packet.to_json();
+        }
+    }
+});

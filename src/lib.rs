@@ -1,0 +1,17 @@
+//! imgate's modules. The binary (src/main.rs) is the CLI and the wiring; the library exists so that
+//! the fuzz targets in fuzz/ can call the parsers of outside bytes directly.
+
+pub mod app;
+pub mod config;
+pub mod dataplane;
+pub mod files;
+pub mod http;
+pub mod ids;
+pub mod json;
+pub mod outbox;
+pub mod protocol;
+pub mod providers;
+pub mod service;
+pub mod store;
+#[cfg(test)]
+mod testutil;
