@@ -275,10 +275,15 @@ fn shutdown(app: Arc<app::App>, dial: Option<smol::Task<()>>, why: &str, socket:
 /// systemd's default stop timeout is 90 s; the contract promises an exit within 5 s.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(4500);
 
-/// The Unix socket between the front door and tiny_http. In the state dir when its path fits
-/// `sun_path` (108 bytes), else in the temp dir.
+/// The Unix socket between the front door and tiny_http. Under systemd it lives in
+/// `$RUNTIME_DIRECTORY` (a tmpfs): a bound socket pins its file system, and the state disk must be
+/// free to be unmounted, repaired and mounted again while imgate answers 503. Otherwise it is in
+/// the state dir when its path fits `sun_path` (108 bytes), else in the temp dir.
 fn internal_socket(state_dir: &Path) -> PathBuf {
-    let p = state_dir.join("http.sock");
+    let dir = std::env::var_os("RUNTIME_DIRECTORY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| state_dir.to_path_buf());
+    let p = dir.join("http.sock");
     if p.as_os_str().len() < 100 {
         p
     } else {

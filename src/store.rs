@@ -54,6 +54,11 @@ pub(crate) struct Db {
     path: PathBuf,
     cell: RwLock<Option<Arc<Database>>>,
     last_attempt: Mutex<Option<Instant>>,
+    /// The last reopen failure, logged once: a read-only disk would otherwise log every second.
+    last_failure: Mutex<String>,
+    /// While writes fail: the first error and how many writes failed since. Only the start and
+    /// the end of an outage are logged, not every refused message in between.
+    outage: Mutex<Option<(String, u64)>>,
 }
 
 impl Db {
@@ -80,28 +85,62 @@ impl Db {
             *last = Some(Instant::now());
         }
         let mut cell = self.cell.write().unwrap_or_else(|e| e.into_inner());
-        let Some(old) = cell.take() else { return false };
-        // Operations that already hold the old handle finish first (each holds it briefly).
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while Arc::strong_count(&old) > 1 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
+        // No old handle when an earlier reopen failed (a disk still read-only): just try again.
+        if let Some(old) = cell.take() {
+            // Operations that already hold the old handle finish first (each holds it briefly).
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while Arc::strong_count(&old) > 1 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if Arc::strong_count(&old) > 1 {
+                *cell = Some(old);
+                return false;
+            }
+            // Closing the file lets go of the disk, so it can be unmounted and repaired.
+            drop(old);
         }
-        if Arc::strong_count(&old) > 1 {
-            *cell = Some(old);
-            return false;
-        }
-        drop(old);
         match open_db(&self.path) {
             Ok(db) => {
                 NEEDS_REOPEN.store(false, Ordering::SeqCst);
                 *cell = Some(Arc::new(db));
-                log::warn!("store: database reopened after an I/O error");
+                self.last_failure.lock().unwrap_or_else(|e| e.into_inner()).clear();
+                log::debug!("store: database reopened after an I/O error");
                 true
             }
             Err(e) => {
-                log::error!("store: cannot reopen the database: {e}");
+                let mut last = self.last_failure.lock().unwrap_or_else(|e| e.into_inner());
+                let why = e.to_string();
+                if *last != why {
+                    log::error!("store: cannot reopen the database: {why}; retrying every second");
+                    *last = why;
+                }
                 false
             }
+        }
+    }
+}
+
+impl Db {
+    /// A write failed: logs the start of an outage, counts the rest.
+    pub fn write_failed(&self, e: &StoreError) {
+        let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
+        match &mut *outage {
+            None => {
+                log::error!("store: writes fail: {e}; answering 503 storage_unavailable until the disk works again");
+                *outage = Some((e.0.clone(), 1));
+            }
+            Some((_, n)) => {
+                *n += 1;
+                log::debug!("store: write failed: {e}");
+            }
+        }
+    }
+
+    /// A write succeeded: logs the end of an outage, if there was one.
+    pub fn write_ok(&self) {
+        let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((first, n)) = outage.take() {
+            log::warn!("store: writes work again after {n} failed write(s) (first error: {first})");
         }
     }
 }
@@ -171,6 +210,8 @@ impl Store {
             path,
             cell: RwLock::new(Some(Arc::new(db))),
             last_attempt: Mutex::new(None),
+            last_failure: Mutex::new(String::new()),
+            outage: Mutex::new(None),
         });
         let (outbox, committer) = Store::start_outbox(db.clone())?;
         Ok(Store { db, outbox, committer })

@@ -1,6 +1,8 @@
-//! Faults of the disk: the state dir fills up (ENOSPC) while webhooks arrive. Senders get 503,
-//! the process stays up, nothing accepted is lost, and imgate recovers once space returns.
-//! Needs root (it mounts a small tmpfs as the state dir), as CI and the dev machines have.
+//! Faults of the disk while webhooks arrive: the state dir fills up (ENOSPC), or the kernel
+//! turns its file system read-only after an error, as it does to a failing SD card. Senders get
+//! 503, the process stays up, nothing accepted is lost, and imgate recovers once the disk does.
+//! Needs root (it mounts a small tmpfs, and an ext4 image on a loop device, as the state dir), as
+//! CI and the dev machines have.
 
 mod common;
 
@@ -40,6 +42,182 @@ impl Drop for Tmpfs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
+}
+
+/// An ext4 image on a loop device, mounted with `errors=remount-ro` as Raspberry Pi OS mounts
+/// its root; unmounted and detached when dropped.
+struct Ext4 {
+    dev: String,
+    mnt: PathBuf,
+}
+
+fn run(cmd: &str, args: &[&str]) -> std::process::Output {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    out
+}
+
+impl Ext4 {
+    fn mount(image: &Path, mnt: &Path) -> Ext4 {
+        std::fs::write(image, b"").unwrap();
+        let image = image.to_str().unwrap();
+        assert!(run("truncate", &["-s", "64M", image]).status.success());
+        let mkfs = run("mkfs.ext4", &["-q", "-F", image]);
+        assert!(mkfs.status.success(), "mkfs.ext4: {mkfs:?}");
+        let losetup = run("losetup", &["-f", "--show", image]);
+        assert!(losetup.status.success(), "a loop device needs root: {losetup:?}");
+        let dev = String::from_utf8(losetup.stdout).unwrap().trim().to_string();
+        std::fs::create_dir_all(mnt).unwrap();
+        let fs = Ext4 {
+            dev,
+            mnt: mnt.to_path_buf(),
+        };
+        fs.mount_again();
+        fs
+    }
+
+    fn mount_again(&self) {
+        let m = run(
+            "mount",
+            &["-o", "errors=remount-ro", &self.dev, self.mnt.to_str().unwrap()],
+        );
+        assert!(m.status.success(), "mount: {m:?}");
+    }
+
+    /// What the kernel does when ext4 meets an error: abort the journal and remount read-only.
+    fn fail(&self) {
+        let name = self.dev.trim_start_matches("/dev/");
+        std::fs::write(format!("/sys/fs/ext4/{name}/trigger_fs_error"), "imgate fault test\n").unwrap();
+    }
+
+    /// What an operator does: unmount (once imgate has let go of the file), fsck, mount again.
+    fn repair(&self, pid: u32) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let umount = run("umount", &[self.mnt.to_str().unwrap()]);
+            if umount.status.success() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cannot unmount the read-only disk: {umount:?}; imgate holds {:?}",
+                self.open_by(pid)
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let fsck = run("e2fsck", &["-fy", &self.dev]);
+        assert!(
+            fsck.status.code().is_some_and(|c| c < 4),
+            "e2fsck could not repair: {fsck:?}"
+        );
+        self.mount_again();
+    }
+}
+
+impl Ext4 {
+    /// The files under the mount point that process `pid` holds open.
+    fn open_by(&self, pid: u32) -> Vec<PathBuf> {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|p| p.starts_with(&self.mnt))
+            .collect()
+    }
+}
+
+impl Drop for Ext4 {
+    fn drop(&mut self) {
+        let _ = run("umount", &["-l", self.mnt.to_str().unwrap()]);
+        let _ = run("losetup", &["-d", &self.dev]);
+    }
+}
+
+/// Posts until a 202 comes back (the store has recovered); panics after 10 s.
+fn post_until_accepted(d: &Daemon, accepted: &mut BTreeSet<String>, tag: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for n in 0.. {
+        let id = format!("{tag}{n}");
+        let (code, _) = d.post_hook("alerts", &json!({"message_id": id, "sender_id": "u"}));
+        if code == 202 {
+            accepted.insert(id);
+            return;
+        }
+        assert!(Instant::now() < deadline, "imgate never recovered:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// An outage is logged when it starts and when it ends, not once per refused message or per
+/// second of retrying: the log must stay readable at 3 a.m.
+fn assert_outage_logged_once(log: &str) {
+    assert_eq!(log.matches("store: writes fail").count(), 1, "{log}");
+    assert_eq!(log.matches("store: writes work again").count(), 1, "{log}");
+    assert!(
+        log.matches("ERROR").count() <= 3,
+        "at most the outage, the failed reopen and one other error:\n{log}"
+    );
+}
+
+/// Reconnects xAgent and asserts that every accepted message is pushed.
+fn assert_all_delivered(d: &Daemon, channel: &str, accepted: &BTreeSet<String>) {
+    let mut y = d.xagent();
+    y.hello("");
+    y.open(Some(channel));
+    let mut pushed = BTreeSet::new();
+    while pushed.len() < accepted.len() {
+        match y.next_push(Duration::from_secs(10)) {
+            Some(p) => {
+                pushed.insert(p["payload"]["message_id"].as_str().unwrap().to_string());
+            }
+            None => break,
+        }
+    }
+    let lost: Vec<_> = accepted.difference(&pushed).collect();
+    assert!(lost.is_empty(), "accepted but never pushed: {lost:?}");
+}
+
+#[test]
+fn a_disk_turned_read_only_answers_503_loses_nothing_and_recovers_after_repair() {
+    let dir = temp_dir("erofs");
+    let fs = Ext4::mount(&dir.join("disk.img"), &dir.join("state"));
+    // As under systemd: the internal socket lives in RuntimeDirectory, not on the state disk.
+    let run_dir = dir.join("run");
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let env = [("RUNTIME_DIRECTORY", run_dir.to_str().unwrap())];
+    let d = Daemon::start_env(&dir, &config_text(free_port(), &dir, None, ""), "warn", &env);
+    let (x, cch) = d.bound_xagent();
+    x.close();
+
+    let mut accepted = BTreeSet::new();
+    for i in 0..50 {
+        let id = format!("before{i}");
+        let (code, body) = d.post_hook("alerts", &json!({"message_id": id, "sender_id": "u", "text": "t"}));
+        assert_eq!(code, 202, "{body}");
+        accepted.insert(id);
+    }
+
+    fs.fail();
+    for i in 0..20 {
+        let (code, body) = d.post_hook("alerts", &json!({"message_id": format!("ro{i}"), "sender_id": "u"}));
+        assert_eq!(
+            (code, body),
+            (503, json!({"error": "storage_unavailable"})),
+            "a read-only disk answers 503"
+        );
+    }
+    assert_eq!(
+        http_get(&d.url("/connector-card.json"), &[]).0,
+        200,
+        "the process stays up"
+    );
+
+    fs.repair(d.pid());
+    post_until_accepted(&d, &mut accepted, "after");
+    assert_outage_logged_once(&d.log());
+    assert_all_delivered(&d, &cch, &accepted);
 }
 
 #[test]
@@ -85,38 +263,9 @@ fn a_full_disk_answers_503_loses_nothing_and_recovers_when_space_returns() {
     );
 
     fs.resize("64m");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut n = 0;
-    loop {
-        let id = format!("after{n}");
-        n += 1;
-        let (code, _) = d.post_hook("alerts", &json!({"message_id": id, "sender_id": "u"}));
-        if code == 202 {
-            accepted.insert(id);
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "imgate never recovered after space came back:\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    assert!(d.log().contains("database reopened"), "{}", d.log());
+    post_until_accepted(&d, &mut accepted, "after");
+    assert_outage_logged_once(&d.log());
 
     // Every message that got a 202 is still there and is delivered.
-    let mut y = d.xagent();
-    y.hello("");
-    y.open(Some(&cch));
-    let mut pushed = BTreeSet::new();
-    while pushed.len() < accepted.len() {
-        match y.next_push(Duration::from_secs(10)) {
-            Some(p) => {
-                pushed.insert(p["payload"]["message_id"].as_str().unwrap().to_string());
-            }
-            None => break,
-        }
-    }
-    let lost: Vec<_> = accepted.difference(&pushed).collect();
-    assert!(lost.is_empty(), "accepted but never pushed: {lost:?}");
+    assert_all_delivered(&d, &cch, &accepted);
 }

@@ -156,12 +156,17 @@ impl Shared {
             Ok(v)
         };
         let result = run(&mut idx);
-        if result.is_err() {
-            // After an I/O error (disk full, read-only) the file must be reopened first.
-            self.db.recover();
-            match self.db.get().and_then(|db| load_index(&db)) {
-                Ok(fresh) => *idx = fresh,
-                Err(e) => log::error!("outbox: cannot reload the index: {e}"),
+        match &result {
+            Ok(_) => self.db.write_ok(),
+            Err(e) => {
+                self.db.write_failed(e);
+                // After an I/O error (disk full, read-only) the file must be reopened first.
+                self.db.recover();
+                match self.db.get().and_then(|db| load_index(&db)) {
+                    Ok(fresh) => *idx = fresh,
+                    // Rebuilt on the next failure or reopen; the outage itself is logged once.
+                    Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
+                }
             }
         }
         result
@@ -451,7 +456,7 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
             }
         }
         Err(e) => {
-            log::error!("outbox: commit of {} message(s) failed: {e}", jobs.len());
+            log::debug!("outbox: commit of {} message(s) failed: {e}", jobs.len());
             for job in jobs {
                 let _ = job.done.send(Err(StoreError(e.0.clone())));
             }

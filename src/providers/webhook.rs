@@ -215,7 +215,8 @@ pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Opt
         }
         Ok(Enqueued::CapacityExceeded) => answer(503, vec![("error", s("capacity_exceeded"))]),
         Err(e) => {
-            log::error!("webhook {name}: cannot store message {}: {e}", m.message_id);
+            // The store logs the outage once; each refused message only at debug.
+            log::debug!("webhook {name}: cannot store message {}: {e}", m.message_id);
             answer(503, vec![("error", s("storage_unavailable"))])
         }
     }

@@ -225,7 +225,7 @@ pub(super) fn accept(
                 return Some(Duration::from_secs(5));
             }
             Err(e) => {
-                log::error!("telegram: {source}: cannot store update {update_id}: {e}");
+                log::debug!("telegram: {source}: cannot store update {update_id}: {e}");
                 return Some(Duration::from_secs(1));
             }
         }
