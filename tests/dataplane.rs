@@ -707,3 +707,42 @@ fn every_route_works_below_the_path_prefix_of_public_url() {
     let mut x = Sim::from_ws(ws);
     x.hello("");
 }
+
+#[test]
+fn every_bearer_route_refuses_a_missing_or_wrong_key() {
+    let dir = temp_dir("bearer");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let longer = format!("Bearer {API_KEY}x");
+    let shorter = format!("Bearer {}", &API_KEY[..API_KEY.len() - 1]);
+    let basic = format!("Basic {API_KEY}");
+    let refused: [&[(&str, &str)]; 5] = [
+        &[],
+        &[("Authorization", "Bearer wrong")],
+        &[("Authorization", &longer)],
+        &[("Authorization", &shorter)],
+        &[("Authorization", &basic)],
+    ];
+    for headers in refused {
+        for path in ["/health", "/status", "/metrics"] {
+            assert_eq!(http_get(&d.url(path), headers).0, 401, "GET {path} with {headers:?}");
+        }
+        let mut upload = headers.to_vec();
+        upload.push(("X-XAgent-Connector-Channel-ID", "cch_any"));
+        assert_eq!(
+            http_post(&d.url("/files/uploads"), &upload, "").0,
+            401,
+            "POST /files/uploads with {headers:?}"
+        );
+    }
+    for key in [None, Some("wrong"), Some(&API_KEY[1..])] {
+        assert_eq!(
+            try_connect(d.port, key, Some(SUBPROTOCOL)).err(),
+            Some(401),
+            "/ws with {key:?}"
+        );
+    }
+    let key = format!("Bearer {API_KEY}");
+    for path in ["/health", "/status", "/metrics"] {
+        assert_eq!(http_get(&d.url(path), &[("Authorization", &key)]).0, 200, "GET {path}");
+    }
+}

@@ -31,6 +31,32 @@ fn bind(x: &mut Sim, cch: &str, token: &str, chat: &str) -> Value {
     )
 }
 
+/// `POST /files/uploads` of one file for `channel` with Bearer `key`: (status, JSON answer).
+fn upload(d: &Daemon, channel: &str, key: &str, filename: &str, mime: &str, bytes: &[u8]) -> (u16, Value) {
+    let boundary = "XyZb0undary";
+    let mut body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: {mime}\r\n\r\n"
+    )
+    .into_bytes();
+    body.extend_from_slice(bytes);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let mut r = load_agent()
+        .post(&d.url("/files/uploads"))
+        .header("Authorization", &format!("Bearer {key}"))
+        .header("X-XAgent-Connector-Channel-ID", channel)
+        .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
+        .send(&body[..])
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.body_mut().read_to_string().unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// `upload` with the right key.
+fn upload_as(d: &Daemon, channel: &str, filename: &str, mime: &str, bytes: &[u8]) -> (u16, Value) {
+    upload(d, channel, API_KEY, filename, mime, bytes)
+}
+
 fn bound(d: &Daemon) -> (Sim, String) {
     let mut x = d.xagent();
     x.hello("");
@@ -305,27 +331,10 @@ fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() 
     );
 
     // Upload for this channel, then send it.
-    let boundary = "XyZb0undary";
-    let mut body = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"plan.png\"\r\nContent-Type: image/png\r\n\r\n").into_bytes();
-    body.extend_from_slice(b"\x89PNG-bytes");
-    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-    let upload = |channel: &str, key: &str| {
-        let mut r = load_agent()
-            .post(&d.url("/files/uploads"))
-            .header("Authorization", &format!("Bearer {key}"))
-            .header("X-XAgent-Connector-Channel-ID", channel)
-            .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
-            .send(&body[..])
-            .unwrap();
-        let status = r.status().as_u16();
-        (
-            status,
-            serde_json::from_str::<Value>(&r.body_mut().read_to_string().unwrap()).unwrap_or(Value::Null),
-        )
-    };
-    let wrong = upload(&cch, "wrong");
+    let png: &[u8] = b"\x89PNG-bytes";
+    let wrong = upload(&d, &cch, "wrong", "plan.png", "image/png", png);
     assert_eq!(wrong.0, 401, "{wrong:?}");
-    let (status, up) = upload(&cch, API_KEY);
+    let (status, up) = upload_as(&d, &cch, "plan.png", "image/png", png);
     assert_eq!(status, 200, "{up}");
     assert_eq!(up["file_type"], "image");
     assert_eq!(up["filename"], "plan.png");
@@ -353,15 +362,7 @@ fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() 
         "the file bytes go to Telegram"
     );
     // A document goes as sendDocument.
-    let pdf = format!("--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"report.pdf\"\r\nContent-Type: application/pdf\r\n\r\n%PDF-1.4\r\n--{boundary}--\r\n");
-    let mut r = load_agent()
-        .post(&d.url("/files/uploads"))
-        .header("Authorization", &format!("Bearer {API_KEY}"))
-        .header("X-XAgent-Connector-Channel-ID", &cch)
-        .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
-        .send(pdf.as_bytes())
-        .unwrap();
-    let doc: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+    let (_, doc) = upload_as(&d, &cch, "report.pdf", "application/pdf", b"%PDF-1.4");
     assert_eq!(doc["file_type"], "file");
     let a = x.tool(&cch, "imgate_file_send", json!({"file_ref": doc["file_ref"]}), "f-3");
     assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
@@ -640,4 +641,26 @@ fn a_stalled_bot_api_gets_a_tool_error_in_time_and_a_stalled_poll_is_retried() {
         d.log()
     );
     assert_no_secret(&d.log(), &[TOKEN], "the log");
+}
+
+#[test]
+fn a_file_uploaded_for_one_channel_is_refused_on_another() {
+    let (d, api) = telegram("tg-foreign-file", "");
+    api.add_chat(BOT, json!({"id": -100200, "type": "supergroup", "title": "Ops"}));
+    let (mut x, first) = bound(&d);
+    let (second, _) = x.open(None);
+    assert_eq!(
+        bind(&mut x, &second, TOKEN, "-100200")["payload"]["status"],
+        "authenticated"
+    );
+    let (status, up) = upload_as(&d, &first, "notes.txt", "text/plain", b"for the first chat");
+    assert_eq!(status, 200, "{up}");
+    let file_ref = up["file_ref"].as_str().unwrap();
+
+    let a = x.tool(&second, "imgate_file_send", json!({"file_ref": file_ref}), "ff-1");
+    assert_eq!(a["error"]["code"], "file_ref_invalid", "{a}");
+    assert!(api.uploads().is_empty(), "nothing went to Telegram");
+    let b = x.tool(&first, "imgate_file_send", json!({"file_ref": file_ref}), "ff-2");
+    assert_eq!(b["payload"]["result"]["status"], "sent", "{b}");
+    assert_eq!(api.uploads().len(), 1);
 }
