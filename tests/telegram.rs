@@ -664,3 +664,29 @@ fn a_file_uploaded_for_one_channel_is_refused_on_another() {
     assert_eq!(b["payload"]["result"]["status"], "sent", "{b}");
     assert_eq!(api.uploads().len(), 1);
 }
+
+#[test]
+fn a_photo_still_arrives_as_a_file_when_get_file_first_fails() {
+    let (d, api) = telegram("tg-getfile-retry", "");
+    let (mut x, _) = bound(&d);
+    api.fail("getFile", 502, None, 1);
+    api.fail("getFile", 429, Some(1), 1);
+    let photo = vec![7u8; 1000];
+    api.user_sends_photo(BOT, CHAT, &photo, "retry me");
+    let push = x
+        .next_push(Duration::from_secs(15))
+        .expect("the photo message is pushed");
+    let p = &push["payload"];
+    assert_eq!(p["raw_text"], "retry me", "no 'not available' note: {p}");
+    assert_eq!(p["files"][0]["byte_size"], 1000, "{p}");
+    assert_eq!(api.calls("getFile").len(), 3, "a 502, a 429, then the answer");
+
+    // A permanent refusal is not retried: the message goes on with a note.
+    api.fail("getFile", 400, None, 1);
+    api.user_sends_photo(BOT, CHAT, &photo, "broken");
+    let push = x.next_push(Duration::from_secs(15)).expect("pushed with a note");
+    let text = push["payload"]["raw_text"].as_str().unwrap();
+    assert!(text.starts_with("broken [image not available"), "{text}");
+    assert_eq!(api.calls("getFile").len(), 4);
+    assert_no_secret(&push.to_string(), &[TOKEN], "a note");
+}

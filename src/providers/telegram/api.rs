@@ -88,9 +88,9 @@ impl Api {
         self.post(&self.http, token, method, &ctype, body, Some(timeout))
     }
 
-    /// Downloads a file named by `getFile`'s `file_path`, at most `limit` bytes. The URL holds
-    /// the token, so it never leaves this function.
-    pub fn download(&self, token: &str, file_path: &str, limit: u64) -> Result<Vec<u8>, ApiError> {
+    /// Downloads a file named by `getFile`'s `file_path`, at most `limit` bytes, within
+    /// `timeout`. The URL holds the token, so it never leaves this function.
+    pub fn download(&self, token: &str, file_path: &str, limit: u64, timeout: Duration) -> Result<Vec<u8>, ApiError> {
         let url = format!("{}/file/bot{token}/{file_path}", self.base);
         let scrub = |s: String| s.replace(token, "<token>");
         let unreachable = |e: ureq::Error| ApiError {
@@ -98,7 +98,14 @@ impl Api {
             description: scrub(e.to_string()),
             retry_after: None,
         };
-        let mut resp = self.http.get(&url).call().map_err(unreachable)?;
+        let mut resp = self
+            .http
+            .get(&url)
+            .config()
+            .timeout_global(Some(timeout))
+            .build()
+            .call()
+            .map_err(unreachable)?;
         let status = resp.status().as_u16();
         if status != 200 {
             return Err(ApiError {

@@ -381,11 +381,11 @@ pub fn split_text(text: &str) -> Vec<String> {
 /// Runs `attempt` (one Bot API call, given the time left) until it succeeds, fails for good, or
 /// `deadline` passes: rate limits and server errors are retried with backoff, and no attempt may
 /// outlive the deadline, so a tool answers in time even when Telegram stalls.
-fn with_retry(
+pub(super) fn with_retry<T>(
     method: &str,
     deadline: Instant,
-    mut attempt: impl FnMut(Duration) -> Result<Value, ApiError>,
-) -> Result<Value, ApiError> {
+    mut attempt: impl FnMut(Duration) -> Result<T, ApiError>,
+) -> Result<T, ApiError> {
     let mut backoff = Duration::from_millis(500);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());

@@ -285,20 +285,30 @@ fn media_of(m: &json::Object) -> Option<Media> {
         .find_map(|(field, kind, name, mime)| json::get_obj(m, field).and_then(|o| file(o, kind, name, mime)))
 }
 
+/// A file is fetched for at most this long (a 5xx or 429 is retried) before the message goes on
+/// with a note instead: one broken file must not hold up the bot's other chats for long.
+const FETCH_DEADLINE: Duration = Duration::from_secs(30);
+
 /// `getFile` and the download, into the file cache.
 fn fetch(app: &App, api: &super::api::Api, token: &str, source: &str, media: &Media) -> Result<FileItem, String> {
     let limit = app.config.files.max_file_bytes;
     if media.file_size.is_some_and(|s| s > limit) {
         return Err("larger than [files] max_file_bytes".into());
     }
-    let info = api
-        .call(token, "getFile", &obj([("file_id", json::s(&media.file_id))]))
-        .map_err(|e| e.to_string())?;
+    let deadline = std::time::Instant::now() + FETCH_DEADLINE;
+    let params = obj([("file_id", json::s(&media.file_id))]);
+    let info = super::with_retry("getFile", deadline, |left| {
+        api.call_within(token, "getFile", &params, left)
+    })
+    .map_err(|e| e.to_string())?;
     let path = json::as_object(&info)
         .and_then(|o| json::get_str(o, "file_path"))
         .ok_or("getFile gave no file_path")?
         .to_string();
-    let bytes = api.download(token, &path, limit).map_err(|e| e.to_string())?;
+    let bytes = super::with_retry("file download", deadline, |left| {
+        api.download(token, &path, limit, left)
+    })
+    .map_err(|e| e.to_string())?;
     let (file_ref, rec) =
         crate::files::store(app, source, &media.filename, &media.mime_type, &bytes, "in").map_err(|e| e.to_string())?;
     Ok(FileItem {
