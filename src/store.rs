@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 use crate::ids;
 
 pub(crate) const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
+/// META key: how many channels lease expiries have unregistered (for /status and /metrics).
+const LEASE_UNREGISTERED: &str = "lease_unregistered_channels";
 pub(crate) const CHANNELS: TableDefinition<&str, &str> = TableDefinition::new("channels");
 pub(crate) const BINDINGS: TableDefinition<&str, &str> = TableDefinition::new("bindings");
 pub(crate) const REPLY_REFS: TableDefinition<&str, &str> = TableDefinition::new("reply_refs");
@@ -324,8 +326,17 @@ impl Store {
 
     /// Since when no data plane has completed hello (`None` while one is connected).
     pub fn offline_since(&self) -> Result<Option<u64>> {
+        self.meta_u64("offline_since")
+    }
+
+    /// Channels unregistered by lease expiries, over the device's life.
+    pub fn lease_unregistered(&self) -> Result<u64> {
+        Ok(self.meta_u64(LEASE_UNREGISTERED)?.unwrap_or(0))
+    }
+
+    fn meta_u64(&self, key: &str) -> Result<Option<u64>> {
         let t = self.db.get()?.begin_read()?.open_table(META)?;
-        let v = t.get("offline_since")?.and_then(|v| v.value().parse().ok());
+        let v = t.get(key)?.and_then(|v| v.value().parse().ok());
         Ok(v)
     }
 
@@ -356,6 +367,11 @@ impl Store {
                     meta.remove("offline_since")?;
                     let mut channels = txn.open_table(CHANNELS)?;
                     let n = channels.len()? as usize;
+                    let before: u64 = meta
+                        .get(LEASE_UNREGISTERED)?
+                        .and_then(|v| v.value().parse().ok())
+                        .unwrap_or(0);
+                    meta.insert(LEASE_UNREGISTERED, (before + n as u64).to_string().as_str())?;
                     channels.retain(|_, _| false)?;
                     txn.open_table(BINDINGS)?.retain(|_, _| false)?;
                     Some(n)

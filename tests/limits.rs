@@ -10,9 +10,10 @@ use common::*;
 use serde_json::json;
 
 #[test]
-fn channels_are_unregistered_after_a_continuous_offline_lease() {
+fn channels_are_unregistered_after_a_continuous_offline_lease_and_pending_messages_expire_after() {
     let dir = temp_dir("lease");
-    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, "[xagent]\nlease = 1s\n"));
+    let conf = "[xagent]\nlease = 1s\n[queue]\nttl = 3s\n";
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, conf));
     let (x, cch) = d.bound_xagent();
     x.close();
     assert_eq!(
@@ -37,6 +38,24 @@ fn channels_are_unregistered_after_a_continuous_offline_lease() {
         d.log().contains("channel(s) unregistered"),
         "the unregistration is logged"
     );
+    let s = get_json(&d.url("/status"));
+    assert_eq!(s["lease"]["channels_unregistered"], 1, "and counted: {s}");
+    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert!(
+        metrics.contains("imgate_lease_unregistered_channels_total 1"),
+        "{metrics}"
+    );
+    // Still nobody there: the message expires by its TTL, counted, and is never pushed.
+    let deadline = Instant::now() + Duration::from_secs(8);
+    loop {
+        let s = get_json(&d.url("/status"));
+        if s["unbound"]["expired"] == 1 {
+            assert_eq!(s["unbound"]["pending"], 0, "{s}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the message never expired: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let mut y = d.xagent();
     y.hello("");
     let (fresh, open) = y.open(Some(&cch));

@@ -98,6 +98,13 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
             })),
         ),
         (
+            "lease",
+            obj([
+                ("lease_ms", n(app.config.xagent.lease.as_millis() as u64)),
+                ("channels_unregistered", n(app.store.lease_unregistered()?)),
+            ]),
+        ),
+        (
             "unbound",
             obj([
                 ("pending", n(snap.unbound.pending)),
@@ -141,6 +148,11 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
         let unbound = crate::providers::telegram::poll::UNBOUND_UPDATES.load(std::sync::atomic::Ordering::Relaxed);
         out.push_str(&format!("imgate_telegram_unbound_updates_total {unbound}\n"));
     }
+    out.push_str("# TYPE imgate_lease_unregistered_channels_total counter\n");
+    out.push_str(&format!(
+        "imgate_lease_unregistered_channels_total {}\n",
+        app.store.lease_unregistered()?
+    ));
     let (commits, grouped) = app.store.commit_stats();
     out.push_str("# TYPE imgate_outbox_commits_total counter\n");
     out.push_str(&format!("imgate_outbox_commits_total {commits}\n"));
