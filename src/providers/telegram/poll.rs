@@ -375,3 +375,35 @@ fn inbound_of(m: &json::Object, chat_id: i64) -> (Inbound, Option<Media>) {
     };
     (inbound, media_of(m))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_telegram_updates_never_panic_the_message_reader() {
+        let seeds: [&[u8]; 3] = [
+            br#"{"update_id":1001,"message":{"message_id":5,"from":{"id":4242,"first_name":"Ada","last_name":"L","username":"ada"},"chat":{"id":-1001234,"type":"supergroup","title":"Ops"},"date":1790000000,"text":"hi"}}"#,
+            br#"{"update_id":1002,"message":{"message_id":6,"chat":{"id":77,"type":"private"},"date":1,"caption":"c","photo":[{"file_id":"a","file_size":10},{"file_id":"b","file_size":9999999999999999999}]}}"#,
+            br#"{"update_id":1003,"message":{"message_id":7,"chat":{"id":77},"document":{"file_id":"d","file_name":"x.pdf","mime_type":"application/pdf"},"sticker":{"emoji":"\ud83d\ude00"}}}"#,
+        ];
+        let mut read = 0;
+        for input in crate::testutil::mutations(&seeds, 5000, 13) {
+            let Ok(v) = std::str::from_utf8(&input)
+                .map_err(|_| ())
+                .and_then(|t| json::parse(t).map_err(|_| ()))
+            else {
+                continue;
+            };
+            let Some(m) = json::as_object(&v).and_then(|u| json::get_obj(u, "message")) else {
+                continue;
+            };
+            let chat_id = json::get_obj(m, "chat").and_then(|c| int(c, "id")).unwrap_or(0);
+            let (inbound, _) = inbound_of(m, chat_id);
+            assert!(inbound.message_id.starts_with(&chat_id.to_string()));
+            let _ = media_of(m);
+            read += 1;
+        }
+        assert!(read > 500, "only {read} mutations were still updates");
+    }
+}
