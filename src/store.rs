@@ -120,9 +120,7 @@ impl Db {
             }
         }
     }
-}
 
-impl Db {
     /// A write failed: logs the start of an outage, counts the rest.
     pub fn write_failed(&self, e: &StoreError) {
         let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
