@@ -48,7 +48,11 @@ for t in "${targets[@]}"; do
     exit 1
   fi
   grep -E '^stat::number_of_executed_units|^#[0-9]+ +DONE' "$scratch.log" | tail -2
-  echo "new inputs found: $(ls "$scratch" | wc -l)"
+  # libFuzzer copies every input that adds coverage to the first directory, including corpus
+  # inputs it loaded; count only those whose content is not in the corpus yet.
+  hashes() { find "$1" -type f -exec sha1sum {} + | cut -d' ' -f1 | sort -u; }
+  fresh=$(comm -13 <(hashes "corpus/$t") <(hashes "$scratch") | wc -l)
+  echo "inputs with new coverage, not in the corpus: $fresh"
   rm -rf "$scratch" "$scratch.log"
 done
 echo "fuzz: all targets ran clean"
