@@ -57,6 +57,19 @@ fn upload_as(d: &Daemon, channel: &str, filename: &str, mime: &str, bytes: &[u8]
     upload(d, channel, API_KEY, filename, mime, bytes)
 }
 
+/// The group chat of `bound_two`.
+const GROUP: i64 = -100200;
+
+/// Two channels: the first bound to the private chat, the second to the group "Ops".
+fn bound_two(d: &Daemon, api: &BotApi) -> (Sim, String, String) {
+    api.add_chat(BOT, json!({"id": GROUP, "type": "supergroup", "title": "Ops"}));
+    let (mut x, first) = bound(d);
+    let (second, _) = x.open(None);
+    let a = bind(&mut x, &second, TOKEN, &GROUP.to_string());
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    (x, first, second)
+}
+
 fn bound(d: &Daemon) -> (Sim, String) {
     let mut x = d.xagent();
     x.hello("");
@@ -212,14 +225,8 @@ fn rate_limits_are_retried_and_permanent_errors_come_back_with_a_stable_code() {
 #[test]
 fn one_poller_per_bot_starts_with_the_first_binding_and_stops_with_the_last() {
     let (d, api) = telegram("tg-pollers", "");
-    api.add_chat(BOT, json!({"id": -100200, "type": "supergroup", "title": "Ops"}));
-    let (mut x, first) = bound(&d);
-    let (second, _) = x.open(None);
-    assert_eq!(
-        bind(&mut x, &second, TOKEN, "-100200")["payload"]["status"],
-        "authenticated"
-    );
-    api.user_says(BOT, -100200, "group hello", Duration::ZERO);
+    let (mut x, first, second) = bound_two(&d, &api);
+    api.user_says(BOT, GROUP, "group hello", Duration::ZERO);
     let push = x.next_push(Duration::from_secs(10)).unwrap();
     assert_eq!(push["connector_channel_id"], json!(second));
     assert_eq!(push["payload"]["chat_type"], "group");
@@ -646,13 +653,7 @@ fn a_stalled_bot_api_gets_a_tool_error_in_time_and_a_stalled_poll_is_retried() {
 #[test]
 fn a_file_uploaded_for_one_channel_is_refused_on_another() {
     let (d, api) = telegram("tg-foreign-file", "");
-    api.add_chat(BOT, json!({"id": -100200, "type": "supergroup", "title": "Ops"}));
-    let (mut x, first) = bound(&d);
-    let (second, _) = x.open(None);
-    assert_eq!(
-        bind(&mut x, &second, TOKEN, "-100200")["payload"]["status"],
-        "authenticated"
-    );
+    let (mut x, first, second) = bound_two(&d, &api);
     let (status, up) = upload_as(&d, &first, "notes.txt", "text/plain", b"for the first chat");
     assert_eq!(status, 200, "{up}");
     let file_ref = up["file_ref"].as_str().unwrap();
