@@ -155,6 +155,7 @@ fn the_unit_file_passes_systemd_analyze_verify() {
         "Type=notify",
         "DynamicUser=yes",
         "StateDirectory=imgate",
+        "RuntimeDirectory=imgate",
         "ConfigurationDirectory=imgate",
         "LoadCredential=",
         "NoNewPrivileges=yes",
@@ -165,6 +166,7 @@ fn the_unit_file_passes_systemd_analyze_verify() {
         "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
         "MemoryMax=",
         "Restart=on-failure",
+        "StartLimitIntervalSec=0",
         "WatchdogSec=",
     ] {
         assert!(unit.contains(key), "the unit sets {key}");
