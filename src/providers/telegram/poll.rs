@@ -153,20 +153,13 @@ pub(super) fn accept(
     let ttl = app.ttl_ms();
     let now = ids::now_ms();
     let mut next = 0;
-    for u in updates.iter().filter_map(json::as_object) {
-        let Some(update_id) = json::get_u64(u, "update_id") else {
-            continue;
-        };
-        let after = update_id + 1;
-        let Some(m) = json::get_obj(u, "message") else {
+    for update in updates.iter().filter_map(json::as_object).filter_map(read_update) {
+        let after = update.after;
+        let Some(message) = update.message else {
             next = next.max(after);
             continue;
         };
-        let Some(chat_id) = json::get_obj(m, "chat").and_then(|c| int(c, "id")) else {
-            next = next.max(after);
-            continue;
-        };
-        let source = source_of(info.bot_id, chat_id);
+        let source = source_of(info.bot_id, message.chat_id);
         if !matches!(app.store.bound_channel(&source), Ok(Some(_))) {
             UNBOUND_UPDATES.fetch_add(1, Ordering::Relaxed);
             log::debug!(
@@ -176,8 +169,7 @@ pub(super) fn accept(
             next = next.max(after);
             continue;
         }
-        let event_time = json::get_u64(m, "date").map(|d| d * 1000);
-        if event_time.is_some_and(|t| t + ttl <= now) {
+        if message.inbound.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
             // A backlog after a long outage: older than the TTL, never pushed.
             if let Err(e) = app.store.record_expired(&source, 1) {
                 log::error!("telegram: {e}");
@@ -185,8 +177,8 @@ pub(super) fn accept(
             next = next.max(after);
             continue;
         }
-        let (mut inbound, media) = inbound_of(m, chat_id);
-        if let Some(media) = media {
+        let mut inbound = message.inbound;
+        if let Some(media) = message.media {
             // Fetched now: Telegram's file URLs carry the token and expire; ours do neither.
             match fetch(app, api, token, &source, &media) {
                 Ok(item) => inbound.files = Some(vec![item]),
@@ -225,7 +217,7 @@ pub(super) fn accept(
                 return Some(Duration::from_secs(5));
             }
             Err(e) => {
-                log::debug!("telegram: {source}: cannot store update {update_id}: {e}");
+                log::debug!("telegram: {source}: cannot store the update before offset {after}: {e}");
                 return Some(Duration::from_secs(1));
             }
         }
@@ -239,6 +231,37 @@ pub(super) fn accept(
     None
 }
 
+/// One update as far as it can be read without the store.
+pub struct Update {
+    /// The offset that confirms this update to Telegram.
+    pub after: u64,
+    /// The message in it; `None` for updates of other kinds, which are only confirmed.
+    pub message: Option<Message>,
+}
+
+/// A Telegram `Message` read into imgate's inbound event.
+pub struct Message {
+    pub chat_id: i64,
+    pub inbound: Inbound,
+    pub media: Option<Media>,
+}
+
+/// Reads one element of `getUpdates` (or one webhook body); `None` without an `update_id`,
+/// which cannot even be confirmed. Public for the fuzz target.
+pub fn read_update(u: &json::Object) -> Option<Update> {
+    let after = json::get_u64(u, "update_id")?.checked_add(1)?;
+    let message = json::get_obj(u, "message").and_then(|m| {
+        let chat_id = json::get_obj(m, "chat").and_then(|c| int(c, "id"))?;
+        let (inbound, media) = inbound_of(m, chat_id);
+        Some(Message {
+            chat_id,
+            inbound,
+            media,
+        })
+    });
+    Some(Update { after, message })
+}
+
 fn int(o: &json::Object, key: &str) -> Option<i64> {
     match o.get(key) {
         Some(Value::Number(json::Number::I64(n))) => Some(*n),
@@ -248,7 +271,7 @@ fn int(o: &json::Object, key: &str) -> Option<i64> {
 }
 
 /// A file of a Telegram message, before it is fetched.
-struct Media {
+pub struct Media {
     file_id: String,
     kind: &'static str,
     filename: String,
@@ -370,7 +393,8 @@ fn inbound_of(m: &json::Object, chat_id: i64) -> (Inbound, Option<Media>) {
         },
         message_type: message_type.to_string(),
         text,
-        event_time: json::get_u64(m, "date").map(|d| d * 1000),
+        // Checked: a hostile `date` must not overflow into a time that looks current.
+        event_time: json::get_u64(m, "date").and_then(|d| d.checked_mul(1000)),
         files: None,
     };
     (inbound, media_of(m))
@@ -382,10 +406,11 @@ mod tests {
 
     #[test]
     fn malformed_telegram_updates_never_panic_the_message_reader() {
-        let seeds: [&[u8]; 3] = [
+        let seeds: [&[u8]; 4] = [
             br#"{"update_id":1001,"message":{"message_id":5,"from":{"id":4242,"first_name":"Ada","last_name":"L","username":"ada"},"chat":{"id":-1001234,"type":"supergroup","title":"Ops"},"date":1790000000,"text":"hi"}}"#,
             br#"{"update_id":1002,"message":{"message_id":6,"chat":{"id":77,"type":"private"},"date":1,"caption":"c","photo":[{"file_id":"a","file_size":10},{"file_id":"b","file_size":9999999999999999999}]}}"#,
             br#"{"update_id":1003,"message":{"message_id":7,"chat":{"id":77},"document":{"file_id":"d","file_name":"x.pdf","mime_type":"application/pdf"},"sticker":{"emoji":"\ud83d\ude00"}}}"#,
+            br#"{"update_id":18446744073709551615,"message":{"message_id":-1,"chat":{"id":-9223372036854775808},"date":18446744073709551615}}"#,
         ];
         let mut read = 0;
         for input in crate::testutil::mutations(&seeds, 5000, 13) {
@@ -395,14 +420,13 @@ mod tests {
             else {
                 continue;
             };
-            let Some(m) = json::as_object(&v).and_then(|u| json::get_obj(u, "message")) else {
+            let Some(u) = json::as_object(&v).and_then(read_update) else {
                 continue;
             };
-            let chat_id = json::get_obj(m, "chat").and_then(|c| int(c, "id")).unwrap_or(0);
-            let (inbound, _) = inbound_of(m, chat_id);
-            assert!(inbound.message_id.starts_with(&chat_id.to_string()));
-            let _ = media_of(m);
-            read += 1;
+            if let Some(m) = u.message {
+                assert!(m.inbound.message_id.starts_with(&m.chat_id.to_string()));
+                read += 1;
+            }
         }
         assert!(read > 500, "only {read} mutations were still updates");
     }

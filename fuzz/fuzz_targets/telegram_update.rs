@@ -1,0 +1,16 @@
+//! One Telegram update, as `getUpdates` lists them and as POST /telegram/webhook receives one.
+#![no_main]
+use imgate::json;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Some(v) = std::str::from_utf8(data).ok().and_then(|t| json::parse(t).ok()) else {
+        return;
+    };
+    if let Some(update) = json::as_object(&v).and_then(imgate::providers::telegram::poll::read_update) {
+        if let Some(message) = update.message {
+            // What is read is stored as JSON and must serialize.
+            let _ = miniserde::json::to_string(&message.inbound);
+        }
+    }
+});
