@@ -44,19 +44,18 @@ impl Drop for Tmpfs {
     }
 }
 
-/// An ext4 image on a loop device, mounted with `errors=remount-ro` as Raspberry Pi OS mounts
-/// its root; unmounted and detached when dropped.
+/// An ext4 image on a loop device, mounted with `errors=remount-ro` (what Debian's installer
+/// writes into fstab); unmounted and detached when dropped.
 struct Ext4 {
     dev: String,
     mnt: PathBuf,
 }
 
 fn run(cmd: &str, args: &[&str]) -> std::process::Output {
-    let out = Command::new(cmd)
+    Command::new(cmd)
         .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
-    out
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"))
 }
 
 impl Ext4 {
@@ -114,9 +113,7 @@ impl Ext4 {
         );
         self.mount_again();
     }
-}
 
-impl Ext4 {
     /// The files under the mount point that process `pid` holds open.
     fn open_by(&self, pid: u32) -> Vec<PathBuf> {
         std::fs::read_dir(format!("/proc/{pid}/fd"))
