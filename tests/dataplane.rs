@@ -746,3 +746,34 @@ fn every_bearer_route_refuses_a_missing_or_wrong_key() {
         assert_eq!(http_get(&d.url(path), &[("Authorization", &key)]).0, 200, "GET {path}");
     }
 }
+
+#[test]
+fn a_reply_url_that_accepts_and_never_answers_gets_the_tool_an_error_in_time() {
+    // A receiver that takes the connection and then says nothing.
+    let hang = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/hang", hang.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in hang.incoming() {
+            held.push(conn); // kept open, never answered
+        }
+    });
+    let dir = temp_dir("reply-hang");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&url), ""));
+    let (mut x, cch) = d.bound_xagent();
+    let started = std::time::Instant::now();
+    let (_, request_id) = x.send(
+        "tool.invoke",
+        Some(&cch),
+        json!({"tool_id": "imgate_message_send", "arguments": {"text": "anyone?"},
+               "context": {"session_id": "s1", "tool_call_id": "hang-1"}}),
+    );
+    let a = x.answer_within(&request_id, Duration::from_secs(40));
+    let took = started.elapsed();
+    assert_eq!(a["error"]["code"], "upstream_unreachable", "{a}");
+    assert!(
+        took < Duration::from_secs(20),
+        "the tool answered after {took:?}; the HTTP client gives up after 15 s"
+    );
+    assert!(!a.to_string().contains(&url), "the reply_url is not echoed: {a}");
+}
