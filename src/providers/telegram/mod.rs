@@ -171,11 +171,8 @@ pub fn check_binding(app: &App, input: &Object) -> Result<String, Failure> {
         _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the chat: {e}")),
     })?;
     let chat = json::as_object(&chat).cloned().unwrap_or_default();
-    let chat_id = match chat.get("id") {
-        Some(Value::Number(json::Number::I64(n))) => *n,
-        Some(Value::Number(json::Number::U64(n))) => *n as i64,
-        _ => return Err(Failure::new(code::UPSTREAM_REJECTED, "getChat returned no chat id")),
-    };
+    let chat_id =
+        poll::int(&chat, "id").ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "getChat returned no chat id"))?;
     let kind = json::get_str(&chat, "type").unwrap_or("private");
     let title = json::get_str(&chat, "title")
         .or_else(|| json::get_str(&chat, "first_name"))
@@ -302,6 +299,7 @@ pub fn webhook_update(app: &App, secret_header: Option<&str>, body: &[u8]) -> (u
 
 /// Descriptor parts of a Telegram channel.
 pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
+    let tools = [TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
     match chat_info(app, source).filter(|i| token_for(app, i).is_some()) {
         Some(info) => (
             "connected",
@@ -311,11 +309,7 @@ pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static
                 display_name: format!("@{} in {}", info.bot_username, info.chat_title),
                 account_hint: Some(redact_id(info.chat_id)),
             },
-            vec![
-                (TOOL_SEND, ToolState::available()),
-                (TOOL_REPLY, ToolState::available()),
-                (TOOL_FILE_SEND, ToolState::available()),
-            ],
+            tools.map(|t| (t, ToolState::available())).to_vec(),
         ),
         None => (
             "error",
@@ -325,20 +319,9 @@ pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static
                 display_name: "Telegram (binding lost: bind again)".into(),
                 account_hint: None,
             },
-            vec![
-                (
-                    TOOL_SEND,
-                    ToolState::unavailable("the bot token is no longer available"),
-                ),
-                (
-                    TOOL_REPLY,
-                    ToolState::unavailable("the bot token is no longer available"),
-                ),
-                (
-                    TOOL_FILE_SEND,
-                    ToolState::unavailable("the bot token is no longer available"),
-                ),
-            ],
+            tools
+                .map(|t| (t, ToolState::unavailable("the bot token is no longer available")))
+                .to_vec(),
         ),
     }
 }
@@ -366,8 +349,8 @@ pub fn render_push(app: &App, stored: &StoredMessage) -> Value {
 pub fn split_text(text: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = text;
-    while rest.chars().count() > MAX_TEXT {
-        let cut = rest.char_indices().nth(MAX_TEXT).map_or(rest.len(), |(i, _)| i);
+    // One scan per part: the byte offset of character MAX_TEXT exists only while too long.
+    while let Some((cut, _)) = rest.char_indices().nth(MAX_TEXT) {
         let at = rest[..cut].rfind('\n').filter(|&i| i > cut / 2).map_or(cut, |i| i + 1);
         out.push(rest[..at].to_string());
         rest = &rest[at..];

@@ -262,7 +262,8 @@ pub fn read_update(u: &json::Object) -> Option<Update> {
     Some(Update { after, message })
 }
 
-fn int(o: &json::Object, key: &str) -> Option<i64> {
+/// A Telegram integer ID (chats are negative for groups); `None` beyond `i64`.
+pub(super) fn int(o: &json::Object, key: &str) -> Option<i64> {
     match o.get(key) {
         Some(Value::Number(json::Number::I64(n))) => Some(*n),
         Some(Value::Number(json::Number::U64(n))) => i64::try_from(*n).ok(),
