@@ -83,6 +83,7 @@ pub fn store(
         return Err(FileError::TooLarge);
     }
     let now = ids::now_ms();
+    // Refused before the bytes are written when it clearly cannot fit.
     if total_bytes(app)? + size > limits.max_bytes_total {
         sweep(app, now);
         if total_bytes(app)? + size > limits.max_bytes_total {
@@ -107,19 +108,28 @@ pub fn store(
         expires_at: now + limits.ttl.as_millis() as u64,
         direction: direction.to_string(),
     };
-    let put = || -> crate::store::Result<()> {
+    // The cap is checked again in the transaction that adds the record, so concurrent uploads
+    // cannot together pass `max_bytes_total`.
+    let put = || -> crate::store::Result<bool> {
         let db = app.store.db.get()?;
         let txn = db.begin_write()?;
-        txn.open_table(FILES)?
-            .insert(file_ref.as_str(), miniserde::json::to_string(&rec).as_str())?;
+        {
+            let mut t = txn.open_table(FILES)?;
+            if sum(&t)? + size > limits.max_bytes_total {
+                return Ok(false);
+            }
+            t.insert(file_ref.as_str(), miniserde::json::to_string(&rec).as_str())?;
+        }
         txn.commit()?;
-        Ok(())
+        Ok(true)
     };
-    if let Err(e) = put() {
-        let _ = std::fs::remove_file(&path);
-        return Err(storage(e));
+    match put() {
+        Ok(true) => Ok((file_ref, rec)),
+        outcome => {
+            let _ = std::fs::remove_file(&path);
+            Err(outcome.map_or_else(storage, |_| FileError::CacheFull))
+        }
     }
-    Ok((file_ref, rec))
 }
 
 /// A file name safe for a `Content-Disposition` header and a log line.
@@ -151,10 +161,14 @@ pub fn get(app: &App, file_ref: &str) -> Option<(FileRecord, PathBuf)> {
 fn total_bytes(app: &App) -> Result<u64, FileError> {
     let db = app.store.db.get().map_err(storage)?;
     let txn = db.begin_read().map_err(storage)?;
-    let t = txn.open_table(FILES).map_err(storage)?;
+    sum(&txn.open_table(FILES).map_err(storage)?).map_err(storage)
+}
+
+/// Bytes of every record in the files table.
+fn sum(t: &impl ReadableTable<&'static str, &'static str>) -> crate::store::Result<u64> {
     let mut total = 0;
-    for row in t.iter().map_err(storage)? {
-        let (_, v) = row.map_err(storage)?;
+    for row in t.iter()? {
+        let (_, v) = row?;
         total += miniserde::json::from_str::<FileRecord>(v.value()).map_or(0, |r| r.byte_size);
     }
     Ok(total)

@@ -691,3 +691,30 @@ fn a_photo_still_arrives_as_a_file_when_get_file_first_fails() {
     assert_eq!(api.calls("getFile").len(), 4);
     assert_no_secret(&push.to_string(), &[TOKEN], "a note");
 }
+
+#[test]
+fn uploads_over_the_file_cap_get_413_and_past_the_cache_cap_503() {
+    let (d, _api) = telegram(
+        "tg-file-caps",
+        "[files]\nmax_file_bytes = 1KiB\nmax_bytes_total = 2KiB\n",
+    );
+    let (_x, cch) = bound(&d);
+    let big = upload_as(&d, &cch, "big.bin", "application/octet-stream", &[1; 1025]);
+    assert_eq!(
+        big,
+        (413, json!({"error": "too_large"})),
+        "one byte over max_file_bytes"
+    );
+    for i in 0..2 {
+        let (status, up) = upload_as(&d, &cch, "part.bin", "application/octet-stream", &[2; 1000]);
+        assert_eq!(status, 200, "upload {i}: {up}");
+    }
+    let full = upload_as(&d, &cch, "more.bin", "application/octet-stream", &[3; 100]);
+    assert_eq!(
+        full,
+        (503, json!({"error": "capacity_exceeded"})),
+        "2,000 of 2,048 bytes are held: 100 more do not fit"
+    );
+    let files = std::fs::read_dir(d.dir.join("state/files")).unwrap().count();
+    assert_eq!(files, 2, "a refused upload leaves no bytes behind");
+}
