@@ -1,5 +1,5 @@
-//! Limits and takeovers: the connector_id lease, max_connections, oversized packets, a second
-//! data-plane connection taking a channel over.
+//! Limits and takeovers: the connector_id lease, max_connections, oversized packets, slow and
+//! idle clients, a second data-plane connection taking a channel over.
 
 mod common;
 
@@ -196,4 +196,32 @@ fn slow_clients_are_cut_off_by_the_head_and_body_timeouts() {
         "a stalled body is cut after 10 s of silence: {body_cut:?}"
     );
     assert!(d.log().contains("request body stalled"), "{}", d.log());
+}
+
+#[test]
+fn an_idle_keep_alive_connection_is_closed_after_60_s_and_its_slot_freed() {
+    use std::io::Write;
+    let dir = temp_dir("keepalive");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    s.write_all(b"GET /connector-card.json HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut answer = [0u8; 12];
+    s.read_exact(&mut answer).unwrap();
+    assert_eq!(&answer, b"HTTP/1.1 200");
+    // The rest of the answer, then nothing: the connection idles between requests.
+    s.set_read_timeout(Some(Duration::from_secs(90))).unwrap();
+    let idle_from = Instant::now();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    let idle = idle_from.elapsed();
+    assert!(
+        idle >= Duration::from_secs(50) && idle < Duration::from_secs(75),
+        "closed after {idle:?}; an idle keep-alive connection gets 60 s, not the 10 s of a stalled body"
+    );
+    assert!(
+        d.log_shows("idle keep-alive connection", Duration::from_secs(2)),
+        "{}",
+        d.log()
+    );
 }

@@ -301,7 +301,7 @@ async fn relay(client: TcpStream, head: Vec<u8>, backend: &PathBuf, peer: &str) 
         std::future::pending::<()>().await;
     };
     let downstream = async {
-        let _ = pump(&mut s_read, &mut c_write, || state.answered()).await;
+        let _ = pump(&mut s_read, &mut c_write, || None, || state.answered()).await;
         let _ = c_write.shutdown(std::net::Shutdown::Both);
     };
     downstream.or(upstream).await;
@@ -352,39 +352,50 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut buf = [0u8; 8192];
-    loop {
-        let (limit, what) = if state.0.load(Ordering::SeqCst) {
+    let limit = || {
+        Some(if state.0.load(Ordering::SeqCst) {
             (BODY_IDLE, "request body stalled")
         } else {
             (KEEPALIVE_IDLE, "idle keep-alive connection")
-        };
-        let n = async { from.read(&mut buf).await }
-            .or(async {
-                smol::Timer::after(limit).await;
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("{what} for {limit:?}"),
-                ))
-            })
-            .await?;
-        if n == 0 {
-            return Ok(());
-        }
-        state.request();
-        to.write_all(&buf[..n]).await?;
-    }
+        })
+    };
+    pump(from, to, limit, || state.request()).await
 }
 
-/// Copies bytes until EOF or an error, calling `on_data` before each chunk is passed on.
-async fn pump<R, W>(from: &mut R, to: &mut W, on_data: impl Fn()) -> std::io::Result<()>
+/// Copies bytes until EOF or an error, calling `on_data` before each chunk is passed on. When
+/// `limit` names a duration, a read that waits longer than the limit of that moment ends the
+/// copy with `TimedOut`.
+async fn pump<R, W>(
+    from: &mut R,
+    to: &mut W,
+    limit: impl Fn() -> Option<(Duration, &'static str)>,
+    on_data: impl Fn(),
+) -> std::io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut buf = [0u8; 8192];
     loop {
-        let n = from.read(&mut buf).await?;
+        let started = std::time::Instant::now();
+        let n = async { from.read(&mut buf).await }
+            .or(async {
+                // Checked again whenever it runs out: the limit may have changed during the
+                // wait (an answer went out, so the connection went from busy to keep-alive).
+                loop {
+                    let Some((limit, what)) = limit() else {
+                        return std::future::pending().await;
+                    };
+                    match limit.checked_sub(started.elapsed()) {
+                        Some(left) if !left.is_zero() => smol::Timer::after(left).await,
+                        _ => {
+                            let e = format!("{what} for {limit:?}");
+                            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, e));
+                        }
+                    };
+                }
+            })
+            .await?;
         if n == 0 {
             return Ok(());
         }

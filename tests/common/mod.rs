@@ -210,6 +210,19 @@ impl Daemon {
         self.log.lock().unwrap().clone()
     }
 
+    /// Waits up to `timeout` for `needle` in the log: lines reach it through a reader thread,
+    /// a moment after what they report has happened.
+    pub fn log_shows(&self, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !self.log().contains(needle) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        true
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
