@@ -332,6 +332,13 @@ fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() 
         photo,
         "the cached bytes are served"
     );
+    // Bytes lost from the disk: a 404, and the ref (a credential) stays out of the log.
+    let file_ref = url.trim_start_matches("/files/refs/");
+    std::fs::rename(d.dir.join("state/files").join(file_ref), d.dir.join("moved")).unwrap();
+    assert_eq!(http_get(&d.url(&url), &[]).0, 404);
+    assert!(d.log_shows("cached image file cannot be read", Duration::from_secs(2)));
+    assert_no_secret(&d.log(), &[file_ref], "the log");
+    std::fs::rename(d.dir.join("moved"), d.dir.join("state/files").join(file_ref)).unwrap();
     assert_eq!(
         http_get(&d.url("/files/refs/file_0123456789abcdef0123456789abcdef"), &[]).0,
         404

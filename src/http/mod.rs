@@ -135,7 +135,8 @@ fn download(app: &App, req: Request, file_ref: &str) {
             let _ = req.respond(resp);
         }
         Err(e) => {
-            log::error!("files: {file_ref}: {e}");
+            // The ref is the file's only credential: it stays out of the log.
+            log::error!("files: a cached {} file cannot be read: {e}", rec.kind);
             let _ = req.respond(error(404, "not_found"));
         }
     }
