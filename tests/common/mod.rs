@@ -626,6 +626,19 @@ impl Sim {
         )
     }
 
+    /// Invokes a tool and waits up to `timeout` for its answer; returns it and how long it took.
+    pub fn timed_tool(&mut self, cch: &str, tool_id: &str, args: Value, timeout: Duration) -> (Value, Duration) {
+        let started = Instant::now();
+        let call_id = self.next_id("call");
+        let (_, request_id) = self.send(
+            "tool.invoke",
+            Some(cch),
+            json!({"tool_id": tool_id, "arguments": args, "context": {"session_id": "s1", "tool_call_id": call_id}}),
+        );
+        let a = self.answer_within(&request_id, timeout);
+        (a, started.elapsed())
+    }
+
     pub fn close(mut self) {
         let _ = self.ws.close(None);
         let _ = self.ws.flush();
