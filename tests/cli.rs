@@ -1,10 +1,9 @@
 //! The command line as the contract fixes it: check, init, --version, config errors.
 
-mod common;
 
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 fn imgate(args: &[&str]) -> std::process::Output {
     Command::new(bin())

@@ -2,14 +2,13 @@
 //! got a 202 is eventually pushed, none after its expiry, and per channel the pushes of every
 //! connection come in acceptance order.
 
-mod common;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 const ROUNDS: usize = 24;

@@ -1,12 +1,11 @@
 //! End to end over real sockets: the control plane, the listen and dial data planes, the
 //! webhook channel and its tools, persistence across restarts.
 
-mod common;
 
 use std::net::TcpListener;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 #[test]

@@ -1,12 +1,11 @@
 //! Limits and takeovers: the connector_id lease, max_connections, oversized packets, slow and
 //! idle clients, a second data-plane connection taking a channel over.
 
-mod common;
 
 use std::io::Read;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::json;
 
 #[test]

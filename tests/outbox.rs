@@ -1,11 +1,10 @@
 //! The outbox as a user observes it: expiry at each enforcement point, caps with both overflow
 //! policies, per-channel pause, counters in `/status`. Short TTLs, no long sleeps.
 
-mod common;
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 fn start(tag: &str, queue: &str) -> Daemon {

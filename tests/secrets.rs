@@ -2,13 +2,12 @@
 //! tokens, Telegram webhook secret): none of them appears in stderr at trace level, in any
 //! packet, the Card, a Descriptor, /status, /metrics or a tool result.
 
-mod common;
 
 use std::net::TcpListener;
 use std::time::Duration;
 
-use common::botapi::BotApi;
-use common::*;
+use crate::common::botapi::BotApi;
+use crate::common::*;
 use serde_json::json;
 
 const DEFAULT_TOKEN: &str = "111111:AAdefault-token-secret";

@@ -1,13 +1,12 @@
 //! Running under systemd: READY/STOPPING/WATCHDOG notifications, graceful SIGTERM, SIGHUP, the
 //! unit file, journald-friendly logs.
 
-mod common;
 
 use std::os::unix::net::UnixDatagram;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use serde_json::json;
 
 /// A fake systemd notify socket collecting what imgate sends.

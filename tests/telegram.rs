@@ -2,12 +2,11 @@
 //! inbound, reply and send tools, retries, one poller per bot, offsets across restarts, and a
 //! bot token that never leaves imgate.
 
-mod common;
 
 use std::time::Duration;
 
-use common::botapi::BotApi;
-use common::*;
+use crate::common::botapi::BotApi;
+use crate::common::*;
 use serde_json::{json, Value};
 
 const TOKEN: &str = "123456:AAsecret-bot-token-xyz";

@@ -1,7 +1,6 @@
 //! The dial transport over wss:// with a private CA (`[xagent] ca_file`), against a real rustls
 //! server with a certificate made by the openssl command line for this test.
 
-mod common;
 
 use std::net::TcpListener;
 use std::path::Path;
@@ -9,7 +8,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde_json::{json, Value};

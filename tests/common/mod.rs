@@ -1,6 +1,6 @@
-//! Test harness: a real `imgate` child process, an xAgent simulator written from the public
-//! Connector Protocol 3.0 documents (`../shared/reference/xagent/`), a `reply_url` receiver,
-//! and JSON Schema validation of everything imgate emits.
+//! Test harness: a real `imgate` child process, an xAgent simulator written from xAgent's public
+//! Connector Protocol 3.0 documents, a `reply_url` receiver, and JSON Schema validation of
+//! everything imgate emits against the reference schemas kept in `tests/fixtures/xagent/`.
 #![allow(dead_code)]
 
 pub mod botapi;
@@ -21,7 +21,7 @@ pub const SUBPROTOCOL: &str = "xagent.connector.packet.v1";
 // ---------- schemas ----------
 
 fn schema_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/reference/xagent/schemas")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/xagent/schemas")
 }
 
 fn validator(name: &str) -> &'static jsonschema::Validator {
@@ -34,7 +34,7 @@ fn validator(name: &str) -> &'static jsonschema::Validator {
     let path = schema_dir().join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "reference schema {} must exist (shared/ beside the repo): {e}",
+            "reference schema {} must exist (tests/fixtures/xagent/schemas): {e}",
             path.display()
         )
     });

@@ -1,0 +1,15 @@
+//! The integration tests, one binary (ripgrep's pattern): a real `imgate` process on real
+//! sockets against the simulators in `common/`. Separate targets: `faults` (needs root),
+//! and the ignored `bench`, `budgets` and `soak`.
+
+mod common;
+
+mod cli;
+mod crash;
+mod dataplane;
+mod limits;
+mod outbox;
+mod secrets;
+mod service;
+mod telegram;
+mod tls;
