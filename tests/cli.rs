@@ -1,6 +1,5 @@
 //! The command line as the contract fixes it: check, init, --version, config errors.
 
-
 use std::process::Command;
 
 use crate::common::*;

@@ -2,7 +2,6 @@
 //! got a 202 is eventually pushed, none after its expiry, and per channel the pushes of every
 //! connection come in acceptance order.
 
-
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

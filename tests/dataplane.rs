@@ -1,7 +1,6 @@
 //! End to end over real sockets: the control plane, the listen and dial data planes, the
 //! webhook channel and its tools, persistence across restarts.
 
-
 use std::net::TcpListener;
 use std::time::Duration;
 

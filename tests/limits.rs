@@ -1,7 +1,6 @@
 //! Limits and takeovers: the connector_id lease, max_connections, oversized packets, slow and
 //! idle clients, a second data-plane connection taking a channel over.
 
-
 use std::io::Read;
 use std::time::{Duration, Instant};
 

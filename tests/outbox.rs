@@ -1,7 +1,6 @@
 //! The outbox as a user observes it: expiry at each enforcement point, caps with both overflow
 //! policies, per-channel pause, counters in `/status`. Short TTLs, no long sleeps.
 
-
 use std::time::{Duration, Instant};
 
 use crate::common::*;

@@ -2,7 +2,6 @@
 //! tokens, Telegram webhook secret): none of them appears in stderr at trace level, in any
 //! packet, the Card, a Descriptor, /status, /metrics or a tool result.
 
-
 use std::net::TcpListener;
 use std::time::Duration;
 

@@ -1,7 +1,6 @@
 //! Running under systemd: READY/STOPPING/WATCHDOG notifications, graceful SIGTERM, SIGHUP, the
 //! unit file, journald-friendly logs.
 
-
 use std::os::unix::net::UnixDatagram;
 use std::process::Command;
 use std::time::{Duration, Instant};

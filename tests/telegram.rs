@@ -2,7 +2,6 @@
 //! inbound, reply and send tools, retries, one poller per bot, offsets across restarts, and a
 //! bot token that never leaves imgate.
 
-
 use std::time::Duration;
 
 use crate::common::botapi::BotApi;

@@ -1,7 +1,6 @@
 //! The dial transport over wss:// with a private CA (`[xagent] ca_file`), against a real rustls
 //! server with a certificate made by the openssl command line for this test.
 
-
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::Command;
