@@ -1,60 +1,79 @@
-//! What every part of the daemon shares: the config, the store and the data-plane hub.
+//! What every part of the daemon above the providers shares: the layers below (`Host`), the
+//! running providers, the data-plane hub and the connector's identity.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use crate::channels::Channels;
 use crate::config::Config;
+use crate::dataplane::tools::ToolResults;
 use crate::dataplane::Hub;
-use crate::store::Store;
+use crate::files::Files;
+use crate::outbox::{Outbox, Policy};
+use crate::providers::{Host, Registry};
+use crate::store::{Db, StoreError};
 
 pub struct App {
-    pub config: Config,
-    pub store: Store,
-    pub hub: Hub,
+    pub host: Arc<Host>,
+    pub providers: Registry,
+    pub hub: Arc<Hub>,
     pub connector_id: String,
-    /// One HTTP client for every outbound call (reply_url, provider APIs).
-    pub http: ureq::Agent,
-    /// Telegram long-poll loops, one per bot with a binding.
-    pub telegram: crate::providers::telegram::poll::Pollers,
+    pub tool_results: ToolResults,
     /// Set on SIGTERM: workers finish what they hold and exit.
-    pub stopping: std::sync::atomic::AtomicBool,
+    stopping: AtomicBool,
+}
+
+impl std::ops::Deref for App {
+    type Target = Host;
+
+    fn deref(&self) -> &Host {
+        &self.host
+    }
 }
 
 impl App {
-    pub fn new(config: Config, store: Store) -> Result<Arc<App>, crate::store::StoreError> {
-        let connector_id = store.connector_id()?;
-        let http_config = ureq::Agent::config_builder()
-            .timeout_global(Some(std::time::Duration::from_secs(15)))
-            .timeout_connect(Some(std::time::Duration::from_secs(5)))
-            .http_status_as_error(false)
-            .user_agent(format!("imgate/{}", crate::protocol::card::VERSION))
-            .build();
-        Ok(Arc::new(App {
-            config,
-            store,
-            hub: Hub::default(),
-            connector_id,
-            http: ureq::Agent::new_with_config(http_config),
-            stopping: std::sync::atomic::AtomicBool::new(false),
-            telegram: Default::default(),
-        }))
-    }
-
-    /// The outbox caps from `[queue]`.
-    pub fn policy(&self) -> crate::outbox::Policy {
-        let q = &self.config.queue;
-        crate::outbox::Policy {
+    /// Opens every layer on the database in `[server] state_dir` and starts the providers.
+    pub fn open(config: Config) -> Result<Arc<App>, StoreError> {
+        let db = Db::open(&config.server.state_dir)?;
+        let q = &config.queue;
+        let policy = Policy {
             max_messages_per_channel: q.max_messages_per_channel,
             max_bytes_per_channel: q.max_bytes_per_channel,
             max_bytes_total: q.max_bytes_total,
             overflow: q.overflow,
-        }
+        };
+        let host = Arc::new(Host {
+            channels: Channels::open(db.clone())?,
+            outbox: Outbox::open(db.clone(), policy)?,
+            files: Files::open(db.clone(), &config.server.state_dir, config.files.clone())?,
+            db: db.clone(),
+            config,
+        });
+        let connector_id = host.channels.connector_id()?;
+        let hub = Arc::new(Hub::default());
+        // A committed message wakes the session that holds its channel.
+        let (wake, weak_host) = (Arc::downgrade(&hub), Arc::downgrade(&host));
+        host.outbox.on_accepted(move |source| {
+            if let (Some(hub), Some(host)) = (wake.upgrade(), weak_host.upgrade()) {
+                hub.notify_source(&host.channels, source);
+            }
+        });
+        Ok(Arc::new(App {
+            providers: Registry::start(&host)?,
+            tool_results: ToolResults::open(db)?,
+            host,
+            hub,
+            connector_id,
+            stopping: AtomicBool::new(false),
+        }))
     }
 
     pub fn is_stopping(&self) -> bool {
-        self.stopping.load(std::sync::atomic::Ordering::SeqCst)
+        self.stopping.load(Ordering::SeqCst)
     }
 
-    pub fn ttl_ms(&self) -> u64 {
-        self.config.queue.ttl.as_millis() as u64
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        self.providers.stop();
     }
 }

@@ -3,11 +3,16 @@
 //! Every problem is reported as `FILE:LINE: message` and all problems are collected, so a
 //! user fixes a broken file in one pass. No file at all means the embedded defaults, which are
 //! exactly what `imgate init` writes (the template is parsed to get them).
+//!
+//! The core sections (`server`, `xagent`, `queue`, `files`) are read here; every other section
+//! belongs to a provider, which reads it with the same `Fields` through its `Reader` (the
+//! registry in `providers` lists them) and keeps its own typed `Settings`.
 
-use std::collections::BTreeMap;
+use std::any::Any;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The commented default config; `imgate init` writes it and `systemd/imgate.conf` is a copy.
@@ -23,8 +28,8 @@ pub struct Config {
     pub xagent: Xagent,
     pub queue: Queue,
     pub files: Files,
-    pub webhooks: BTreeMap<String, Webhook>,
-    pub telegram: Option<Telegram>,
+    /// Each provider's settings by provider name; `None`: the provider is not enabled.
+    providers: Vec<(&'static str, Option<Arc<dyn Settings>>)>,
 }
 
 #[derive(Clone)]
@@ -72,26 +77,54 @@ impl Overflow {
     }
 }
 
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Files {
     pub ttl: Duration,
     pub max_file_bytes: u64,
     pub max_bytes_total: u64,
 }
 
-#[derive(Clone)]
-pub struct Webhook {
-    pub secret: Secret,
-    pub reply_url: Option<String>,
-    pub label: String,
+/// A provider's typed settings, as its `Reader` made them.
+pub trait Settings: Any + Send + Sync {
+    /// Lines for `imgate check`; secrets only as set or not set.
+    fn summary(&self) -> String;
+    fn as_any(&self) -> &dyn Any;
 }
 
-#[derive(Clone)]
-pub struct Telegram {
-    pub bot_token: Option<Secret>,
-    pub mode: String,
-    pub webhook_secret: Option<Secret>,
-    pub api_base: String,
+/// How a provider reads its part of the file.
+#[derive(Clone, Copy)]
+pub struct Reader {
+    /// The provider's name; its settings are found under it.
+    pub provider: &'static str,
+    /// The section it owns (`telegram`), or with a trailing dot a family of them (`webhook.`
+    /// for `[webhook.NAME]`).
+    pub section: &'static str,
+    /// Keys that hold secrets: each also accepts `KEY_file`.
+    pub secrets: &'static [&'static str],
+    /// Reads its sections (none when the file has none) with the core already read; `None`
+    /// leaves the provider disabled.
+    pub read: ReadFn,
+}
+
+/// A provider's reader of its sections.
+pub type ReadFn = fn(&Config, &[&Section], &mut Problems) -> Option<Arc<dyn Settings>>;
+
+impl Reader {
+    fn owns(&self, section: &str) -> bool {
+        match self.section.strip_suffix('.') {
+            Some(family) => section.strip_prefix(family).is_some_and(|r| r.starts_with('.')),
+            None => section == self.section,
+        }
+    }
+
+    /// The section as help text names it: `webhook.NAME`, `telegram`.
+    fn shown(&self) -> String {
+        if self.section.ends_with('.') {
+            format!("{}NAME", self.section)
+        } else {
+            self.section.to_string()
+        }
+    }
 }
 
 /// A secret value. `Debug` and `Display` never show it, so it cannot slip into a log line.
@@ -142,34 +175,55 @@ pub fn locate(explicit: Option<&Path>) -> Option<PathBuf> {
 }
 
 /// Loads the file at `path`, or the embedded defaults when `path` is `None`.
-pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+pub fn load(path: Option<&Path>, readers: &[Reader]) -> Result<Config, ConfigError> {
     match path {
-        None => parse(TEMPLATE, EMBEDDED, None),
+        None => parse(TEMPLATE, EMBEDDED, None, readers),
         Some(p) => {
             let name = p.display().to_string();
             let text = std::fs::read_to_string(p)
                 .map_err(|e| ConfigError(vec![format!("{name}:0: cannot read config file: {e}")]))?;
-            parse(&text, &name, p.parent())
+            parse(&text, &name, p.parent(), readers)
         }
     }
 }
 
-/// Parses config text. `dir` resolves relative `*_file` paths when no credentials directory applies.
-pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, ConfigError> {
-    let mut p = Parser {
-        name,
-        dir,
-        errors: Vec::new(),
-        seen: BTreeMap::new(),
-    };
-    let mut cfg = Config::defaults(name);
-    let mut section = String::new();
-    let mut section_line = 0;
-    // Webhook sections are validated once complete, so a missing `secret` is reported at the header.
-    let mut webhook_headers: Vec<(String, usize)> = Vec::new();
-    let mut raw_webhooks: BTreeMap<String, RawWebhook> = BTreeMap::new();
-    let mut telegram_line = None;
+/// One `[section]` of the file with its `key = value` lines, in order.
+pub struct Section {
+    pub name: String,
+    pub line: usize,
+    entries: Vec<Entry>,
+}
 
+struct Entry {
+    key: String,
+    value: String,
+    line: usize,
+}
+
+/// Where problems are collected; also resolves `*_file` paths.
+pub struct Problems<'a> {
+    file: &'a str,
+    dir: Option<&'a Path>,
+    errors: Vec<String>,
+}
+
+impl Problems<'_> {
+    pub fn err(&mut self, line: usize, msg: impl fmt::Display) {
+        self.errors.push(format!("{}:{line}: {msg}", self.file));
+    }
+
+    fn resolve(&self, value: &str) -> PathBuf {
+        let p = Path::new(value);
+        match self.dir {
+            Some(d) if p.is_relative() => d.join(p),
+            _ => p.to_path_buf(),
+        }
+    }
+}
+
+/// Splits the text into sections; reports lines that are neither and repeated sections or keys.
+fn sections(text: &str, p: &mut Problems) -> Vec<Section> {
+    let mut out: Vec<Section> = Vec::new();
     for (idx, raw) in text.lines().enumerate() {
         let line_no = idx + 1;
         let line = strip_comment(raw).trim();
@@ -181,30 +235,15 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
                 p.err(line_no, format!("section header `{line}` lacks a closing `]`"));
                 continue;
             };
-            section = inner.trim().to_string();
-            section_line = line_no;
-            if !p.seen.entry(format!("[{section}]")).or_default().is_empty() {
-                p.err(line_no, format!("section [{section}] appears twice"));
+            let name = inner.trim().to_string();
+            if out.iter().any(|s| s.name == name) {
+                p.err(line_no, format!("section [{name}] appears twice"));
             }
-            p.seen.insert(format!("[{section}]"), "x".into());
-            match section.as_str() {
-                "server" | "xagent" | "queue" | "files" => {}
-                "telegram" => telegram_line = Some(line_no),
-                s => match s.strip_prefix("webhook.") {
-                    Some(n) if valid_endpoint_name(n) => {
-                        webhook_headers.push((n.to_string(), line_no));
-                        raw_webhooks.insert(n.to_string(), RawWebhook::default());
-                    }
-                    Some(n) => p.err(
-                        line_no,
-                        format!("webhook name `{n}` must be 1-64 characters of A-Z a-z 0-9 _ -"),
-                    ),
-                    None => p.err(
-                        line_no,
-                        format!("unknown section [{s}] (known: server, xagent, queue, files, webhook.NAME, telegram)"),
-                    ),
-                },
-            }
+            out.push(Section {
+                name,
+                line: line_no,
+                entries: Vec::new(),
+            });
             continue;
         }
         let Some((key, value)) = line.split_once('=') else {
@@ -212,63 +251,226 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
             continue;
         };
         let key = key.trim();
-        let value = unquote(value.trim());
-        if section.is_empty() {
+        let Some(section) = out.last_mut() else {
             p.err(line_no, format!("key `{key}` appears before any [section]"));
             continue;
-        }
-        let dup_key = format!("{section}.{key}");
-        if p.seen.insert(dup_key, String::new()).is_some() {
-            p.err(line_no, format!("key `{key}` is set twice in [{section}]"));
+        };
+        if section.entries.iter().any(|e| e.key == key) {
+            p.err(line_no, format!("key `{key}` is set twice in [{}]", section.name));
             continue;
         }
-        let _ = section_line;
-        p.apply(
-            &mut cfg,
-            &section,
-            key,
-            value,
-            line_no,
-            &mut raw_webhooks,
-            telegram_line,
-        );
+        section.entries.push(Entry {
+            key: key.to_string(),
+            value: unquote(value.trim()).to_string(),
+            line: line_no,
+        });
+    }
+    out
+}
+
+/// Reads the keys of one section; `finish` reports the ones nobody took.
+pub struct Fields<'s, 'p> {
+    section: &'s Section,
+    problems: &'s mut Problems<'p>,
+    secrets: &'s [&'s str],
+    used: Vec<bool>,
+}
+
+impl<'s, 'p> Fields<'s, 'p> {
+    pub fn new(section: &'s Section, problems: &'s mut Problems<'p>, secrets: &'s [&'s str]) -> Fields<'s, 'p> {
+        let used = vec![false; section.entries.len()];
+        Fields {
+            section,
+            problems,
+            secrets,
+            used,
+        }
     }
 
-    for (name_, header_line) in webhook_headers {
-        let raw = raw_webhooks.remove(&name_).unwrap_or_default();
-        match raw.secret {
-            Some(secret) if !secret.expose().is_empty() => {
-                cfg.webhooks.insert(
-                    name_.clone(),
-                    Webhook {
-                        secret,
-                        reply_url: raw.reply_url,
-                        label: raw.label.unwrap_or_else(|| name_.clone()),
-                    },
-                );
+    fn take(&mut self, key: &str) -> Option<(String, usize)> {
+        let i = self.section.entries.iter().position(|e| e.key == key)?;
+        self.used[i] = true;
+        let e = &self.section.entries[i];
+        Some((e.value.clone(), e.line))
+    }
+
+    /// Reports a problem at `line`.
+    pub fn err_at(&mut self, line: usize, msg: impl fmt::Display) {
+        self.problems.err(line, msg);
+    }
+
+    /// Reports a problem of the section as a whole, at its header.
+    pub fn err(&mut self, msg: impl fmt::Display) {
+        self.problems.err(self.section.line, msg);
+    }
+
+    /// The value as written, empty included.
+    pub fn raw(&mut self, key: &str) -> Option<(String, usize)> {
+        self.take(key)
+    }
+
+    /// A non-empty value; an empty one means unset.
+    pub fn text(&mut self, key: &str) -> Option<String> {
+        self.take(key).map(|(v, _)| v).filter(|v| !v.is_empty())
+    }
+
+    /// A secret, from `key = value` or from the file named by `key_file = PATH` (a bare name
+    /// is looked up in `$CREDENTIALS_DIRECTORY`, a relative path next to the config file).
+    pub fn secret(&mut self, key: &str) -> Option<Secret> {
+        debug_assert!(self.secrets.contains(&key), "{key} is declared secret");
+        let file_key = format!("{key}_file");
+        let direct = self.take(key);
+        let from_file = self.take(&file_key);
+        match (direct, from_file) {
+            (Some(_), Some((_, line))) => {
+                self.err_at(line, format!("`{key}` and `{file_key}` are both set; keep one"));
+                None
             }
-            _ => p.err(
-                header_line,
-                format!("[webhook.{name_}] needs `secret` (or `secret_file`): senders must authenticate"),
-            ),
+            (Some((v, _)), None) => Some(Secret::new(v)).filter(|s| !s.expose().is_empty()),
+            (None, Some((v, line))) => self.read_secret_file(&v, &file_key, line),
+            (None, None) => None,
         }
     }
-    if let (Some(line), Some(t)) = (telegram_line, &cfg.telegram) {
-        if t.mode == "webhook" && t.webhook_secret.is_none() {
-            p.err(line, "[telegram] mode = webhook needs `webhook_secret`".to_string());
+
+    fn read_secret_file(&mut self, value: &str, key: &str, line: usize) -> Option<Secret> {
+        if value.is_empty() {
+            self.err_at(line, format!("{key} is empty"));
+            return None;
         }
-        if t.mode == "webhook" && t.bot_token.is_none() {
-            p.err(
-                line,
-                "[telegram] mode = webhook needs the default bot's `bot_token`".to_string(),
-            );
+        let bare = !value.contains('/');
+        let path = match std::env::var_os("CREDENTIALS_DIRECTORY") {
+            Some(dir) if bare => Path::new(&dir).join(value),
+            _ => self.problems.resolve(value),
+        };
+        match std::fs::read_to_string(&path) {
+            Ok(s) => {
+                let s = s.trim_end_matches(['\r', '\n']).to_string();
+                if s.is_empty() {
+                    self.err_at(line, format!("{key}: `{}` is empty", path.display()));
+                    None
+                } else {
+                    Some(Secret::new(s))
+                }
+            }
+            Err(e) => {
+                self.err_at(line, format!("{key}: cannot read `{}`: {e}", path.display()));
+                None
+            }
         }
-        if t.mode == "webhook" && cfg.server.public_url.is_none() {
-            p.err(
-                line,
-                "[telegram] mode = webhook needs [server] public_url (Telegram must reach /telegram/webhook)"
-                    .to_string(),
-            );
+    }
+
+    /// An `http://` or `https://` URL with a host, without a trailing slash; empty is unset.
+    pub fn url(&mut self, key: &str) -> Option<String> {
+        let (value, line) = self.take(key)?;
+        if value.is_empty() {
+            return None;
+        }
+        let ok = (value.starts_with("http://") || value.starts_with("https://"))
+            && value
+                .split("://")
+                .nth(1)
+                .is_some_and(|rest| !rest.is_empty() && !rest.starts_with('/'));
+        if ok {
+            Some(value.trim_end_matches('/').to_string())
+        } else {
+            self.err_at(line, format!("{key}: `{value}` is not an http:// or https:// URL"));
+            None
+        }
+    }
+
+    /// One of `choices`.
+    pub fn choice(&mut self, key: &str, choices: &[&'static str]) -> Option<&'static str> {
+        let (value, line) = self.take(key)?;
+        let found = choices.iter().find(|c| **c == value).copied();
+        if found.is_none() {
+            self.err_at(line, format!("{key}: `{value}` is not one of {}", choices.join(", ")));
+        }
+        found
+    }
+
+    /// `true` or `false`.
+    pub fn bool(&mut self, key: &str) -> Option<bool> {
+        self.choice(key, &["true", "false"]).map(|v| v == "true")
+    }
+
+    pub fn duration(&mut self, key: &str) -> Option<Duration> {
+        let (value, line) = self.take(key)?;
+        match parse_duration(&value) {
+            Some(d) if !d.is_zero() => Some(d),
+            _ => {
+                self.err_at(
+                    line,
+                    format!("{key}: `{value}` is not a duration like 250ms, 30s, 5m or 1h"),
+                );
+                None
+            }
+        }
+    }
+
+    pub fn size(&mut self, key: &str) -> Option<u64> {
+        let (value, line) = self.take(key)?;
+        match parse_size(&value) {
+            Some(n) if n > 0 => Some(n),
+            _ => {
+                self.err_at(
+                    line,
+                    format!("{key}: `{value}` is not a size like 512KiB, 8MiB or 1GiB"),
+                );
+                None
+            }
+        }
+    }
+
+    pub fn count(&mut self, key: &str, min: u64, max: u64) -> Option<u64> {
+        let (value, line) = self.take(key)?;
+        match value.parse::<u64>() {
+            Ok(n) if (min..=max).contains(&n) => Some(n),
+            _ => {
+                self.err_at(
+                    line,
+                    format!("{key}: `{value}` is not a whole number from {min} to {max}"),
+                );
+                None
+            }
+        }
+    }
+
+    /// Reports every key no getter took.
+    pub fn finish(self) {
+        for (e, used) in self.section.entries.iter().zip(&self.used) {
+            if !used {
+                self.problems
+                    .err(e.line, format!("unknown key `{}` in [{}]", e.key, self.section.name));
+            }
+        }
+    }
+}
+
+/// Parses config text. `dir` resolves relative `*_file` paths when no credentials directory
+/// applies; `readers` are the providers' parts of the file.
+pub fn parse(text: &str, name: &str, dir: Option<&Path>, readers: &[Reader]) -> Result<Config, ConfigError> {
+    let mut p = Problems {
+        file: name,
+        dir,
+        errors: Vec::new(),
+    };
+    let all = sections(text, &mut p);
+    let mut cfg = Config::defaults(name);
+    for section in &all {
+        match section.name.as_str() {
+            "server" => read_server(&mut cfg.server, section, &mut p),
+            "xagent" => read_xagent(&mut cfg.xagent, section, &mut p),
+            "queue" => read_queue(&mut cfg.queue, section, &mut p),
+            "files" => read_files(&mut cfg.files, section, &mut p),
+            other if readers.iter().any(|r| r.owns(other)) => {}
+            other => {
+                let mut known = vec!["server".to_string(), "xagent".into(), "queue".into(), "files".into()];
+                known.extend(readers.iter().map(Reader::shown));
+                p.err(
+                    section.line,
+                    format!("unknown section [{other}] (known: {})", known.join(", ")),
+                );
+            }
         }
     }
     if let Ok(dir) = std::env::var("STATE_DIRECTORY") {
@@ -281,6 +483,12 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
     if cfg.queue.cleanup_interval > half {
         cfg.queue.cleanup_interval = half;
     }
+    // The providers read after the core: some of their rules depend on it (public_url).
+    for r in readers {
+        let mine: Vec<&Section> = all.iter().filter(|s| r.owns(&s.name)).collect();
+        let settings = (r.read)(&cfg, &mine, &mut p);
+        cfg.providers.push((r.provider, settings));
+    }
     if p.errors.is_empty() {
         Ok(cfg)
     } else {
@@ -288,353 +496,105 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>) -> Result<Config, Confi
     }
 }
 
-#[derive(Default)]
-struct RawWebhook {
-    secret: Option<Secret>,
-    reply_url: Option<String>,
-    label: Option<String>,
-}
-
-struct Parser<'a> {
-    name: &'a str,
-    dir: Option<&'a Path>,
-    errors: Vec<String>,
-    seen: BTreeMap<String, String>,
-}
-
-impl Parser<'_> {
-    fn err(&mut self, line: usize, msg: String) {
-        self.errors.push(format!("{}:{}: {}", self.name, line, msg));
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn apply(
-        &mut self,
-        cfg: &mut Config,
-        section: &str,
-        key: &str,
-        value: &str,
-        line: usize,
-        webhooks: &mut BTreeMap<String, RawWebhook>,
-        telegram_line: Option<usize>,
-    ) {
-        // `X_file` is accepted for every secret key `X`.
-        let (base, from_file) = match key.strip_suffix("_file") {
-            Some(b) if is_secret_key(section, b) => (b, true),
-            _ => (key, false),
-        };
-        if from_file {
-            let other = format!("{section}.{base}");
-            if self.seen.contains_key(&other) {
-                self.err(line, format!("`{key}` and `{base}` are both set; keep one"));
-                return;
-            }
-            self.seen.insert(other, String::new());
-        } else if is_secret_key(section, key) && self.seen.contains_key(&format!("{section}.{key}_file")) {
-            self.err(line, format!("`{key}` and `{key}_file` are both set; keep one"));
-            return;
-        }
-        let secret = |this: &mut Self| -> Option<Option<Secret>> {
-            if from_file {
-                this.read_secret_file(value, key, line).map(Some)
-            } else if value.is_empty() {
-                Some(None)
-            } else {
-                Some(Some(Secret::new(value)))
-            }
-        };
-        let unknown = |this: &mut Self| this.err(line, format!("unknown key `{key}` in [{section}]"));
-        match section {
-            "server" => match base {
-                "listen" => match value.parse::<SocketAddr>() {
-                    Ok(a) => cfg.server.listen = a,
-                    Err(_) => self.err(line, format!("listen: `{value}` is not an address like 127.0.0.1:8787")),
-                },
-                "api_key" => {
-                    if let Some(s) = secret(self) {
-                        cfg.server.api_key = s;
-                    }
-                }
-                "state_dir" => {
-                    if value.is_empty() {
-                        self.err(line, "state_dir must not be empty".into());
-                    } else {
-                        cfg.server.state_dir = PathBuf::from(value);
-                    }
-                }
-                "public_url" => {
-                    if value.is_empty() {
-                        cfg.server.public_url = None;
-                    } else if let Some(u) = self.http_url(value, key, line) {
-                        cfg.server.public_url = Some(u.trim_end_matches('/').to_string());
-                    }
-                }
-                "max_connections" => {
-                    if let Some(n) = self.count(value, key, line, 1, 65_535) {
-                        cfg.server.max_connections = n as usize;
-                    }
-                }
-                "max_body" => {
-                    if let Some(n) = self.size(value, key, line) {
-                        cfg.server.max_body = n;
-                    }
-                }
-                "log_level" => match value {
-                    "off" | "error" | "warn" | "info" | "debug" | "trace" => cfg.server.log_level = value.into(),
-                    _ => self.err(
-                        line,
-                        format!("log_level: `{value}` is not one of off, error, warn, info, debug, trace"),
-                    ),
-                },
-                _ => unknown(self),
-            },
-            "xagent" => match base {
-                "dial" => {
-                    if value.is_empty() {
-                        cfg.xagent.dial = None;
-                    } else if value.starts_with("ws://") || value.starts_with("wss://") {
-                        cfg.xagent.dial = Some(value.to_string());
-                    } else {
-                        self.err(line, format!("dial: `{value}` must start with ws:// or wss://"));
-                    }
-                }
-                "dial_api_key" => {
-                    if let Some(s) = secret(self) {
-                        cfg.xagent.dial_api_key = s;
-                    }
-                }
-                "ca_file" => {
-                    if value.is_empty() {
-                        cfg.xagent.ca_file = None;
-                    } else {
-                        let path = self.resolve(value);
-                        if path.is_file() {
-                            cfg.xagent.ca_file = Some(path);
-                        } else {
-                            self.err(line, format!("ca_file: `{}` does not exist", path.display()));
-                        }
-                    }
-                }
-                "lease" => {
-                    if let Some(d) = self.duration(value, key, line) {
-                        cfg.xagent.lease = d;
-                    }
-                }
-                _ => unknown(self),
-            },
-            "queue" => match base {
-                "ttl" => {
-                    if let Some(d) = self.duration(value, key, line) {
-                        if d < Duration::from_secs(1) {
-                            self.err(line, "ttl must be at least 1s".into());
-                        } else {
-                            cfg.queue.ttl = d;
-                        }
-                    }
-                }
-                "max_messages_per_channel" => {
-                    if let Some(n) = self.count(value, key, line, 1, 10_000_000) {
-                        cfg.queue.max_messages_per_channel = n;
-                    }
-                }
-                "max_bytes_per_channel" => {
-                    if let Some(n) = self.size(value, key, line) {
-                        cfg.queue.max_bytes_per_channel = n;
-                    }
-                }
-                "max_bytes_total" => {
-                    if let Some(n) = self.size(value, key, line) {
-                        cfg.queue.max_bytes_total = n;
-                    }
-                }
-                "overflow" => match value {
-                    "drop_oldest" => cfg.queue.overflow = Overflow::DropOldest,
-                    "reject_new" => cfg.queue.overflow = Overflow::RejectNew,
-                    _ => self.err(line, format!("overflow: `{value}` is not drop_oldest or reject_new")),
-                },
-                "cleanup_interval" => {
-                    if let Some(d) = self.duration(value, key, line) {
-                        cfg.queue.cleanup_interval = d;
-                    }
-                }
-                _ => unknown(self),
-            },
-            "files" => match base {
-                "ttl" => {
-                    if let Some(d) = self.duration(value, key, line) {
-                        cfg.files.ttl = d;
-                    }
-                }
-                "max_file_bytes" => {
-                    if let Some(n) = self.size(value, key, line) {
-                        cfg.files.max_file_bytes = n;
-                    }
-                }
-                "max_bytes_total" => {
-                    if let Some(n) = self.size(value, key, line) {
-                        cfg.files.max_bytes_total = n;
-                    }
-                }
-                _ => unknown(self),
-            },
-            "telegram" => {
-                let _ = telegram_line;
-                let t = cfg.telegram.get_or_insert_with(Telegram::defaults);
-                match base {
-                    "bot_token" => {
-                        if let Some(s) = secret(self) {
-                            // Re-borrow: `secret` needed `self` mutably.
-                            cfg.telegram.as_mut().expect("inserted above").bot_token = s;
-                        }
-                    }
-                    "mode" => match value {
-                        "poll" => t.mode = value.into(),
-                        "webhook" => t.mode = value.into(),
-                        _ => self.err(line, format!("mode: `{value}` is not poll or webhook")),
-                    },
-                    "webhook_secret" => {
-                        if let Some(s) = secret(self) {
-                            cfg.telegram.as_mut().expect("inserted above").webhook_secret = s;
-                        }
-                    }
-                    "api_base" => {
-                        if let Some(u) = self.http_url(value, key, line) {
-                            cfg.telegram.as_mut().expect("inserted above").api_base =
-                                u.trim_end_matches('/').to_string();
-                        }
-                    }
-                    _ => unknown(self),
-                }
-            }
-            s => {
-                let Some(name) = s.strip_prefix("webhook.") else { return };
-                let Some(w) = webhooks.get_mut(name) else { return };
-                match base {
-                    "secret" => {
-                        if let Some(s) = secret(self) {
-                            webhooks.get_mut(name).expect("present").secret = s;
-                        }
-                    }
-                    "reply_url" => {
-                        if value.is_empty() {
-                            w.reply_url = None;
-                        } else if let Some(u) = self.http_url(value, key, line) {
-                            webhooks.get_mut(name).expect("present").reply_url = Some(u);
-                        }
-                    }
-                    "label" => {
-                        if value.is_empty() {
-                            self.err(line, "label must not be empty".into());
-                        } else {
-                            w.label = Some(value.to_string());
-                        }
-                    }
-                    _ => unknown(self),
-                }
-            }
+fn read_server(s: &mut Server, section: &Section, p: &mut Problems) {
+    let mut f = Fields::new(section, p, &["api_key"]);
+    if let Some((value, line)) = f.raw("listen") {
+        match value.parse::<SocketAddr>() {
+            Ok(a) => s.listen = a,
+            Err(_) => f.err_at(line, format!("listen: `{value}` is not an address like 127.0.0.1:8787")),
         }
     }
-
-    fn resolve(&self, value: &str) -> PathBuf {
-        let p = Path::new(value);
-        match self.dir {
-            Some(d) if p.is_relative() => d.join(p),
-            _ => p.to_path_buf(),
-        }
-    }
-
-    /// Reads a secret from a file; a bare name is looked up in `$CREDENTIALS_DIRECTORY` (systemd).
-    fn read_secret_file(&mut self, value: &str, key: &str, line: usize) -> Option<Secret> {
+    s.api_key = f.secret("api_key");
+    if let Some((value, line)) = f.raw("state_dir") {
         if value.is_empty() {
-            self.err(line, format!("{key} is empty"));
-            return None;
-        }
-        let bare = !value.contains('/');
-        let path = match std::env::var_os("CREDENTIALS_DIRECTORY") {
-            Some(dir) if bare => Path::new(&dir).join(value),
-            _ => self.resolve(value),
-        };
-        match std::fs::read_to_string(&path) {
-            Ok(s) => {
-                let s = s.trim_end_matches(['\r', '\n']).to_string();
-                if s.is_empty() {
-                    self.err(line, format!("{key}: `{}` is empty", path.display()));
-                    None
-                } else {
-                    Some(Secret::new(s))
-                }
-            }
-            Err(e) => {
-                self.err(line, format!("{key}: cannot read `{}`: {e}", path.display()));
-                None
-            }
-        }
-    }
-
-    fn duration(&mut self, value: &str, key: &str, line: usize) -> Option<Duration> {
-        match parse_duration(value) {
-            Some(d) if !d.is_zero() => Some(d),
-            _ => {
-                self.err(
-                    line,
-                    format!("{key}: `{value}` is not a duration like 250ms, 30s, 5m or 1h"),
-                );
-                None
-            }
-        }
-    }
-
-    fn size(&mut self, value: &str, key: &str, line: usize) -> Option<u64> {
-        match parse_size(value) {
-            Some(n) if n > 0 => Some(n),
-            _ => {
-                self.err(
-                    line,
-                    format!("{key}: `{value}` is not a size like 512KiB, 8MiB or 1GiB"),
-                );
-                None
-            }
-        }
-    }
-
-    fn count(&mut self, value: &str, key: &str, line: usize, min: u64, max: u64) -> Option<u64> {
-        match value.parse::<u64>() {
-            Ok(n) if (min..=max).contains(&n) => Some(n),
-            _ => {
-                self.err(
-                    line,
-                    format!("{key}: `{value}` is not a whole number from {min} to {max}"),
-                );
-                None
-            }
-        }
-    }
-
-    fn http_url(&mut self, value: &str, key: &str, line: usize) -> Option<String> {
-        let ok = (value.starts_with("http://") || value.starts_with("https://"))
-            && value
-                .split("://")
-                .nth(1)
-                .is_some_and(|rest| !rest.is_empty() && !rest.starts_with('/'));
-        if ok {
-            Some(value.to_string())
+            f.err_at(line, "state_dir must not be empty");
         } else {
-            self.err(line, format!("{key}: `{value}` is not an http:// or https:// URL"));
-            None
+            s.state_dir = PathBuf::from(value);
         }
     }
+    s.public_url = f.url("public_url");
+    if let Some(n) = f.count("max_connections", 1, 65_535) {
+        s.max_connections = n as usize;
+    }
+    if let Some(n) = f.size("max_body") {
+        s.max_body = n;
+    }
+    if let Some(level) = f.choice("log_level", &["off", "error", "warn", "info", "debug", "trace"]) {
+        s.log_level = level.to_string();
+    }
+    f.finish();
 }
 
-fn is_secret_key(section: &str, key: &str) -> bool {
-    matches!(
-        (section, key),
-        ("server", "api_key") | ("xagent", "dial_api_key") | ("telegram", "bot_token") | ("telegram", "webhook_secret")
-    ) || (section.starts_with("webhook.") && key == "secret")
+fn read_xagent(x: &mut Xagent, section: &Section, p: &mut Problems) {
+    let mut f = Fields::new(section, p, &["dial_api_key"]);
+    if let Some((value, line)) = f.raw("dial") {
+        if value.is_empty() {
+            x.dial = None;
+        } else if value.starts_with("ws://") || value.starts_with("wss://") {
+            x.dial = Some(value);
+        } else {
+            f.err_at(line, format!("dial: `{value}` must start with ws:// or wss://"));
+        }
+    }
+    x.dial_api_key = f.secret("dial_api_key");
+    if let Some((value, line)) = f.raw("ca_file").filter(|(v, _)| !v.is_empty()) {
+        let path = f.problems.resolve(&value);
+        if path.is_file() {
+            x.ca_file = Some(path);
+        } else {
+            f.err_at(line, format!("ca_file: `{}` does not exist", path.display()));
+        }
+    }
+    if let Some(d) = f.duration("lease") {
+        x.lease = d;
+    }
+    f.finish();
 }
 
-/// Endpoint names appear in URLs (`/hooks/NAME`) and in auth input, so keep them plain.
-pub fn valid_endpoint_name(n: &str) -> bool {
-    !n.is_empty() && n.len() <= 64 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+fn read_queue(q: &mut Queue, section: &Section, p: &mut Problems) {
+    let mut f = Fields::new(section, p, &[]);
+    if let Some((value, line)) = f.raw("ttl") {
+        match parse_duration(&value) {
+            Some(d) if d >= Duration::from_secs(1) => q.ttl = d,
+            Some(_) => f.err_at(line, "ttl must be at least 1s"),
+            None => f.err_at(
+                line,
+                format!("ttl: `{value}` is not a duration like 250ms, 30s, 5m or 1h"),
+            ),
+        }
+    }
+    if let Some(n) = f.count("max_messages_per_channel", 1, 10_000_000) {
+        q.max_messages_per_channel = n;
+    }
+    if let Some(n) = f.size("max_bytes_per_channel") {
+        q.max_bytes_per_channel = n;
+    }
+    if let Some(n) = f.size("max_bytes_total") {
+        q.max_bytes_total = n;
+    }
+    match f.choice("overflow", &["drop_oldest", "reject_new"]) {
+        Some("drop_oldest") => q.overflow = Overflow::DropOldest,
+        Some(_) => q.overflow = Overflow::RejectNew,
+        None => {}
+    }
+    if let Some(d) = f.duration("cleanup_interval") {
+        q.cleanup_interval = d;
+    }
+    f.finish();
+}
+
+fn read_files(files: &mut Files, section: &Section, p: &mut Problems) {
+    let mut f = Fields::new(section, p, &[]);
+    if let Some(d) = f.duration("ttl") {
+        files.ttl = d;
+    }
+    if let Some(n) = f.size("max_file_bytes") {
+        files.max_file_bytes = n;
+    }
+    if let Some(n) = f.size("max_bytes_total") {
+        files.max_bytes_total = n;
+    }
+    f.finish();
 }
 
 /// `#` starts a comment at the line start or after whitespace, so `a#b` stays a value.
@@ -719,17 +679,6 @@ pub fn fmt_size(n: u64) -> String {
     format!("{n}B")
 }
 
-impl Telegram {
-    fn defaults() -> Telegram {
-        Telegram {
-            bot_token: None,
-            mode: "poll".into(),
-            webhook_secret: None,
-            api_base: "https://api.telegram.org".into(),
-        }
-    }
-}
-
 impl Config {
     fn defaults(source: &str) -> Config {
         Config {
@@ -762,9 +711,22 @@ impl Config {
                 max_file_bytes: 20 << 20,
                 max_bytes_total: 256 << 20,
             },
-            webhooks: BTreeMap::new(),
-            telegram: None,
+            providers: Vec::new(),
         }
+    }
+
+    /// The settings of provider `name`, when it is enabled and its settings are a `T`.
+    pub fn provider<T: Settings>(&self, name: &str) -> Option<&T> {
+        self.providers
+            .iter()
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, s)| s.as_deref())
+            .and_then(|s| s.as_any().downcast_ref::<T>())
+    }
+
+    /// Whether provider `name` is enabled.
+    pub fn has_provider(&self, name: &str) -> bool {
+        self.providers.iter().any(|(n, s)| *n == name && s.is_some())
     }
 
     /// The effective policy as `imgate check` prints it. Secrets show only whether they are set.
@@ -792,24 +754,11 @@ impl Config {
         ));
         out.push_str(&format!("overflow:          {}\n", q.overflow.as_str()));
         out.push_str(&format!("cleanup_interval:  {}\n", fmt_duration(q.cleanup_interval)));
-        if self.webhooks.is_empty() {
-            out.push_str("webhooks:          none\n");
-        }
-        for (name, w) in &self.webhooks {
-            out.push_str(&format!(
-                "webhook {name}:  label \"{}\", reply_url {}\n",
-                w.label,
-                w.reply_url.as_deref().unwrap_or("none (send/reply tools unavailable)")
-            ));
-        }
-        match &self.telegram {
-            None => out.push_str("telegram:          off\n"),
-            Some(t) => out.push_str(&format!(
-                "telegram:          mode {}, bot_token {}, api_base {}\n",
-                t.mode,
-                set(&t.bot_token),
-                t.api_base
-            )),
+        for (name, settings) in &self.providers {
+            match settings {
+                Some(s) => out.push_str(&s.summary()),
+                None => out.push_str(&format!("{:<19}off\n", format!("{name}:"))),
+            }
         }
         out
     }
@@ -819,8 +768,55 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// A provider part for these tests: `[thing]` with a secret and a URL, `[family.NAME]`.
+    struct Thing(String);
+
+    impl Settings for Thing {
+        fn summary(&self) -> String {
+            format!("thing:             {}\n", self.0)
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    fn read_thing(_: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+        let section = sections.first()?;
+        let mut f = Fields::new(section, p, &["token"]);
+        let token = f.secret("token").map(|t| t.expose().to_string()).unwrap_or_default();
+        f.url("base");
+        f.finish();
+        Some(Arc::new(Thing(token)))
+    }
+
+    fn read_family(_: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+        for s in sections {
+            let mut f = Fields::new(s, p, &[]);
+            if f.text("key").is_none() {
+                f.err(format!("[{}] needs `key`", s.name));
+            }
+            f.finish();
+        }
+        None
+    }
+
+    const READERS: [Reader; 2] = [
+        Reader {
+            provider: "thing",
+            section: "thing",
+            secrets: &["token"],
+            read: read_thing,
+        },
+        Reader {
+            provider: "family",
+            section: "family.",
+            secrets: &[],
+            read: read_family,
+        },
+    ];
+
     fn errors(text: &str) -> Vec<String> {
-        match parse(text, "t.conf", None) {
+        match parse(text, "t.conf", None, &READERS) {
             Ok(_) => vec![],
             Err(e) => e.0,
         }
@@ -828,12 +824,11 @@ mod tests {
 
     #[test]
     fn template_parses_to_the_documented_defaults() {
-        let c = parse(TEMPLATE, "tpl", None).expect("template must parse");
+        let c = parse(TEMPLATE, "tpl", None, &[]).expect("template must parse");
         assert_eq!(c.server.listen.to_string(), "127.0.0.1:8787");
         assert_eq!(c.queue.ttl, Duration::from_secs(3600));
         assert_eq!(c.queue.max_bytes_total, 64 << 20);
         assert_eq!(c.queue.overflow, Overflow::DropOldest);
-        assert!(c.webhooks.is_empty() && c.telegram.is_none());
     }
 
     #[test]
@@ -850,29 +845,25 @@ mod tests {
 
     #[test]
     fn each_kind_of_bad_line_names_its_line() {
-        let text = "[server]\nlisten = nowhere\n\n[bogus]\n[queue]\nttl = soon\nmax_bytes_total = lots\nfrobnicate = 1\njust words\n[webhook.a]\n";
+        let text = "[server]\nlisten = nowhere\n\n[bogus]\n[queue]\nttl = soon\nmax_bytes_total = lots\nfrobnicate = 1\njust words\n[family.a]\n[thing]\nbase = ftp://x\n";
         let e = errors(text);
-        assert!(e.iter().any(|l| l.starts_with("t.conf:2: listen")), "{e:?}");
-        assert!(e.iter().any(|l| l.starts_with("t.conf:4: unknown section")), "{e:?}");
-        assert!(e.iter().any(|l| l.starts_with("t.conf:6: ttl")), "{e:?}");
-        assert!(e.iter().any(|l| l.starts_with("t.conf:7: max_bytes_total")), "{e:?}");
+        let has = |prefix: &str| e.iter().any(|l| l.starts_with(prefix));
+        assert!(has("t.conf:2: listen"), "{e:?}");
         assert!(
-            e.iter().any(|l| l.starts_with("t.conf:8: unknown key `frobnicate`")),
+            has("t.conf:4: unknown section [bogus] (known: server, xagent, queue, files, thing, family.NAME)"),
             "{e:?}"
         );
-        assert!(
-            e.iter().any(|l| l.starts_with("t.conf:9: expected `key = value`")),
-            "{e:?}"
-        );
-        assert!(
-            e.iter().any(|l| l.starts_with("t.conf:10: [webhook.a] needs `secret`")),
-            "{e:?}"
-        );
+        assert!(has("t.conf:6: ttl"), "{e:?}");
+        assert!(has("t.conf:7: max_bytes_total"), "{e:?}");
+        assert!(has("t.conf:8: unknown key `frobnicate`"), "{e:?}");
+        assert!(has("t.conf:9: expected `key = value`"), "{e:?}");
+        assert!(has("t.conf:10: [family.a] needs `key`"), "{e:?}");
+        assert!(has("t.conf:12: base: `ftp://x` is not an http"), "{e:?}");
     }
 
     #[test]
     fn cleanup_interval_is_clamped_to_half_the_ttl() {
-        let c = parse("[queue]\nttl = 10m\ncleanup_interval = 1h\n", "t", None).unwrap();
+        let c = parse("[queue]\nttl = 10m\ncleanup_interval = 1h\n", "t", None, &[]).unwrap();
         assert_eq!(c.queue.cleanup_interval, Duration::from_secs(300));
     }
 
@@ -880,40 +871,44 @@ mod tests {
     fn secret_file_with_bare_name_reads_credentials_directory() {
         let dir = std::env::temp_dir().join(format!("imgate-cred-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("hook_secret"), "s3cret\n").unwrap();
-        let text = format!("[webhook.a]\nsecret_file = {}\n", dir.join("hook_secret").display());
-        let c = parse(&text, "t", None).unwrap();
-        assert_eq!(c.webhooks["a"].secret.expose(), "s3cret");
-        let e = errors("[webhook.a]\nsecret_file = /nonexistent/x\n");
+        std::fs::write(dir.join("token"), "s3cret\n").unwrap();
+        let text = format!("[thing]\ntoken_file = {}\n", dir.join("token").display());
+        let c = parse(&text, "t", None, &READERS).unwrap();
+        assert_eq!(c.provider::<Thing>("thing").unwrap().0, "s3cret");
+        let e = errors("[thing]\ntoken_file = /nonexistent/x\n");
         assert!(
-            e.iter().any(|l| l.starts_with("t.conf:2: secret_file: cannot read")),
+            e.iter().any(|l| l.starts_with("t.conf:2: token_file: cannot read")),
             "{e:?}"
         );
-        let e = errors("[webhook.a]\nsecret = x\nsecret_file = /y\n");
+        let e = errors("[thing]\ntoken = x\ntoken_file = /y\n");
         assert!(e.iter().any(|l| l.starts_with("t.conf:3:")), "{e:?}");
+        let e = errors("[thing]\nbase_file = /y\n");
+        assert!(e.iter().any(|l| l.contains("unknown key `base_file`")), "{e:?}");
     }
 
     #[test]
-    fn secrets_never_print() {
-        let c = parse("[server]\napi_key = topsecret\n", "t", None).unwrap();
+    fn secrets_never_print_and_a_disabled_provider_shows_off() {
+        let c = parse("[server]\napi_key = topsecret\n", "t", None, &READERS).unwrap();
         assert!(!c.summary().contains("topsecret"));
+        assert!(c.summary().contains("thing:             off"), "{}", c.summary());
+        assert!(!c.has_provider("thing"));
         assert_eq!(format!("{:?}", c.server.api_key), "Some(<redacted>)");
     }
 
     #[test]
     fn inline_comments_need_whitespace_before_the_hash() {
-        let c = parse("[webhook.a]\nsecret = ab#cd   # comment\n", "t", None).unwrap();
-        assert_eq!(c.webhooks["a"].secret.expose(), "ab#cd");
+        let c = parse("[thing]\ntoken = ab#cd   # comment\n", "t", None, &READERS).unwrap();
+        assert_eq!(c.provider::<Thing>("thing").unwrap().0, "ab#cd");
     }
 
     #[test]
     fn config_parser_survives_thousands_of_mutated_files() {
         let seeds: [&[u8]; 2] = [
             TEMPLATE.as_bytes(),
-            b"[webhook.a]\nsecret = \"x # y\"\n[queue]\nttl = 5m\nmax_bytes_total = 1GiB\n",
+            b"[family.a]\nkey = \"x # y\"\n[queue]\nttl = 5m\nmax_bytes_total = 1GiB\n[thing]\ntoken = t\n",
         ];
         for input in crate::testutil::mutations(&seeds, 1500, 3) {
-            let _ = parse(&String::from_utf8_lossy(&input), "fuzz", None);
+            let _ = parse(&String::from_utf8_lossy(&input), "fuzz", None, &READERS);
         }
     }
 
@@ -923,12 +918,12 @@ mod tests {
             "[",
             "]",
             "=",
-            "[webhook.]",
+            "[family.]",
             "[server]\n=",
             "\u{0}\u{ff}",
             "[server]\nlisten=\u{1F600}",
         ] {
-            let _ = parse(text, "t", None);
+            let _ = parse(text, "t", None, &READERS);
         }
     }
 }

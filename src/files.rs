@@ -1,23 +1,37 @@
 //! The file cache: inbound media fetched from providers and files xAgent uploads for the file
 //! tool, under `state_dir/files/`, each named by its `file_ref` (128 random bits, the only
-//! credential of `GET /files/refs/{ref}`).
+//! credential of `GET /files/refs/{ref}`). It owns the `files` table.
 //!
-//! Invariants: a file is written and fsync'd before its record commits (a crash leaves at most
-//! an orphan file, removed by the sweep); `[files] max_file_bytes` caps one file and
-//! `max_bytes_total` all of them; records expire after `[files] ttl` (independent of the
-//! message TTL) and take their bytes with them.
+//! Invariants:
+//! - Bytes are written and fsync'd under a temporary name (`REF.part`), the record commits, and
+//!   only then is the file renamed to its ref: a ref handed out always names a file that
+//!   exists. A crash between the commit and the rename is finished when the cache opens.
+//! - The sweep lists the directory before it reads the records, so a file renamed after its
+//!   record committed is never taken for an orphan; `.part` files are left alone for
+//!   `PART_GRACE` (a store in progress), then removed.
+//! - `[files] max_file_bytes` caps one file and `max_bytes_total` all of them, checked again in
+//!   the transaction that adds the record, so concurrent stores cannot pass it together.
+//! - Records expire after `[files] ttl` (independent of the message TTL) and take their bytes
+//!   with them.
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use miniserde::{Deserialize, Serialize};
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{ReadableTable, TableDefinition};
 
-use crate::app::App;
+use crate::config;
 use crate::ids;
+use crate::store::{self, Db, StoreError};
 
 /// file_ref → `FileRecord` JSON.
-pub(crate) const FILES: TableDefinition<&str, &str> = TableDefinition::new("files");
+const FILES: TableDefinition<&str, &str> = TableDefinition::new("files");
+/// Suffix of bytes whose record has not committed yet.
+const PART: &str = ".part";
+/// A `.part` file older than this belongs to no store in progress.
+const PART_GRACE: Duration = Duration::from_secs(3600);
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct FileRecord {
@@ -37,6 +51,7 @@ pub struct FileRecord {
 pub enum FileError {
     TooLarge,
     CacheFull,
+    /// The disk: the file could not be written or its record stored.
     Storage(String),
 }
 
@@ -48,10 +63,6 @@ impl std::fmt::Display for FileError {
             FileError::Storage(e) => write!(f, "file cache: {e}"),
         }
     }
-}
-
-fn dir(app: &App) -> PathBuf {
-    app.config.server.state_dir.join("files")
 }
 
 fn storage<E: std::fmt::Display>(e: E) -> FileError {
@@ -68,67 +79,197 @@ pub fn kind_of(mime: &str) -> &'static str {
     }
 }
 
-/// Stores bytes as a new file of `source`; returns its ref and record.
-pub fn store(
-    app: &App,
-    source: &str,
-    filename: &str,
-    mime_type: &str,
-    bytes: &[u8],
-    direction: &str,
-) -> Result<(String, FileRecord), FileError> {
-    let limits = &app.config.files;
-    let size = bytes.len() as u64;
-    if size > limits.max_file_bytes {
-        return Err(FileError::TooLarge);
-    }
-    let now = ids::now_ms();
-    // Refused before the bytes are written when it clearly cannot fit.
-    if total_bytes(app)? + size > limits.max_bytes_total {
-        sweep(app, now);
-        if total_bytes(app)? + size > limits.max_bytes_total {
-            log::warn!(
-                "files: cache full ({} bytes max); a {size}-byte file was refused",
-                limits.max_bytes_total
-            );
-            return Err(FileError::CacheFull);
+/// A well-formed ref: `file_` and hex. Anything else names no file (and no path).
+fn valid_ref(file_ref: &str) -> bool {
+    file_ref
+        .strip_prefix("file_")
+        .is_some_and(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+pub struct Files {
+    db: Arc<Db>,
+    dir: PathBuf,
+    limits: config::Files,
+}
+
+fn decode(v: &str) -> store::Result<FileRecord> {
+    miniserde::json::from_str(v).map_err(|_| store::corrupt("file record"))
+}
+
+impl Files {
+    /// Creates the table and finishes what a crash interrupted: bytes whose record committed are
+    /// renamed to their ref, bytes without a record are removed.
+    pub fn open(db: Arc<Db>, state_dir: &std::path::Path, limits: config::Files) -> store::Result<Files> {
+        db.write(|txn| {
+            txn.open_table(FILES)?;
+            Ok(())
+        })?;
+        let files = Files {
+            db,
+            dir: state_dir.join("files"),
+            limits,
+        };
+        if let Ok(entries) = std::fs::read_dir(&files.dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().to_string();
+                let Some(file_ref) = name.strip_suffix(PART) else {
+                    continue;
+                };
+                if files.record(file_ref)?.is_some() {
+                    let _ = std::fs::rename(e.path(), files.dir.join(file_ref));
+                } else {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
         }
+        Ok(files)
     }
-    let file_ref = ids::token("file_");
-    std::fs::create_dir_all(dir(app)).map_err(storage)?;
-    let path = dir(app).join(&file_ref);
-    let mut f = std::fs::File::create(&path).map_err(storage)?;
-    f.write_all(bytes).and_then(|_| f.sync_all()).map_err(storage)?;
-    let rec = FileRecord {
-        source: source.to_string(),
-        kind: kind_of(mime_type).to_string(),
-        filename: sanitize(filename),
-        mime_type: mime_type.to_string(),
-        byte_size: size,
-        expires_at: now + limits.ttl.as_millis() as u64,
-        direction: direction.to_string(),
-    };
-    // The cap is checked again in the transaction that adds the record, so concurrent uploads
-    // cannot together pass `max_bytes_total`.
-    let put = || -> crate::store::Result<bool> {
-        let db = app.store.db.get()?;
-        let txn = db.begin_write()?;
-        {
+
+    fn record(&self, file_ref: &str) -> store::Result<Option<FileRecord>> {
+        self.db.read(|txn| {
+            txn.open_table(FILES)?
+                .get(file_ref)?
+                .map(|v| decode(v.value()))
+                .transpose()
+        })
+    }
+
+    /// Stores bytes as a new file of `source`; returns its ref and record.
+    pub fn store(
+        &self,
+        source: &str,
+        filename: &str,
+        mime_type: &str,
+        bytes: &[u8],
+        direction: &str,
+    ) -> Result<(String, FileRecord), FileError> {
+        let size = bytes.len() as u64;
+        if size > self.limits.max_file_bytes {
+            return Err(FileError::TooLarge);
+        }
+        let now = ids::now_ms();
+        // Refused before the bytes are written when it clearly cannot fit.
+        if self.total_bytes().map_err(storage)? + size > self.limits.max_bytes_total {
+            self.sweep(now);
+            if self.total_bytes().map_err(storage)? + size > self.limits.max_bytes_total {
+                log::warn!(
+                    "files: cache full ({} bytes max); a {size}-byte file was refused",
+                    self.limits.max_bytes_total
+                );
+                return Err(FileError::CacheFull);
+            }
+        }
+        let file_ref = ids::token("file_");
+        std::fs::create_dir_all(&self.dir).map_err(storage)?;
+        let part = self.dir.join(format!("{file_ref}{PART}"));
+        let written = std::fs::File::create(&part).and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        });
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&part);
+            return Err(storage(e));
+        }
+        let rec = FileRecord {
+            source: source.to_string(),
+            kind: kind_of(mime_type).to_string(),
+            filename: sanitize(filename),
+            mime_type: mime_type.to_string(),
+            byte_size: size,
+            expires_at: now + self.limits.ttl.as_millis() as u64,
+            direction: direction.to_string(),
+        };
+        let max_total = self.limits.max_bytes_total;
+        let put = self.db.write(|txn| {
             let mut t = txn.open_table(FILES)?;
-            if sum(&t)? + size > limits.max_bytes_total {
+            if sum(&t)? + size > max_total {
                 return Ok(false);
             }
             t.insert(file_ref.as_str(), miniserde::json::to_string(&rec).as_str())?;
+            Ok(true)
+        });
+        match put {
+            Ok(true) => {}
+            outcome => {
+                let _ = std::fs::remove_file(&part);
+                return Err(outcome.map_or_else(storage, |_| FileError::CacheFull));
+            }
         }
-        txn.commit()?;
-        Ok(true)
-    };
-    match put() {
-        Ok(true) => Ok((file_ref, rec)),
-        outcome => {
-            let _ = std::fs::remove_file(&path);
-            Err(outcome.map_or_else(storage, |_| FileError::CacheFull))
+        // Committed: the bytes take their ref's name. Should this fail, the next open
+        // finishes it; the record is already there.
+        std::fs::rename(&part, self.dir.join(&file_ref)).map_err(storage)?;
+        Ok((file_ref, rec))
+    }
+
+    /// The unexpired record of `file_ref` and the path of its bytes. `Ok(None)`: no such file
+    /// (unknown, expired or malformed ref); `Err`: the store cannot tell right now.
+    pub fn get(&self, file_ref: &str) -> Result<Option<(FileRecord, PathBuf)>, StoreError> {
+        if !valid_ref(file_ref) {
+            return Ok(None);
         }
+        let rec = self.record(file_ref)?;
+        Ok(rec
+            .filter(|r| r.expires_at > ids::now_ms())
+            .map(|r| (r, self.dir.join(file_ref))))
+    }
+
+    fn total_bytes(&self) -> store::Result<u64> {
+        self.db.read(|txn| sum(&txn.open_table(FILES)?))
+    }
+
+    /// Removes expired files and orphans (bytes without a record); returns how many went.
+    pub fn sweep(&self, now: u64) -> usize {
+        // The listing comes first: a file renamed before it has a committed record, which the
+        // transaction below (begun after it) sees.
+        let listed: Vec<(String, PathBuf, Option<std::time::SystemTime>)> = match std::fs::read_dir(&self.dir) {
+            Ok(entries) => entries
+                .flatten()
+                .map(|e| {
+                    let modified = e.metadata().and_then(|m| m.modified()).ok();
+                    (e.file_name().to_string_lossy().to_string(), e.path(), modified)
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let swept = self.db.write(|txn| {
+            let mut alive = std::collections::HashSet::new();
+            let mut gone = 0;
+            txn.open_table(FILES)?.retain(|k, v| {
+                let keep = decode(v).is_ok_and(|r| r.expires_at > now);
+                if keep {
+                    alive.insert(k.to_string());
+                } else {
+                    gone += 1;
+                }
+                keep
+            })?;
+            Ok((alive, gone))
+        });
+        let (alive, gone) = match swept {
+            Ok(v) => v,
+            Err(e) => {
+                log::error!("files: sweep failed: {e}");
+                return 0;
+            }
+        };
+        let mut removed = 0;
+        for (name, path, modified) in listed {
+            let orphan = match name.strip_suffix(PART) {
+                // A store in progress, unless it is far too old for one.
+                Some(_) => modified
+                    .and_then(|m| m.elapsed().ok())
+                    .is_some_and(|age| age > PART_GRACE),
+                None => !alive.contains(&name),
+            };
+            if orphan && std::fs::remove_file(path).is_ok() {
+                removed += 1;
+            }
+        }
+        let n = removed.max(gone);
+        if n > 0 {
+            log::info!("files: {n} expired file(s) removed");
+        }
+        n
     }
 }
 
@@ -147,81 +288,29 @@ fn sanitize(name: &str) -> String {
     }
 }
 
-/// The unexpired record of `file_ref` and the path of its bytes.
-pub fn get(app: &App, file_ref: &str) -> Option<(FileRecord, PathBuf)> {
-    if !file_ref.starts_with("file_") || !file_ref[5..].bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    let db = app.store.db.get().ok()?;
-    let txn = db.begin_read().ok()?;
-    let rec: FileRecord = miniserde::json::from_str(txn.open_table(FILES).ok()?.get(file_ref).ok()??.value()).ok()?;
-    (rec.expires_at > ids::now_ms()).then(|| (rec, dir(app).join(file_ref)))
-}
-
-fn total_bytes(app: &App) -> Result<u64, FileError> {
-    let db = app.store.db.get().map_err(storage)?;
-    let txn = db.begin_read().map_err(storage)?;
-    sum(&txn.open_table(FILES).map_err(storage)?).map_err(storage)
-}
-
 /// Bytes of every record in the files table.
-fn sum(t: &impl ReadableTable<&'static str, &'static str>) -> crate::store::Result<u64> {
+fn sum(t: &impl ReadableTable<&'static str, &'static str>) -> store::Result<u64> {
     let mut total = 0;
     for row in t.iter()? {
         let (_, v) = row?;
-        total += miniserde::json::from_str::<FileRecord>(v.value()).map_or(0, |r| r.byte_size);
+        total += decode(v.value())?.byte_size;
     }
     Ok(total)
-}
-
-/// Removes expired files and orphans (bytes without a record); returns how many went.
-pub fn sweep(app: &App, now: u64) -> usize {
-    let run = || -> crate::store::Result<usize> {
-        let db = app.store.db.get()?;
-        let txn = db.begin_write()?;
-        let mut gone = Vec::new();
-        let mut keep = std::collections::HashSet::new();
-        {
-            let mut t = txn.open_table(FILES)?;
-            t.retain(|k, v| {
-                let alive = miniserde::json::from_str::<FileRecord>(v).is_ok_and(|r| r.expires_at > now);
-                if alive {
-                    keep.insert(k.to_string());
-                } else {
-                    gone.push(k.to_string());
-                }
-                alive
-            })?;
-        }
-        txn.commit()?;
-        let mut n = 0;
-        if let Ok(entries) = std::fs::read_dir(dir(app)) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().to_string();
-                if !keep.contains(&name) && std::fs::remove_file(e.path()).is_ok() {
-                    n += 1;
-                }
-            }
-        }
-        Ok(n.max(gone.len()))
-    };
-    match run() {
-        Ok(n) => {
-            if n > 0 {
-                log::info!("files: {n} expired file(s) removed");
-            }
-            n
-        }
-        Err(e) => {
-            log::error!("files: sweep failed: {e}");
-            0
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn cache(max_total: u64) -> (Arc<Files>, PathBuf) {
+        let (db, dir) = store::temp_db("files");
+        let limits = config::Files {
+            ttl: Duration::from_secs(3600),
+            max_file_bytes: 1 << 20,
+            max_bytes_total: max_total,
+        };
+        (Arc::new(Files::open(db, &dir, limits).unwrap()), dir)
+    }
 
     #[test]
     fn file_names_lose_paths_quotes_and_control_characters() {
@@ -230,5 +319,69 @@ mod tests {
         assert_eq!(sanitize(""), "file");
         assert_eq!(kind_of("image/png"), "image");
         assert_eq!(kind_of("application/pdf"), "file");
+        assert!(!valid_ref("file_../x") && !valid_ref("file_") && valid_ref("file_0a"));
+    }
+
+    #[test]
+    fn every_ref_handed_out_downloads_while_sweeps_run_alongside_stores_near_the_cap() {
+        // 300 stores of 100 bytes against a 20,000-byte cap: most are refused, and sweeps run
+        // the whole time. Every ref a store returned must name bytes on disk.
+        let (files, _dir) = cache(20_000);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sweeper = {
+            let (files, stop) = (files.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    files.sweep(ids::now_ms());
+                    n += 1;
+                }
+                n
+            })
+        };
+        let stores: Vec<_> = (0..6u8)
+            .map(|t| {
+                let files = files.clone();
+                std::thread::spawn(move || {
+                    (0..50)
+                        .filter_map(|_| {
+                            files
+                                .store("s:x", "a.bin", "application/octet-stream", &[t; 100], "in")
+                                .ok()
+                        })
+                        .map(|(r, _)| r)
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let refs: Vec<_> = stores.into_iter().flat_map(|t| t.join().unwrap()).collect();
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let sweeps = sweeper.join().unwrap();
+        assert!(sweeps > 10, "only {sweeps} sweeps ran alongside");
+        assert!(refs.len() >= 150, "only {} stores fit", refs.len());
+        for r in &refs {
+            let (rec, path) = files.get(r).unwrap().expect("record");
+            assert_eq!(
+                std::fs::metadata(&path).map(|m| m.len()).ok(),
+                Some(rec.byte_size),
+                "{r}"
+            );
+        }
+        assert!(files.total_bytes().unwrap() <= 20_000);
+    }
+
+    #[test]
+    fn a_crash_between_the_record_and_the_rename_is_finished_at_open() {
+        let (files, dir) = cache(1 << 20);
+        let (r, _) = files.store("s:x", "a.txt", "text/plain", b"hello", "in").unwrap();
+        let path = files.dir.join(&r);
+        std::fs::rename(&path, files.dir.join(format!("{r}{PART}"))).unwrap();
+        std::fs::write(files.dir.join(format!("file_00{PART}")), b"orphan").unwrap();
+        let limits = files.limits.clone();
+        let db = files.db.clone();
+        drop(files);
+        let files = Files::open(db, &dir, limits).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"hello");
+        assert!(!files.dir.join(format!("file_00{PART}")).exists());
     }
 }

@@ -54,6 +54,13 @@ pub fn secret_eq(a: &str, b: &str) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The credentials of an `Authorization: Bearer <token>` value; the scheme is matched
+/// case-insensitively (RFC 9110 11.1), the token is trimmed.
+pub fn bearer(authorization: &str) -> Option<&str> {
+    let (scheme, token) = authorization.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -71,6 +78,14 @@ mod tests {
         let a = token("rr_");
         assert_eq!(a.len(), 3 + 32);
         assert_ne!(a, token("rr_"));
+    }
+
+    #[test]
+    fn the_bearer_scheme_matches_in_any_case() {
+        assert_eq!(bearer("Bearer k"), Some("k"));
+        assert_eq!(bearer("bEaReR  k "), Some("k"));
+        assert_eq!(bearer("Basic k"), None);
+        assert_eq!(bearer("Bearerk"), None);
     }
 
     #[test]

@@ -2,16 +2,20 @@
 //! the fuzz targets in fuzz/ can call the parsers of outside bytes directly.
 
 pub mod app;
+pub mod channels;
 pub mod config;
 pub mod dataplane;
 pub mod files;
 pub mod http;
 pub mod ids;
 pub mod json;
+pub mod maintenance;
 pub mod outbox;
 pub mod protocol;
 pub mod providers;
+pub mod runtime;
 pub mod service;
+pub mod source;
 pub mod store;
 #[cfg(test)]
 mod testutil;

@@ -1,7 +1,7 @@
 //! imgate: an xAgent IM Connector Server for edge devices. CLI and wiring only; the modules live in
 //! the library (src/lib.rs) so that the fuzz targets in fuzz/ can reach the parsers.
 
-use imgate::{app, config, dataplane, files, http, ids, json, protocol, providers, service, store};
+use imgate::{app, config, dataplane, http, ids, json, maintenance, protocol, providers, runtime, service};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -49,7 +49,7 @@ fn main() -> ExitCode {
                 }
             };
             let path = config::locate(explicit.as_deref());
-            let cfg = match config::load(path.as_deref()) {
+            let cfg = match config::load(path.as_deref(), &providers::readers()) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("{e}");
@@ -154,34 +154,27 @@ fn run(cfg: config::Config) -> ExitCode {
     log::info!("{}", protocol::card::version_line());
     let state_dir = cfg.server.state_dir.clone();
     let opening = std::time::Instant::now();
-    let store = match store::Store::open(&state_dir) {
-        Ok(s) => s,
+    let app = match app::App::open(cfg) {
+        Ok(a) => a,
         Err(e) => {
-            log::error!("{e}");
+            log::error!("cannot open the database in {}: {e}", state_dir.display());
             return ExitCode::from(1);
         }
     };
     log::debug!("store opened and outbox index loaded in {:?}", opening.elapsed());
     // Expiry is enforced at startup, not only by the periodic sweep.
-    match store.sweep_expired(ids::now_ms()) {
+    match app.outbox.sweep_expired(ids::now_ms()) {
         Ok(0) => {}
         Ok(n) => log::warn!("outbox: {n} message(s) expired while imgate was stopped"),
         Err(e) => log::error!("outbox: startup sweep failed: {e}"),
     }
     // No xAgent has said hello to this process yet: the lease runs from now unless it already
     // ran while imgate was stopped.
-    if let Ok(None) = store.offline_since() {
-        if let Err(e) = store.set_offline_since(Some(ids::now_ms())) {
+    if let Ok(None) = app.channels.offline_since() {
+        if let Err(e) = app.channels.set_offline_since(Some(ids::now_ms())) {
             log::error!("lease: {e}");
         }
     }
-    let app = match app::App::new(cfg, store) {
-        Ok(a) => a,
-        Err(e) => {
-            log::error!("{e}");
-            return ExitCode::from(1);
-        }
-    };
     let listener = match std::net::TcpListener::bind(app.config.server.listen) {
         Ok(l) => l,
         Err(e) => {
@@ -190,33 +183,33 @@ fn run(cfg: config::Config) -> ExitCode {
         }
     };
     let socket = internal_socket(&state_dir);
-    if let Err(e) = http::start(app.clone(), &socket) {
-        log::error!("{e}");
-        return ExitCode::from(1);
-    }
+    let workers = match http::start(app.clone(), &socket) {
+        Ok(w) => w,
+        Err(e) => {
+            log::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    let names: Vec<&str> = app.providers.all().iter().map(|p| p.name()).collect();
     log::info!(
-        "listening on {} (connector_id {}, {} webhook endpoint(s))",
+        "listening on {} (connector_id {}, providers: {})",
         app.config.server.listen,
         app.connector_id,
-        app.config.webhooks.len()
+        names.join(", ")
     );
     if app.config.server.api_key.is_none() && !app.config.server.listen.ip().is_loopback() {
         log::warn!("api_key is empty on a non-loopback listener: anyone who can reach it can act as xAgent");
     }
-    start_maintenance(app.clone());
-    providers::bindings_changed(&app);
-    {
-        let app = app.clone();
-        std::thread::spawn(move || providers::telegram::register_webhook(&app));
-    }
+    runtime::spawn(maintenance::run(Arc::downgrade(&app))).detach();
+    app.providers.bindings_changed(&app.channels);
     let dial = app
         .config
         .xagent
         .dial
         .clone()
-        .map(|url| smol::spawn(dataplane::dial::run(app.clone(), url)));
+        .map(|url| runtime::spawn(dataplane::dial::run(app.clone(), url)));
     if let Some(every) = service::watchdog_interval() {
-        smol::spawn(service::watchdog(every)).detach();
+        runtime::spawn(service::watchdog(every)).detach();
     }
     let prefix = http::base_path(&app);
     let listener = match smol::net::TcpListener::try_from(listener) {
@@ -228,7 +221,7 @@ fn run(cfg: config::Config) -> ExitCode {
     };
     // Listener bound, outbox open, HTTP workers running: ready.
     service::notify("READY=1");
-    let why = smol::block_on(async {
+    let why = runtime::block_on(async {
         let serve = dataplane::listen::serve(app.clone(), listener, socket.clone(), prefix);
         let stop = service::stop_signal(signals);
         async {
@@ -238,26 +231,32 @@ fn run(cfg: config::Config) -> ExitCode {
         .or(stop)
         .await
     });
-    shutdown(app, dial, why, &socket)
+    shutdown(app, dial, workers, why, &socket)
 }
 
 /// Graceful stop: no new connections, WebSockets closed with a close frame, requests being
 /// answered are finished, then the database is closed cleanly (next start needs no repair).
-fn shutdown(app: Arc<app::App>, dial: Option<smol::Task<()>>, why: &str, socket: &Path) -> ExitCode {
+fn shutdown(
+    app: Arc<app::App>,
+    dial: Option<smol::Task<()>>,
+    workers: http::Workers,
+    why: &str,
+    socket: &Path,
+) -> ExitCode {
     log::info!("{why}: stopping");
     service::notify("STOPPING=1");
-    drop(dial);
-    app.hub.close_all("imgate is stopping");
-    let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
-    // The listener is closed; requests already sent are answered before the workers stop.
-    while dataplane::listen::requests_in_flight() > 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    app.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
-    // Every worker, session and task holds the app; the last one out closes the database.
-    while Arc::strong_count(&app) > 1 && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    // The executor keeps running while the sessions close and the answers go out.
+    runtime::block_on(async {
+        drop(dial);
+        app.hub.close_all("imgate is stopping");
+        let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
+        // The listener is closed; requests already sent are answered before the workers stop.
+        runtime::until(deadline, || dataplane::listen::requests_in_flight() == 0).await;
+        app.stop();
+        workers.stop();
+        // Every worker, session and task holds the app; the last one out closes the database.
+        runtime::until(deadline, || Arc::strong_count(&app) == 1).await;
+    });
     let _ = std::fs::remove_file(socket);
     match Arc::try_unwrap(app) {
         Ok(app) => {
@@ -288,58 +287,6 @@ fn internal_socket(state_dir: &Path) -> PathBuf {
         p
     } else {
         std::env::temp_dir().join(format!("imgate-{}.sock", std::process::id()))
-    }
-}
-
-/// Periodic expiry sweep every `cleanup_interval` (already at most ttl/2).
-fn start_maintenance(app: Arc<app::App>) {
-    let every = app.config.queue.cleanup_interval;
-    let spawned = std::thread::Builder::new()
-        .name("maintenance".into())
-        .spawn(move || loop {
-            // Sleep in short steps so a shutdown is not held up by a long interval; the lease is
-            // checked every second.
-            let start = std::time::Instant::now();
-            let mut lease_checked = start;
-            while start.elapsed() < every {
-                if app.is_stopping() {
-                    return;
-                }
-                std::thread::sleep(every.min(std::time::Duration::from_millis(100)));
-                if lease_checked.elapsed() >= std::time::Duration::from_secs(1) {
-                    lease_checked = std::time::Instant::now();
-                    // A disk that was full or read-only may be back: reopen after an I/O error.
-                    app.store.recover();
-                    check_lease(&app);
-                }
-            }
-            let now = ids::now_ms();
-            if let Err(e) = app.store.sweep_expired(now) {
-                log::error!("outbox: sweep failed: {e}");
-            }
-            if let Err(e) = app.store.sweep_refs(now) {
-                log::error!("store: reference sweep failed: {e}");
-            }
-            files::sweep(&app, now);
-        });
-    if let Err(e) = spawned {
-        log::error!("cannot start maintenance thread: {e}");
-    }
-}
-
-/// Common protocol 8.2: one continuous offline `lease` unregisters the `connector_id`'s channels.
-fn check_lease(app: &Arc<app::App>) {
-    let lease = app.config.xagent.lease;
-    match app.store.expire_lease(ids::now_ms(), lease.as_millis() as u64) {
-        Ok(None) | Ok(Some(0)) => {}
-        Ok(Some(n)) => {
-            log::warn!(
-                "lease: no xAgent for {}; {n} channel(s) unregistered (their pending messages stay unbound until their TTL)",
-                config::fmt_duration(lease)
-            );
-            providers::bindings_changed(app);
-        }
-        Err(e) => log::error!("lease: cannot unregister channels: {e}"),
     }
 }
 

@@ -137,3 +137,27 @@ fn unknown_commands_and_arguments_exit_2_with_usage() {
     let out = imgate(&["check", "--config"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_database_written_by_a_newer_imgate_is_refused_with_a_clear_message() {
+    let dir = temp_dir("format");
+    let state = dir.join("state");
+    let db = imgate::store::Db::open(&state).unwrap();
+    db.write(|txn| imgate::store::set_meta(txn, "format_version", Some("999")))
+        .unwrap();
+    drop(db);
+    let conf = dir.join("imgate.conf");
+    let text = format!(
+        "[server]\nlisten = 127.0.0.1:{}\nstate_dir = {}\n",
+        free_port(),
+        state.display()
+    );
+    std::fs::write(&conf, text).unwrap();
+    let out = imgate(&["run", "--config", conf.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "refused at start");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("format_version 999") && err.contains("newer imgate"),
+        "{err}"
+    );
+}

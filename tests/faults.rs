@@ -210,6 +210,12 @@ fn a_disk_turned_read_only_answers_503_loses_nothing_and_recovers_after_repair()
         200,
         "the process stays up"
     );
+    // The database cannot be opened again on a read-only disk: lookups answer 503, not 404.
+    assert_eq!(
+        http_get(&d.url("/files/refs/file_0123456789abcdef"), &[]),
+        (503, r#"{"error":"storage_unavailable"}"#.to_string()),
+        "an outage is not a missing file"
+    );
 
     fs.repair(d.pid());
     post_until_accepted(&d, &mut accepted, "after");

@@ -207,6 +207,36 @@ fn messages_arrive_and_replies_go_back_to_the_chat() {
 }
 
 #[test]
+fn a_stalled_typing_indicator_never_delays_another_channels_push() {
+    let (d, api) = telegram("tg-typing-stall", "");
+    let (mut x, tg) = bound(&d);
+    let (hook, _) = x.open(None);
+    let a = x.bind_webhook(&hook, "alerts", HOOK_SECRET);
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    api.stall("sendChatAction", Duration::from_secs(8), 1);
+    api.user_says(BOT, CHAT, "hello", Duration::ZERO);
+    let push = x.next_push(Duration::from_secs(10)).expect("the Telegram message");
+    assert_eq!(push["connector_channel_id"], json!(tg));
+    // Its pong reaches the delivery boundary; the typing indicator that follows hangs.
+    x.recv_within(Duration::from_millis(300));
+    assert!(
+        api.wait_arrived("sendChatAction", 1, Duration::from_secs(5)),
+        "typing is shown after the delivery"
+    );
+    let posted = std::time::Instant::now();
+    let (code, _) = d.post_hook("alerts", &json!({"message_id": "w1", "sender_id": "u", "text": "t"}));
+    assert_eq!(code, 202);
+    let push = x.next_push(Duration::from_secs(10)).expect("the webhook message");
+    let waited = posted.elapsed();
+    assert_eq!(push["connector_channel_id"], json!(hook));
+    println!("webhook push {waited:?} after its POST, with sendChatAction stalled");
+    assert!(
+        waited < Duration::from_millis(500),
+        "a stalled Bot API held another channel's push for {waited:?}"
+    );
+}
+
+#[test]
 fn rate_limits_are_retried_and_permanent_errors_come_back_with_a_stable_code() {
     let (d, api) = telegram("tg-retry", "");
     let (mut x, cch) = bound(&d);

@@ -52,7 +52,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, backend: PathBuf, prefi
         if active.fetch_add(1, Ordering::SeqCst) >= max {
             active.fetch_sub(1, Ordering::SeqCst);
             log::warn!("listener: {max} connections open; refusing {peer} with 503");
-            smol::spawn(async move {
+            crate::runtime::spawn(async move {
                 let mut s = stream;
                 let _ = s
                     .write_all(&plain(
@@ -69,7 +69,7 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, backend: PathBuf, prefi
         // A connection holds the app only once it becomes a data-plane session, so waiting
         // clients never hold up a shutdown.
         let (app, backend, prefix) = (Arc::downgrade(&app), backend.clone(), prefix.clone());
-        smol::spawn(async move {
+        crate::runtime::spawn(async move {
             let _guard = guard;
             handle(app, stream, peer.to_string(), &backend, &prefix).await;
         })
@@ -334,6 +334,7 @@ impl InFlight {
     fn answered(&self) {
         if self.0.swap(false, Ordering::SeqCst) {
             REQUESTS_IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+            crate::runtime::released();
         }
     }
 }

@@ -6,12 +6,13 @@
 pub mod dial;
 pub mod listen;
 pub mod session;
+pub mod tools;
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use crate::channels::Channels;
 use crate::protocol::Packet;
-use crate::store::Store;
 
 /// What the hub needs to reach a session.
 #[derive(Clone)]
@@ -132,8 +133,8 @@ impl Hub {
     }
 
     /// A message was accepted for `source`: wake whoever delivers it.
-    pub fn notify_source(&self, store: &Store, source: &str) {
-        if let Ok(Some(cch)) = store.bound_channel(source) {
+    pub fn notify_source(&self, channels: &Channels, source: &str) {
+        if let Ok(Some(cch)) = channels.bound_channel(source) {
             self.wake_channel(&cch);
         }
     }

@@ -21,10 +21,15 @@ use smol::stream::StreamExt;
 
 use super::{Outgoing, SessionLink};
 use crate::app::App;
+use crate::channels::ChannelRecord;
 use crate::ids;
 use crate::json::{self, obj, s, Object, Value};
+use crate::outbox::StoredMessage;
+use crate::protocol::descriptor::{self, Target, ToolState};
 use crate::protocol::{code, version_at_least, Packet, CARD_ID, PROFILE, PROTOCOL_VERSION};
-use crate::providers::{self, Failure};
+use crate::providers::inbound::{self, Inbound, Origin};
+use crate::providers::Failure;
+use crate::source::Source;
 
 /// Pushes per channel per delivery round.
 const BATCH: usize = 64;
@@ -32,9 +37,6 @@ const BATCH: usize = 64;
 const KEEPALIVE: Duration = Duration::from_secs(30);
 /// How long a `pong` may take before the connection is considered dead.
 const BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
-/// Successful tool results are kept this long to answer a repeated `tool_call_id` (xAgent
-/// retries within seconds); the maintenance sweep removes them afterwards.
-const TOOL_RESULT_TTL_MS: u64 = 3600 * 1000;
 
 /// Per-session state shared by the reader and the delivery loop.
 #[derive(Default)]
@@ -84,7 +86,7 @@ where
     log::info!("data plane: session {id} with {peer} started");
     let state = Arc::new(State::default());
 
-    let writer = smol::spawn(async move {
+    let writer = crate::runtime::spawn(async move {
         while let Ok(item) = out_rx.recv().await {
             match item {
                 Outgoing::Packet(p) => {
@@ -104,7 +106,7 @@ where
             }
         }
     });
-    let delivery = smol::spawn(deliver_loop(
+    let delivery = crate::runtime::spawn(deliver_loop(
         app.clone(),
         id,
         state.clone(),
@@ -147,7 +149,7 @@ where
             "data plane: no xAgent connected; channels stay registered for the lease of {}",
             crate::config::fmt_duration(app.config.xagent.lease)
         );
-        if let Err(e) = blocking(&app, |app| app.store.set_offline_since(Some(ids::now_ms()))).await {
+        if let Err(e) = blocking(&app, |app| app.channels.set_offline_since(Some(ids::now_ms()))).await {
             log::error!("data plane: cannot record the start of the lease: {e}");
         }
     }
@@ -160,7 +162,7 @@ where
         let why = format!("connection lost before the delivery barrier: {reason}");
         blocking(&app, move |app| {
             for (source, seqs) in in_flight {
-                if let Err(e) = app.store.mark_attempt_failed(&source, &seqs, &why) {
+                if let Err(e) = app.outbox.mark_attempt_failed(&source, &seqs, &why) {
                     log::error!("outbox: cannot record failed attempt for {source}: {e}");
                 }
             }
@@ -168,6 +170,8 @@ where
         .await;
     }
     log::info!("data plane: session {id} with {peer} ended: {reason}");
+    drop(app);
+    crate::runtime::released();
 }
 
 /// Pushes pending messages of every open bound channel, then runs the delivery barrier.
@@ -205,11 +209,16 @@ async fn deliver_loop(
                 let now = ids::now_ms();
                 let mut out = Vec::new();
                 for cch in channels {
-                    let Ok(Some(rec)) = app.store.channel(&cch) else {
-                        continue;
+                    let rec = match app.channels.channel(&cch) {
+                        Ok(Some(rec)) => rec,
+                        Ok(None) => continue,
+                        Err(e) => {
+                            log::debug!("data plane: cannot read channel {cch}: {e}");
+                            continue;
+                        }
                     };
-                    let Some(source) = rec.source else { continue };
-                    match app.store.pending(&source, BATCH, now) {
+                    let Some(source) = rec.source() else { continue };
+                    match app.outbox.pending(source.as_str(), BATCH, now) {
                         Ok(p) if !p.is_empty() => out.push((cch, source, p)),
                         Ok(_) => {}
                         Err(e) => log::error!("outbox: cannot read {source}: {e}"),
@@ -221,14 +230,14 @@ async fn deliver_loop(
             for (cch, source, pending) in batches {
                 let mut seqs = Vec::with_capacity(pending.len());
                 for p in pending {
-                    let payload = providers::render_push(&app, &source, &p.message);
+                    let payload = render_push(&app, &source, &p.message);
                     let packet = Packet::new("message.push").with_channel(&cch).with_payload(payload);
                     if out.send(Outgoing::Packet(packet)).await.is_err() {
                         return;
                     }
                     seqs.push(p.seq);
                 }
-                round.push((source, seqs));
+                round.push((source.to_string(), seqs));
             }
         }
         pushed_last_round = !round.is_empty();
@@ -265,8 +274,13 @@ async fn deliver_loop(
             let recorded = blocking(&app, move |app| {
                 let mut all = true;
                 for (source, seqs) in done {
-                    match app.store.mark_delivered(&source, &seqs, app.policy()) {
-                        Ok(_) => providers::delivered(app, &source),
+                    match app.outbox.mark_delivered(&source, &seqs) {
+                        Ok(_) => {
+                            let source = Source::parse(&source);
+                            if let Some((p, src)) = source.as_ref().and_then(|s| Some((app.providers.of(s)?, s))) {
+                                p.delivered(src);
+                            }
+                        }
                         Err(e) => {
                             log::error!("outbox: cannot record delivery for {source}: {e}");
                             all = false;
@@ -303,7 +317,7 @@ async fn handle(
     };
     log::trace!("data plane: <- {}", p.kind);
     match p.kind.as_str() {
-        "connector.hello" => return vec![hello(app, id, state, &p)],
+        "connector.hello" => return vec![hello(app, id, state, &p).await],
         "ping" => return vec![Packet::answer(&p, "pong")],
         "pong" => {
             if let Some(tx) = p.request_id.as_ref().and_then(|r| lock(&state.barriers).remove(r)) {
@@ -386,7 +400,7 @@ fn open_channel_of(app: &App, id: u64, p: &Packet) -> Result<String, Box<Packet>
     Ok(cch.to_string())
 }
 
-fn hello(app: &App, id: u64, state: &State, p: &Packet) -> Packet {
+async fn hello(app: &Arc<App>, id: u64, state: &State, p: &Packet) -> Packet {
     let pl = &p.payload;
     let card_id = json::get_str(pl, "connector_card_id").unwrap_or_default();
     if card_id != CARD_ID {
@@ -439,8 +453,8 @@ fn hello(app: &App, id: u64, state: &State, p: &Packet) -> Packet {
     }
     *lock(&state.profiles) = Some(enabled);
     if app.hub.authenticated(id) {
-        // Back online within the lease: nothing will be unregistered.
-        if let Err(e) = app.store.set_offline_since(None) {
+        // Back online within the lease: nothing will be unregistered. A commit: off the executor.
+        if let Err(e) = blocking(app, |app| app.channels.set_offline_since(None)).await {
             log::error!("data plane: cannot record that xAgent is back: {e}");
         }
     }
@@ -453,25 +467,106 @@ fn hello(app: &App, id: u64, state: &State, p: &Packet) -> Packet {
 
 async fn descriptor(app: &Arc<App>, cch: &str, profiles: &[String]) -> Value {
     let (cch, profiles) = (cch.to_string(), profiles.to_vec());
-    blocking(app, move |app| {
-        let rec = app
-            .store
-            .channel(&cch)
-            .ok()
-            .flatten()
-            .unwrap_or(crate::store::ChannelRecord {
-                source: None,
-                created_at: 0,
-            });
-        providers::describe(app, &cch, &rec, &profiles)
-    })
-    .await
+    blocking(app, move |app| describe(app, &cch, &profiles)).await
+}
+
+/// The Connection Descriptor of a channel in its current state: the provider of its binding
+/// describes it; every tool of the Card is listed, those its provider lacks as unavailable.
+fn describe(app: &App, cch: &str, profiles: &[String]) -> Value {
+    let target = |provider: &str, label: &str, display_name: String| Target {
+        provider: provider.into(),
+        label: label.into(),
+        display_name,
+        account_hint: None,
+    };
+    let rec = app.channels.channel(cch);
+    let (status, target, tools) = match rec.as_ref().map(|r| r.as_ref().and_then(ChannelRecord::source)) {
+        Err(e) => {
+            log::debug!("data plane: cannot read channel {cch}: {e}");
+            let why = "storage unavailable: try again later";
+            (
+                "error",
+                target("imgate", "imgate", "imgate (storage unavailable)".into()),
+                vec![("", ToolState::unavailable(why))],
+            )
+        }
+        Ok(None) => (
+            "created",
+            target("imgate", "imgate", "imgate (not bound)".into()),
+            vec![("", ToolState::unavailable("channel is not bound yet"))],
+        ),
+        Ok(Some(src)) => match app.providers.of(&src) {
+            None => (
+                "error",
+                target(
+                    src.provider(),
+                    src.provider(),
+                    format!("{} (provider not enabled)", src.provider()),
+                ),
+                vec![(
+                    "",
+                    ToolState::unavailable("the binding refers to a provider that is not enabled"),
+                )],
+            ),
+            Some(p) => match p.describe(&src) {
+                Ok(d) => (d.status, d.target, d.tools),
+                Err(e) => {
+                    log::debug!("data plane: cannot describe channel {cch}: {e}");
+                    let label = p.label(&src);
+                    let why = "storage unavailable: try again later";
+                    (
+                        "error",
+                        target(p.name(), &label, format!("{label} (storage unavailable)")),
+                        vec![("", ToolState::unavailable(why))],
+                    )
+                }
+            },
+        },
+    };
+    // The fallback state (tool "") applies to every Card tool the description does not name.
+    let fallback = tools.iter().find(|(t, _)| t.is_empty()).map_or_else(
+        || ToolState::unavailable("this channel cannot use it"),
+        |(_, st)| st.clone(),
+    );
+    let states: Vec<(&str, ToolState)> = app
+        .providers
+        .tools()
+        .into_iter()
+        .map(|t| {
+            let st = tools
+                .iter()
+                .find(|(id, _)| *id == t)
+                .map_or_else(|| fallback.clone(), |(_, st)| st.clone());
+            (t, st)
+        })
+        .collect();
+    descriptor::build(CARD_ID, &app.connector_id, cch, profiles, status, &target, &states)
+}
+
+/// The wire payload of a stored message: the provider names its origin, the profile renders.
+fn render_push(app: &App, source: &Source, stored: &StoredMessage) -> Value {
+    let Some(m) = Inbound::of(stored) else {
+        log::error!(
+            "outbox: stored message {} of {source} is unreadable",
+            stored.header.message_id
+        );
+        return obj([]);
+    };
+    let provider = app.providers.of(source);
+    let label = provider.map_or_else(|| source.key().to_string(), |p| p.label(source));
+    let origin = Origin {
+        provider: source.provider(),
+        label: &label,
+        tools: provider.map_or(&[], |p| p.tools()),
+        base: app.public_base(),
+    };
+    inbound::render(&origin, &m, stored)
 }
 
 async fn channel_open(app: &Arc<App>, id: u64, p: &Packet, profiles: &[String]) -> Packet {
     let requested = p.channel_id().map(str::to_string);
-    let opened = blocking(app, move |app| app.store.open_channel(requested.as_deref())).await;
-    let (cch, _rec, reused) = match opened {
+    let opened = blocking(app, move |app| app.channels.open_channel(requested.as_deref())).await;
+    let (cch, reused) = match opened {
         Ok(v) => v,
         Err(e) => {
             log::error!("data plane: cannot persist channel: {e}");
@@ -513,10 +608,16 @@ async fn auth_start(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profil
     let input = json::get_obj(&p.payload, "input").cloned().unwrap_or_default();
     let auth_id = ids::short("auth_");
     let (cch_owned, flow) = (cch.to_string(), flow_id.clone());
-    let result = blocking(app, move |app| -> Result<(String, Option<String>), Failure> {
-        let source = providers::authenticate(app, &flow, &input)?;
+    let result = blocking(app, move |app| -> Result<(Source, Option<String>), Failure> {
+        let provider = app.providers.for_flow(&flow).ok_or_else(|| {
+            Failure::new(
+                code::INVALID_ARGUMENTS,
+                format!("unknown auth flow `{flow}`; see the Connector Card's auth_flows"),
+            )
+        })?;
+        let source = provider.bind(&flow, &input)?;
         let previous = app
-            .store
+            .channels
             .bind(&cch_owned, &source)
             .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the binding: {e}")))?;
         Ok((source, previous))
@@ -595,15 +696,14 @@ async fn auth_cancel(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profi
     ]))
 }
 
-/// Pollers and stored tokens follow the bindings.
+/// Providers follow the bindings (pollers, stored tokens).
 async fn bindings_changed(app: &Arc<App>) {
-    let app = app.clone();
-    smol::unblock(move || providers::bindings_changed(&app)).await;
+    blocking(app, |app| app.providers.bindings_changed(&app.channels)).await;
 }
 
 async fn auth_logout(app: &Arc<App>, p: &Packet, cch: &str, profiles: &[String]) -> Packet {
     let c = cch.to_string();
-    match blocking(app, move |app| app.store.unbind(&c)).await {
+    match blocking(app, move |app| app.channels.unbind(&c)).await {
         Ok(old) => {
             if let Some(src) = old {
                 log::info!("data plane: channel {cch} unbound from {src}");
@@ -624,7 +724,7 @@ async fn auth_logout(app: &Arc<App>, p: &Packet, cch: &str, profiles: &[String])
 fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Sender<Outgoing>) {
     let app = app.clone();
     let p = p.clone();
-    smol::spawn(async move {
+    crate::runtime::spawn(async move {
         let tool_id = json::get_str(&p.payload, "tool_id").unwrap_or_default().to_string();
         let args: Object = json::get_obj(&p.payload, "arguments").cloned().unwrap_or_default();
         let call_id = json::get_obj(&p.payload, "context")
@@ -632,7 +732,10 @@ fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Send
             .filter(|c| !c.is_empty())
             .map(str::to_string);
         let (t, c) = (tool_id.clone(), cch.clone());
-        let outcome = blocking(&app, move |app| run_tool(app, &c, &t, &args, call_id.as_deref())).await;
+        let outcome = blocking(&app, move |app| {
+            super::tools::run(app, &c, &t, &args, call_id.as_deref())
+        })
+        .await;
         let ack = Packet::answer(&p, "tool.invoke.ack");
         let ack = match outcome {
             Ok(result) => ack.with_payload(obj([("tool_id", s(&tool_id)), ("result", result)])),
@@ -647,37 +750,8 @@ fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Send
             }
         };
         let _ = out.send(Outgoing::Packet(ack)).await;
+        drop(app);
+        crate::runtime::released();
     })
     .detach();
-}
-
-fn run_tool(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&str>) -> Result<Value, Failure> {
-    let storage = |e: crate::store::StoreError| Failure::new(code::TOOL_INVOKE_FAILED, format!("storage error: {e}"));
-    let rec = app.store.channel(cch).map_err(storage)?;
-    let Some(source) = rec.and_then(|r| r.source) else {
-        return Err(Failure::new(
-            code::CONNECTION_NOT_AUTHENTICATED,
-            "the channel is not bound; complete an auth flow first",
-        ));
-    };
-    // A repeated tool_call_id answers with the first result and sends nothing.
-    let key = call_id.map(|c| format!("{cch}:{tool_id}:{c}"));
-    if let Some(k) = &key {
-        if let Some(prev) = app.store.tool_result(k).map_err(storage)? {
-            log::info!("data plane: {tool_id} call repeated; answering with the first result");
-            return json::parse(&prev)
-                .map_err(|_| Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable"));
-        }
-    }
-    let idempotency_key = key.clone().unwrap_or_else(|| ids::token("call_"));
-    let result = providers::invoke(app, &source, tool_id, args, &idempotency_key)?;
-    if let Some(k) = &key {
-        if let Err(e) = app
-            .store
-            .save_tool_result(k, &json::to_string(&result), ids::now_ms() + TOOL_RESULT_TTL_MS)
-        {
-            log::error!("data plane: cannot remember result of {tool_id}: {e}");
-        }
-    }
-    Ok(result)
 }

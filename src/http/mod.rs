@@ -14,18 +14,30 @@ use crate::app::App;
 use crate::ids;
 use crate::json::{self, obj, s, Value};
 use crate::protocol::card;
-use crate::providers::webhook;
+use crate::providers::HttpRequest;
 
 /// Worker threads answering HTTP requests; the front door caps connections before them. Enough
-/// for 16 concurrent webhook senders to share one group commit.
+/// for 16 concurrent senders to share one group commit.
 const WORKERS: usize = 16;
-/// How often an idle worker looks at the shutdown flag.
-const POLL: std::time::Duration = std::time::Duration::from_millis(100);
 /// Handlers parse small bodies and wait on commits; they need little stack.
 const WORKER_STACK: usize = 256 * 1024;
 
-/// Starts the internal HTTP server on `socket` and its worker threads.
-pub fn start(app: Arc<App>, socket: &Path) -> Result<(), String> {
+/// The internal server's workers; `stop` lets each go once it has answered what it holds.
+pub struct Workers {
+    server: Arc<Server>,
+}
+
+impl Workers {
+    pub fn stop(&self) {
+        for _ in 0..WORKERS {
+            self.server.unblock();
+        }
+    }
+}
+
+/// Starts the internal HTTP server on `socket` and its worker threads. Idle workers block in
+/// `recv` (no polling); `Workers::stop` unblocks them.
+pub fn start(app: Arc<App>, socket: &Path) -> Result<Workers, String> {
     let _ = std::fs::remove_file(socket);
     let server =
         Server::http_unix(socket).map_err(|e| format!("cannot bind internal socket {}: {e}", socket.display()))?;
@@ -35,19 +47,20 @@ pub fn start(app: Arc<App>, socket: &Path) -> Result<(), String> {
         std::thread::Builder::new()
             .name(format!("http-{i}"))
             .stack_size(WORKER_STACK)
-            // A request being answered is finished before the worker exits on shutdown.
             .spawn(move || {
-                while !app.is_stopping() {
-                    match server.recv_timeout(POLL) {
-                        Ok(Some(req)) => handle(&app, req),
-                        Ok(None) => {}
+                loop {
+                    match server.recv() {
+                        Ok(req) => handle(&app, req),
+                        Err(_) if app.is_stopping() => break,
                         Err(e) => log::warn!("http: receive failed: {e}"),
                     }
                 }
+                drop(app);
+                crate::runtime::released();
             })
             .map_err(|e| format!("cannot start HTTP worker: {e}"))?;
     }
-    Ok(())
+    Ok(Workers { server })
 }
 
 fn header(req: &Request, name: &str) -> Option<String> {
@@ -77,8 +90,8 @@ fn authorized(app: &App, req: &Request) -> bool {
         None => true,
         Some(key) => header(req, "Authorization")
             .as_deref()
-            .and_then(|a| a.strip_prefix("Bearer "))
-            .is_some_and(|t| ids::secret_eq(t.trim(), key.expose())),
+            .and_then(ids::bearer)
+            .is_some_and(|t| ids::secret_eq(t, key.expose())),
     }
 }
 
@@ -122,9 +135,17 @@ fn read_body(req: &mut Request, limit: u64) -> Result<Vec<u8>, ()> {
 
 /// `GET /files/refs/{ref}`: the bytes of an inbound file; the unguessable ref is the credential.
 fn download(app: &App, req: Request, file_ref: &str) {
-    let Some((rec, path)) = crate::files::get(app, file_ref).filter(|(r, _)| r.direction == "in") else {
-        let _ = req.respond(error(404, "not_found"));
-        return;
+    let (rec, path) = match app.files.get(file_ref) {
+        Ok(Some(found)) if found.0.direction == "in" => found,
+        Ok(_) => {
+            let _ = req.respond(error(404, "not_found"));
+            return;
+        }
+        Err(e) => {
+            log::debug!("files: cannot look a file up: {e}");
+            let _ = req.respond(error(503, "storage_unavailable"));
+            return;
+        }
     };
     match std::fs::File::open(&path) {
         Ok(f) => {
@@ -148,8 +169,15 @@ fn upload(app: &App, req: &mut Request) -> Response<std::io::Cursor<Vec<u8>>> {
     let Some(cch) = header(req, "X-XAgent-Connector-Channel-ID") else {
         return bad("X-XAgent-Connector-Channel-ID is required");
     };
-    let Some(source) = app.store.channel(&cch).ok().flatten().and_then(|r| r.source) else {
-        return json_response(404, &obj([("error", s("connection_not_found"))]));
+    let source = match app.channels.channel(&cch) {
+        Ok(rec) => match rec.and_then(|r| r.source) {
+            Some(source) => source,
+            None => return json_response(404, &obj([("error", s("connection_not_found"))])),
+        },
+        Err(e) => {
+            log::debug!("files: cannot read channel {cch}: {e}");
+            return error(503, "storage_unavailable");
+        }
     };
     let Some(boundary) = header(req, "Content-Type").as_deref().and_then(multipart::boundary) else {
         return bad("the body must be multipart/form-data with a boundary");
@@ -170,7 +198,7 @@ fn upload(app: &App, req: &mut Request) -> Response<std::io::Cursor<Vec<u8>>> {
         .clone()
         .unwrap_or_else(|| "application/octet-stream".into());
     let name = file.filename.clone().unwrap_or_else(|| "file".into());
-    match crate::files::store(app, &source, &name, &mime, file.data, "out") {
+    match app.files.store(&source, &name, &mime, file.data, "out") {
         Ok((file_ref, rec)) => json_response(
             200,
             &obj([
@@ -190,17 +218,49 @@ fn upload(app: &App, req: &mut Request) -> Response<std::io::Cursor<Vec<u8>>> {
     }
 }
 
+/// The Card: the union of what the enabled providers bring.
+fn card_of(app: &App) -> Value {
+    let p = &app.providers;
+    card::card(
+        app.config.server.api_key.is_some(),
+        card::Parts {
+            targets: p.all().iter().map(|p| p.target()).collect(),
+            auth_flows: p.all().iter().flat_map(|p| p.auth_flows()).collect(),
+            tools: p.tools(),
+        },
+    )
+}
+
+/// A route a provider answers itself (ingest webhooks), body capped at `max_body`.
+fn provider_route(app: &App, req: &mut Request, path: &str) -> Response<std::io::Cursor<Vec<u8>>> {
+    let method = req.method().as_str().to_string();
+    let Some(provider) = app.providers.for_route(&method, path) else {
+        return error(404, "not_found");
+    };
+    let Ok(body) = read_body(req, app.config.server.max_body) else {
+        log::debug!("http: {method} {path}: body over max_body refused");
+        return error(413, "too_large");
+    };
+    let headers: Vec<(String, String)> = req
+        .headers()
+        .iter()
+        .map(|h| (h.field.as_str().as_str().to_string(), h.value.as_str().to_string()))
+        .collect();
+    let request = HttpRequest {
+        method: &method,
+        path,
+        headers: &headers,
+        body: &body,
+    };
+    let answer = provider.handle(&request).wait();
+    json_response(answer.status, &answer.body)
+}
+
 fn handle(app: &App, mut req: Request) {
     let path = route(app, req.url());
     let method = req.method().clone();
     let response = match (&method, path.as_str()) {
-        (Method::Get, "/connector-card.json") => json_response(
-            200,
-            &card::card(
-                app.config.server.api_key.is_some(),
-                app.config.telegram.as_ref().map(|t| t.bot_token.is_some()),
-            ),
-        ),
+        (Method::Get, "/connector-card.json") => json_response(200, &card_of(app)),
         (Method::Get, "/skill.md") => Response::from_data(card::SKILL.as_bytes().to_vec())
             .with_header(content_type("text/markdown; charset=utf-8")),
         (Method::Get, "/health") if authorized(app, &req) => json_response(200, &card::health()),
@@ -225,37 +285,11 @@ fn handle(app: &App, mut req: Request) {
         }
         (Method::Post, "/files/uploads") if authorized(app, &req) => upload(app, &mut req),
         (Method::Post, "/files/uploads") => error(401, "unauthorized"),
-        (Method::Post, "/telegram/webhook") => match read_body(&mut req, app.config.server.max_body) {
-            Err(()) => error(413, "too_large"),
-            Ok(body) => {
-                let secret = header(&req, "X-Telegram-Bot-Api-Secret-Token");
-                let (status, v) = crate::providers::telegram::webhook_update(app, secret.as_deref(), &body);
-                json_response(status, &v)
-            }
-        },
-        (Method::Post, p) if p.starts_with("/hooks/") => {
-            let name = &p["/hooks/".len()..];
-            if !app.config.webhooks.contains_key(name) {
-                error(404, "unknown_endpoint")
-            } else {
-                match read_body(&mut req, app.config.server.max_body) {
-                    Err(()) => {
-                        log::info!("webhook {name}: body over max_body refused");
-                        error(413, "too_large")
-                    }
-                    Ok(body) => {
-                        let auth = header(&req, "Authorization");
-                        let sig = header(&req, "X-Imgate-Signature");
-                        let a = webhook::accept(app, name, auth.as_deref(), sig.as_deref(), &body);
-                        json_response(a.status, &a.body)
-                    }
-                }
-            }
-        }
+        (m, p) if app.providers.for_route(m.as_str(), p).is_some() => provider_route(app, &mut req, &path),
         (_, "/connector-card.json" | "/skill.md" | "/health" | "/status" | "/metrics") => {
             error(405, "method_not_allowed")
         }
-        (_, p) if p.starts_with("/hooks/") => error(405, "method_not_allowed"),
+        (_, p) if app.providers.has_path(p) => error(405, "method_not_allowed"),
         _ => error(404, "not_found"),
     };
     let status = response.status_code().0;

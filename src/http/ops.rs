@@ -3,6 +3,7 @@
 use crate::app::App;
 use crate::json::{arr, n, obj, opt_s, s, Value};
 use crate::outbox::Counters as SourceStats;
+use crate::source::Source;
 use crate::store::StoreError;
 
 /// One row per channel plus the unbound sources, as both endpoints report them.
@@ -13,15 +14,15 @@ struct Snapshot {
 
 struct ChannelRow {
     cch: String,
-    provider: &'static str,
+    provider: String,
     status: &'static str,
     stats: SourceStats,
 }
 
 fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
-    let mut per_source = app.store.stats()?;
+    let mut per_source = app.outbox.stats()?;
     let mut channels = Vec::new();
-    for (cch, rec) in app.store.channels()? {
+    for (cch, rec) in app.channels.channels()? {
         let stats = match &rec.source {
             Some(src) => per_source
                 .iter()
@@ -37,7 +38,10 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
         };
         channels.push(ChannelRow {
             cch,
-            provider: provider_of(rec.source.as_deref()),
+            // The provider part of the source ("none" while unbound).
+            provider: rec
+                .source()
+                .map_or_else(|| "none".into(), |s: Source| s.provider().to_string()),
             status,
             stats,
         });
@@ -53,14 +57,6 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
     Ok(Snapshot { channels, unbound })
 }
 
-fn provider_of(source: Option<&str>) -> &'static str {
-    match source {
-        Some(s) if s.starts_with("webhook:") => "webhook",
-        Some(s) if s.starts_with("telegram:") => "telegram",
-        _ => "none",
-    }
-}
-
 pub fn status(app: &App) -> Result<Value, StoreError> {
     let snap = snapshot(app)?;
     let q = &app.config.queue;
@@ -68,7 +64,7 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
         ("connector_id", s(&app.connector_id)),
         ("version", s(crate::protocol::card::VERSION)),
         ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
-        ("outbox", obj([("pending_bytes", n(app.store.total_bytes()))])),
+        ("outbox", obj([("pending_bytes", n(app.outbox.total_bytes()))])),
         (
             "policy",
             obj([
@@ -85,7 +81,7 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
             arr(snap.channels.iter().map(|c| {
                 obj([
                     ("connector_channel_id", s(&c.cch)),
-                    ("provider", s(c.provider)),
+                    ("provider", s(&c.provider)),
                     ("status", s(c.status)),
                     ("pending", n(c.stats.pending)),
                     ("pending_bytes", n(c.stats.pending_bytes)),
@@ -101,7 +97,7 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
             "lease",
             obj([
                 ("lease_ms", n(app.config.xagent.lease.as_millis() as u64)),
-                ("channels_unregistered", n(app.store.lease_unregistered()?)),
+                ("channels_unregistered", n(app.channels.lease_unregistered()?)),
             ]),
         ),
         (
@@ -140,20 +136,16 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     out.push_str("# TYPE imgate_dataplane_connections gauge\n");
     out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
     out.push_str("# TYPE imgate_outbox_bytes gauge\n");
-    out.push_str(&format!("imgate_outbox_bytes {}\n", app.store.total_bytes()));
-    if app.config.telegram.is_some() {
-        out.push_str("# TYPE imgate_telegram_pollers gauge\n");
-        out.push_str(&format!("imgate_telegram_pollers {}\n", app.telegram.count()));
-        out.push_str("# TYPE imgate_telegram_unbound_updates_total counter\n");
-        let unbound = crate::providers::telegram::poll::UNBOUND_UPDATES.load(std::sync::atomic::Ordering::Relaxed);
-        out.push_str(&format!("imgate_telegram_unbound_updates_total {unbound}\n"));
+    out.push_str(&format!("imgate_outbox_bytes {}\n", app.outbox.total_bytes()));
+    for p in app.providers.all() {
+        p.metrics(&mut out);
     }
     out.push_str("# TYPE imgate_lease_unregistered_channels_total counter\n");
     out.push_str(&format!(
         "imgate_lease_unregistered_channels_total {}\n",
-        app.store.lease_unregistered()?
+        app.channels.lease_unregistered()?
     ));
-    let (commits, grouped) = app.store.commit_stats();
+    let (commits, grouped) = app.outbox.commit_stats();
     out.push_str("# TYPE imgate_outbox_commits_total counter\n");
     out.push_str(&format!("imgate_outbox_commits_total {commits}\n"));
     out.push_str("# TYPE imgate_outbox_committed_messages_total counter\n");

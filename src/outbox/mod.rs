@@ -1,5 +1,6 @@
 //! The durable outbox: per-source FIFO of accepted inbound messages with TTL, caps, dedupe and
-//! counters (IM profile v1 sections 7 and 8).
+//! counters (IM profile v1 sections 7 and 8). It owns its tables (`messages`, `delivered`,
+//! `counters`, `reply_refs`), its capacity policy and the committer thread.
 //!
 //! A *source* is where messages come from (`webhook:NAME`); the channel bound to a source
 //! receives its queue, so per-source is per-channel. Messages accepted before any binding wait
@@ -7,11 +8,13 @@
 //!
 //! Invariants:
 //! - A message is accepted (and its sender told so) only after the commit that stores it.
-//!   Enqueues from all HTTP threads go through one committer thread that groups whatever is
-//!   waiting into one transaction (group commit): one fsync for many senders.
+//!   Enqueues from every thread and task go through one committer thread that groups whatever
+//!   is waiting into one transaction (group commit): one fsync for many senders. A sender waits
+//!   on its `Ticket`, blocking (`wait`) or as a future (`outcome`), so a waiting sender costs no
+//!   thread on the async side.
 //! - `expires_at = accepted_at + ttl` is written once, at acceptance, and never changed.
-//! - A message leaves the queue in exactly three ways, each counted and logged: delivered (a
-//!   `pong` answered a `ping` sent after its push), expired, or evicted (`capacity_exceeded`).
+//! - A message leaves the queue in exactly three ways, each counted and logged: delivered (the
+//!   profile's delivery boundary was reached), expired, or evicted (`capacity_exceeded`).
 //!   Expired and evicted messages take their reply reference with them.
 //! - The in-memory `Index` (pending counts, bytes, known IDs) mirrors the tables: every writer
 //!   holds its lock across its transaction and changes both together; a failed commit rebuilds
@@ -25,23 +28,25 @@ mod index;
 mod record;
 
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
+use redb::{ReadTransaction, ReadableTable, TableDefinition, WriteTransaction};
 
 use self::index::{Index, Place};
 pub use self::record::{Header, StoredMessage};
 use crate::config::Overflow;
-use crate::store::{Db, ReplyRef, Result, Store, StoreError, REPLY_REFS};
+use crate::store::{self, Db, Result, StoreError};
 
 /// `(source, seq)` → record (`record.rs`). `seq` grows per source: key order is acceptance order.
 const MESSAGES: TableDefinition<(&str, u64), &str> = TableDefinition::new("messages");
-/// `(source, seq)` → `"expires_at message_id"` of delivered messages, for dedupe.
+/// `(source, seq)` → `"expires_at reply_ref message_id"` of delivered messages, for dedupe.
 const DELIVERED: TableDefinition<(&str, u64), &str> = TableDefinition::new("delivered");
 /// source → `Tally` JSON.
 const COUNTERS: TableDefinition<&str, &str> = TableDefinition::new("counters");
+/// reply_ref token → `ReplyRef` JSON; a reference leaves with its message or its dedupe entry.
+const REPLY_REFS: TableDefinition<&str, &str> = TableDefinition::new("reply_refs");
 
 /// Most enqueues folded into one transaction.
 const MAX_GROUP: usize = 256;
@@ -49,13 +54,6 @@ const MAX_GROUP: usize = 256;
 const LINGER: Duration = Duration::from_millis(4);
 /// ...as long as the next one follows within this gap.
 const ARRIVAL_GAP: Duration = Duration::from_micros(500);
-
-pub(crate) fn create_tables(txn: &WriteTransaction) -> Result<()> {
-    txn.open_table(MESSAGES)?;
-    txn.open_table(DELIVERED)?;
-    txn.open_table(COUNTERS)?;
-    Ok(())
-}
 
 /// What is persisted per source besides the messages.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
@@ -114,6 +112,14 @@ pub struct Pending {
     pub message: StoredMessage,
 }
 
+/// Which message a reply reference answers, and until when it may be used.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct ReplyRef {
+    pub source: String,
+    pub message_id: String,
+    pub expires_at: u64,
+}
+
 /// A message to accept.
 pub struct NewMessage {
     pub source: String,
@@ -122,21 +128,45 @@ pub struct NewMessage {
     pub reply_ref: Option<(String, ReplyRef)>,
     pub accepted_at: u64,
     pub expires_at: u64,
-    /// A provider's consumer cursor (key, value) advanced in the same transaction, accepted or
-    /// duplicate: a crash can then neither skip the message nor accept it twice.
+    /// A provider's consumer cursor (`meta` key, value) advanced in the same transaction,
+    /// accepted or duplicate: a crash can then neither skip the message nor accept it twice.
     pub cursor: Option<(String, u64)>,
 }
 
 struct Job {
     message: NewMessage,
-    policy: Policy,
-    done: mpsc::SyncSender<Result<Enqueued>>,
+    done: smol::channel::Sender<Result<Enqueued>>,
 }
 
-/// The outbox's shared state: the database and its in-memory index.
-pub(crate) struct Shared {
+/// The answer to one enqueue, once its group has committed.
+pub struct Ticket(std::result::Result<smol::channel::Receiver<Result<Enqueued>>, StoreError>);
+
+fn stopped() -> StoreError {
+    StoreError::Internal("the outbox committer stopped".into())
+}
+
+impl Ticket {
+    /// Blocks the calling thread until the commit.
+    pub fn wait(self) -> Result<Enqueued> {
+        self.0?.recv_blocking().map_err(|_| stopped())?
+    }
+
+    /// Waits for the commit as a future: no thread is held while the group commits.
+    pub async fn outcome(self) -> Result<Enqueued> {
+        self.0?.recv().await.map_err(|_| stopped())?
+    }
+}
+
+/// Called after a commit with every source that got a new message (the data plane wakes the
+/// session holding its channel).
+type AcceptHook = Box<dyn Fn(&str) + Send + Sync>;
+
+/// The database and the in-memory index, shared with the committer thread.
+struct Shared {
     db: Arc<Db>,
     index: Mutex<Index>,
+    policy: Policy,
+    on_accept: OnceLock<AcceptHook>,
 }
 
 impl Shared {
@@ -148,41 +178,30 @@ impl Shared {
     /// rebuilt from what the database really holds.
     fn write<T>(&self, f: impl FnOnce(&WriteTransaction, &mut Index) -> Result<T>) -> Result<T> {
         let mut idx = self.lock();
-        let run = |idx: &mut Index| -> Result<T> {
-            let db = self.db.get()?;
-            let txn = db.begin_write()?;
-            let v = f(&txn, idx)?;
-            txn.commit()?;
-            Ok(v)
-        };
-        let result = run(&mut idx);
-        match &result {
-            Ok(_) => self.db.write_ok(),
-            Err(e) => {
-                self.db.write_failed(e);
-                // After an I/O error (disk full, read-only) the file must be reopened first.
-                self.db.recover();
-                match self.db.get().and_then(|db| load_index(&db)) {
-                    Ok(fresh) => *idx = fresh,
-                    // Rebuilt on the next failure or reopen; the outage itself is logged once.
-                    Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
-                }
+        let result = self.db.write(|txn| f(txn, &mut idx));
+        if result.is_err() {
+            // After an I/O error (disk full, read-only) the file must be reopened first.
+            self.db.recover();
+            match self.db.read(load_index) {
+                Ok(fresh) => *idx = fresh,
+                // Rebuilt on the next failure or reopen; the outage itself is logged once.
+                Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
             }
         }
         result
     }
 }
 
-/// The committer thread's handle. Dropping it stops the thread and waits for it, so the database
-/// is closed when the `Store` is gone.
-pub(crate) struct Committer {
+pub struct Outbox {
+    shared: Arc<Shared>,
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Option<std::thread::JoinHandle<()>>,
     /// Group commits made and messages they carried, for `/metrics`.
     stats: Arc<(AtomicUsize, AtomicUsize)>,
 }
 
-impl Drop for Committer {
+/// Dropping the outbox stops the committer and waits for it, so the database can close.
+impl Drop for Outbox {
     fn drop(&mut self) {
         self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(t) = self.thread.take() {
@@ -192,9 +211,8 @@ impl Drop for Committer {
 }
 
 /// Builds the index from the tables (startup, and after a failed commit).
-fn load_index(db: &Database) -> Result<Index> {
+fn load_index(txn: &ReadTransaction) -> Result<Index> {
     let mut idx = Index::default();
-    let txn = db.begin_read()?;
     for row in txn.open_table(MESSAGES)?.iter()? {
         let (k, v) = row?;
         let (src, seq) = k.value();
@@ -219,12 +237,21 @@ fn load_index(db: &Database) -> Result<Index> {
     Ok(idx)
 }
 
-impl Store {
-    /// Loads the index and starts the committer thread; called once by `Store::open`.
-    pub(crate) fn start_outbox(db: Arc<Db>) -> Result<(Arc<Shared>, Committer)> {
+impl Outbox {
+    /// Creates the tables, loads the index and starts the committer thread.
+    pub fn open(db: Arc<Db>, policy: Policy) -> Result<Outbox> {
+        db.write(|txn| {
+            txn.open_table(MESSAGES)?;
+            txn.open_table(DELIVERED)?;
+            txn.open_table(COUNTERS)?;
+            txn.open_table(REPLY_REFS)?;
+            Ok(())
+        })?;
         let shared = Arc::new(Shared {
-            index: Mutex::new(load_index(&*db.get()?)?),
+            index: Mutex::new(db.read(load_index)?),
             db,
+            policy,
+            on_accept: OnceLock::new(),
         });
         let (tx, rx) = mpsc::channel::<Job>();
         let stats = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
@@ -260,65 +287,90 @@ impl Store {
                     commit_group(&group_shared, jobs);
                 }
             })
-            .expect("the outbox committer thread starts");
-        let committer = Committer {
+            .map_err(|e| StoreError::Internal(format!("cannot start the outbox committer: {e}")))?;
+        Ok(Outbox {
+            shared,
             tx: Mutex::new(Some(tx)),
             thread: Some(thread),
             stats,
-        };
-        Ok((shared, committer))
+        })
+    }
+
+    /// Sets the function told about sources with new messages (once, by the data plane).
+    pub fn on_accepted(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
+        let _ = self.shared.on_accept.set(Box::new(hook));
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.shared.policy
+    }
+
+    /// After a disk that was full or read-only: reopens the file if an I/O error asked for it,
+    /// and rebuilds the index from what the reopened file holds.
+    pub fn recover(&self) {
+        if self.shared.db.recover() {
+            let mut idx = self.shared.lock();
+            match self.shared.db.read(load_index) {
+                Ok(fresh) => *idx = fresh,
+                Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
+            }
+        }
     }
 
     /// `(group commits, messages carried)` since start.
     pub fn commit_stats(&self) -> (u64, u64) {
-        let s = &self.committer.stats;
         (
-            s.0.load(AtomicOrdering::Relaxed) as u64,
-            s.1.load(AtomicOrdering::Relaxed) as u64,
+            self.stats.0.load(AtomicOrdering::Relaxed) as u64,
+            self.stats.1.load(AtomicOrdering::Relaxed) as u64,
         )
     }
 
-    /// Accepts a message durably (the call returns after the commit), answers `Duplicate`, or
+    /// Hands a message to the committer; the ticket tells when (and how) it was committed.
+    pub fn submit(&self, message: NewMessage) -> Ticket {
+        let (done, result) = smol::channel::bounded(1);
+        let sender = self.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match sender.map(|s| s.send(Job { message, done }).is_ok()) {
+            Some(true) => Ticket(Ok(result)),
+            _ => Ticket(Err(stopped())),
+        }
+    }
+
+    /// Accepts a message durably (returns after the commit), answers `Duplicate`, or
     /// `CapacityExceeded` with nothing stored.
-    pub fn enqueue(&self, message: NewMessage, policy: Policy) -> Result<Enqueued> {
-        let (done, result) = mpsc::sync_channel(1);
-        let stopped = || StoreError("the outbox committer stopped".into());
-        let sender = self.committer.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        sender
-            .ok_or_else(stopped)?
-            .send(Job { message, policy, done })
-            .map_err(|_| stopped())?;
-        result.recv().map_err(|_| stopped())?
+    pub fn enqueue(&self, message: NewMessage) -> Result<Enqueued> {
+        self.submit(message).wait()
     }
 
     /// Up to `limit` unexpired pending messages of `source`, oldest first.
     pub fn pending(&self, source: &str, limit: usize, now: u64) -> Result<Vec<Pending>> {
-        let t = self.db.get()?.begin_read()?.open_table(MESSAGES)?;
-        let mut out = Vec::new();
-        for row in t.range((source, 0)..=(source, u64::MAX))? {
-            let (k, v) = row?;
-            let Some(message) = record::decode(v.value()) else {
-                continue;
-            };
-            // Expired messages are skipped here and removed by the next sweep: never delivered.
-            if message.header.expires_at <= now {
-                continue;
+        self.shared.db.read(|txn| {
+            let mut out = Vec::new();
+            for row in txn.open_table(MESSAGES)?.range((source, 0)..=(source, u64::MAX))? {
+                let (k, v) = row?;
+                let Some(message) = record::decode(v.value()) else {
+                    continue;
+                };
+                // Expired messages are skipped here and removed by the next sweep: never delivered.
+                if message.header.expires_at <= now {
+                    continue;
+                }
+                out.push(Pending {
+                    seq: k.value().1,
+                    message,
+                });
+                if out.len() >= limit {
+                    break;
+                }
             }
-            out.push(Pending {
-                seq: k.value().1,
-                message,
-            });
-            if out.len() >= limit {
-                break;
-            }
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
     /// The delivery boundary was reached for these messages: move them from the queue to the
     /// delivered log in one commit.
-    pub fn mark_delivered(&self, source: &str, seqs: &[u64], policy: Policy) -> Result<u64> {
-        self.outbox.write(|txn, idx| {
+    pub fn mark_delivered(&self, source: &str, seqs: &[u64]) -> Result<u64> {
+        let cap = self.shared.policy.delivered_cap();
+        self.shared.write(|txn, idx| {
             let mut messages = txn.open_table(MESSAGES)?;
             let mut delivered = txn.open_table(DELIVERED)?;
             let mut n = 0;
@@ -340,7 +392,7 @@ impl Store {
             }
             drop(delivered);
             let si = idx.source(source);
-            while si.delivered_len() > policy.delivered_cap() {
+            while si.delivered_len() > cap {
                 if let Some(seq) = si.pop_delivered() {
                     forget_delivered(txn, source, seq)?;
                 }
@@ -352,7 +404,7 @@ impl Store {
 
     /// The connection failed before the boundary: the messages stay pending, `attempts + 1`.
     pub fn mark_attempt_failed(&self, source: &str, seqs: &[u64], error: &str) -> Result<()> {
-        self.outbox.write(|txn, idx| {
+        self.shared.write(|txn, idx| {
             let mut messages = txn.open_table(MESSAGES)?;
             let (mut n, mut delta) = (0u64, 0i64);
             for &seq in seqs {
@@ -381,7 +433,7 @@ impl Store {
     /// before an older one, after the TTL was lowered, is skipped by every read and removed
     /// once it reaches the head.)
     pub fn sweep_expired(&self, now: u64) -> Result<u64> {
-        self.outbox.write(|txn, idx| {
+        self.shared.write(|txn, idx| {
             let sources: Vec<String> = idx.sources.keys().cloned().collect();
             let mut n = 0;
             for src in &sources {
@@ -398,28 +450,56 @@ impl Store {
         })
     }
 
+    /// Drops reply references past their expiry that nothing removed with their message;
+    /// returns how many went.
+    pub fn sweep_reply_refs(&self, now: u64) -> Result<u64> {
+        self.shared.db.write(|txn| {
+            let mut n = 0;
+            txn.open_table(REPLY_REFS)?.retain(|_, v| {
+                let keep = miniserde::json::from_str::<ReplyRef>(v).is_ok_and(|r| r.expires_at > now);
+                n += u64::from(!keep);
+                keep
+            })?;
+            Ok(n)
+        })
+    }
+
+    /// The message a reply reference answers, while it may be used.
+    pub fn reply_ref(&self, token: &str) -> Result<Option<ReplyRef>> {
+        self.shared.db.read(|txn| {
+            let Some(v) = txn.open_table(REPLY_REFS)?.get(token)? else {
+                return Ok(None);
+            };
+            let r: ReplyRef = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("reply reference"))?;
+            Ok(Some(r))
+        })
+    }
+
     /// Counts messages that expired before acceptance (a provider's backlog older than the TTL).
     pub fn record_expired(&self, source: &str, n: u64) -> Result<()> {
-        self.outbox.write(|txn, _| tally(txn, source, |t| t.expired += n))
+        self.shared.write(|txn, _| tally(txn, source, |t| t.expired += n))
     }
 
     /// Figures of every source that has any.
     pub fn stats(&self) -> Result<Vec<(String, Counters)>> {
-        let mut out: Vec<(String, Counters)> = Vec::new();
-        for row in self.db.get()?.begin_read()?.open_table(COUNTERS)?.iter()? {
-            let (k, v) = row?;
-            let t: Tally = miniserde::json::from_str(v.value()).unwrap_or_default();
-            let c = Counters {
-                delivered: t.delivered,
-                expired: t.expired,
-                evicted: t.evicted,
-                attempts: t.attempts,
-                last_error: t.last_error,
-                ..Default::default()
-            };
-            out.push((k.value().to_string(), c));
-        }
-        let idx = self.outbox.lock();
+        let mut out: Vec<(String, Counters)> = self.shared.db.read(|txn| {
+            let mut out = Vec::new();
+            for row in txn.open_table(COUNTERS)?.iter()? {
+                let (k, v) = row?;
+                let t: Tally = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("outbox counters"))?;
+                let c = Counters {
+                    delivered: t.delivered,
+                    expired: t.expired,
+                    evicted: t.evicted,
+                    attempts: t.attempts,
+                    last_error: t.last_error,
+                    ..Default::default()
+                };
+                out.push((k.value().to_string(), c));
+            }
+            Ok(out)
+        })?;
+        let idx = self.shared.lock();
         for (src, si) in &idx.sources {
             let i = match out.iter().position(|(s, _)| s == src) {
                 Some(i) => i,
@@ -436,29 +516,40 @@ impl Store {
 
     /// Bytes held by the outbox over all sources.
     pub fn total_bytes(&self) -> u64 {
-        self.outbox.lock().total_bytes()
+        self.shared.lock().total_bytes()
     }
 }
 
-/// One transaction for a group of enqueues; every job learns the commit's outcome.
+/// One transaction for a group of enqueues; every job learns the commit's outcome, then the
+/// hook hears of each source that got a message.
 fn commit_group(shared: &Shared, jobs: Vec<Job>) {
+    let policy = shared.policy;
     let result = shared.write(|txn, idx| {
         let mut outcomes = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            outcomes.push(enqueue_in(txn, idx, &job.message, job.policy)?);
+            outcomes.push(enqueue_in(txn, idx, &job.message, policy)?);
         }
         Ok(outcomes)
     });
     match result {
         Ok(outcomes) => {
+            let mut woken: Vec<String> = Vec::new();
             for (job, outcome) in jobs.into_iter().zip(outcomes) {
-                let _ = job.done.send(Ok(outcome));
+                if matches!(outcome, Enqueued::Accepted { .. }) && !woken.contains(&job.message.source) {
+                    woken.push(job.message.source.clone());
+                }
+                let _ = job.done.try_send(Ok(outcome));
+            }
+            if let Some(hook) = shared.on_accept.get() {
+                for source in &woken {
+                    hook(source);
+                }
             }
         }
         Err(e) => {
             log::debug!("outbox: commit of {} message(s) failed: {e}", jobs.len());
             for job in jobs {
-                let _ = job.done.send(Err(StoreError(e.0.clone())));
+                let _ = job.done.try_send(Err(e.clone()));
             }
         }
     }
@@ -469,13 +560,9 @@ fn enqueue_in(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, policy: P
     let outcome = enqueue_message(txn, idx, m, policy)?;
     if let Some((key, value)) = &m.cursor {
         if outcome != Enqueued::CapacityExceeded {
-            let mut meta = txn.open_table(crate::store::META)?;
-            let current: u64 = meta
-                .get(key.as_str())?
-                .and_then(|v| v.value().parse().ok())
-                .unwrap_or(0);
+            let current = store::parse_u64(key, store::meta_in(txn, key)?)?.unwrap_or(0);
             if *value > current {
-                meta.insert(key.as_str(), value.to_string().as_str())?;
+                store::set_meta(txn, key, Some(&value.to_string()))?;
             }
         }
     }
@@ -676,12 +763,14 @@ fn tally(txn: &WriteTransaction, src: &str, f: impl FnOnce(&mut Tally)) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids;
     use redb::ReadableTableMetadata;
 
-    fn store() -> Store {
-        let dir = std::env::temp_dir().join(format!("imgate-outbox-{}", ids::random_hex(4)));
-        Store::open(&dir).unwrap()
+    fn store() -> Outbox {
+        store_with(ROOMY)
+    }
+
+    fn store_with(p: Policy) -> Outbox {
+        Outbox::open(store::temp_db("outbox").0, p).unwrap()
     }
 
     const ROOMY: Policy = Policy {
@@ -692,7 +781,7 @@ mod tests {
     };
 
     fn msg(id: &str, now: u64, ttl: u64) -> NewMessage {
-        msg_in("webhook:a", id, now, ttl)
+        msg_in("hook:a", id, now, ttl)
     }
 
     fn msg_in(src: &str, id: &str, now: u64, ttl: u64) -> NewMessage {
@@ -718,7 +807,7 @@ mod tests {
         matches!(r, Ok(Enqueued::Accepted { .. }))
     }
 
-    fn ids_of(s: &Store, src: &str, now: u64) -> Vec<String> {
+    fn ids_of(s: &Outbox, src: &str, now: u64) -> Vec<String> {
         s.pending(src, 1000, now)
             .unwrap()
             .into_iter()
@@ -726,7 +815,7 @@ mod tests {
             .collect()
     }
 
-    fn counters(s: &Store, src: &str) -> Counters {
+    fn counters(s: &Outbox, src: &str) -> Counters {
         s.stats()
             .unwrap()
             .into_iter()
@@ -736,19 +825,23 @@ mod tests {
     }
 
     /// The index must always agree with what the table holds.
-    fn assert_accounting(s: &Store) {
-        let txn = s.db.get().unwrap().begin_read().unwrap();
-        let t = txn.open_table(MESSAGES).unwrap();
+    fn assert_accounting(s: &Outbox) {
         let mut per: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
         let mut total = 0;
-        for row in t.iter().unwrap() {
-            let (k, v) = row.unwrap();
-            let b = record::bytes(k.value().0, v.value());
-            let e = per.entry(k.value().0.to_string()).or_default();
-            e.0 += 1;
-            e.1 += b;
-            total += b;
-        }
+        s.shared
+            .db
+            .read(|txn| {
+                for row in txn.open_table(MESSAGES)?.iter()? {
+                    let (k, v) = row?;
+                    let b = record::bytes(k.value().0, v.value());
+                    let e = per.entry(k.value().0.to_string()).or_default();
+                    e.0 += 1;
+                    e.1 += b;
+                    total += b;
+                }
+                Ok(())
+            })
+            .unwrap();
         for (src, c) in s.stats().unwrap() {
             let (n, b) = per.get(&src).copied().unwrap_or_default();
             assert_eq!((c.pending, c.pending_bytes), (n, b), "counters of {src}");
@@ -760,20 +853,20 @@ mod tests {
     fn messages_come_out_in_acceptance_order_and_leave_only_when_delivered() {
         let s = store();
         for id in ["m1", "m2", "m3"] {
-            assert!(accepted(s.enqueue(msg(id, 1000, 60_000), ROOMY)));
+            assert!(accepted(s.enqueue(msg(id, 1000, 60_000))));
         }
-        let p = s.pending("webhook:a", 10, 1000).unwrap();
-        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m1", "m2", "m3"]);
-        s.mark_attempt_failed("webhook:a", &[p[0].seq], "disconnected").unwrap();
-        s.mark_delivered("webhook:a", &[p[1].seq], ROOMY).unwrap();
-        let p = s.pending("webhook:a", 10, 1000).unwrap();
+        let p = s.pending("hook:a", 10, 1000).unwrap();
+        assert_eq!(ids_of(&s, "hook:a", 1000), ["m1", "m2", "m3"]);
+        s.mark_attempt_failed("hook:a", &[p[0].seq], "disconnected").unwrap();
+        s.mark_delivered("hook:a", &[p[1].seq]).unwrap();
+        let p = s.pending("hook:a", 10, 1000).unwrap();
         assert_eq!(p.len(), 2);
         assert_eq!(p[0].message.header.attempts, 1);
         assert_eq!(
             p[0].message.header.expires_at, 61_000,
             "a failed attempt never moves expires_at"
         );
-        let c = counters(&s, "webhook:a");
+        let c = counters(&s, "hook:a");
         assert_eq!(
             (c.delivered, c.attempts, c.last_error.as_deref()),
             (1, 1, Some("disconnected"))
@@ -784,31 +877,31 @@ mod tests {
     #[test]
     fn a_repeated_message_id_is_a_duplicate_even_after_delivery_until_its_ttl() {
         let s = store();
-        s.enqueue(msg("m1", 1000, 60_000), ROOMY).unwrap();
+        s.enqueue(msg("m1", 1000, 60_000)).unwrap();
         assert_eq!(
-            s.enqueue(msg("m1", 1500, 60_000), ROOMY).unwrap(),
+            s.enqueue(msg("m1", 1500, 60_000)).unwrap(),
             Enqueued::Duplicate,
             "while pending"
         );
-        let p = s.pending("webhook:a", 10, 1000).unwrap();
-        s.mark_delivered("webhook:a", &[p[0].seq], ROOMY).unwrap();
+        let p = s.pending("hook:a", 10, 1000).unwrap();
+        s.mark_delivered("hook:a", &[p[0].seq]).unwrap();
         assert_eq!(
-            s.enqueue(msg("m1", 2000, 60_000), ROOMY).unwrap(),
+            s.enqueue(msg("m1", 2000, 60_000)).unwrap(),
             Enqueued::Duplicate,
             "after delivery"
         );
-        assert!(s.pending("webhook:a", 10, 2000).unwrap().is_empty());
+        assert!(s.pending("hook:a", 10, 2000).unwrap().is_empty());
         // After the TTL the dedupe entry is gone and the ID is new again.
         s.sweep_expired(62_000).unwrap();
-        assert!(accepted(s.enqueue(msg("m1", 62_000, 60_000), ROOMY)));
+        assert!(accepted(s.enqueue(msg("m1", 62_000, 60_000))));
     }
 
     #[test]
     fn expired_messages_are_never_pending_and_the_sweep_counts_them_and_drops_their_reply_refs() {
         let s = store();
-        s.enqueue(msg("old", 1000, 10), ROOMY).unwrap();
-        s.enqueue(msg("new", 1000, 60_000), ROOMY).unwrap();
-        assert_eq!(ids_of(&s, "webhook:a", 2000), ["new"], "expiry on read");
+        s.enqueue(msg("old", 1000, 10)).unwrap();
+        s.enqueue(msg("new", 1000, 60_000)).unwrap();
+        assert_eq!(ids_of(&s, "hook:a", 2000), ["new"], "expiry on read");
         assert!(s.reply_ref("rr_old").unwrap().is_some());
         assert_eq!(s.sweep_expired(2000).unwrap(), 1);
         assert!(
@@ -816,7 +909,7 @@ mod tests {
             "temporary state goes with the message"
         );
         assert!(s.reply_ref("rr_new").unwrap().is_some());
-        let c = counters(&s, "webhook:a");
+        let c = counters(&s, "hook:a");
         assert_eq!((c.pending, c.expired), (1, 1));
         assert_accounting(&s);
     }
@@ -824,32 +917,30 @@ mod tests {
     #[test]
     fn enqueue_expires_the_head_of_its_source() {
         let s = store();
-        s.enqueue(msg("old", 1000, 10), ROOMY).unwrap();
-        s.enqueue(msg("new", 5000, 60_000), ROOMY).unwrap();
-        assert_eq!(counters(&s, "webhook:a").expired, 1);
+        s.enqueue(msg("old", 1000, 10)).unwrap();
+        s.enqueue(msg("new", 5000, 60_000)).unwrap();
+        assert_eq!(counters(&s, "hook:a").expired, 1);
         assert!(s.reply_ref("rr_old").unwrap().is_none());
         assert_accounting(&s);
     }
 
     #[test]
     fn drop_oldest_evicts_at_the_message_cap() {
-        let s = store();
-        let p = Policy {
+        let s = store_with(Policy {
             max_messages_per_channel: 3,
             ..ROOMY
-        };
+        });
         for i in 0..5 {
-            s.enqueue(msg(&format!("m{i}"), 1000, 60_000), p).unwrap();
+            s.enqueue(msg(&format!("m{i}"), 1000, 60_000)).unwrap();
         }
-        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m2", "m3", "m4"]);
-        assert_eq!(counters(&s, "webhook:a").evicted, 2);
+        assert_eq!(ids_of(&s, "hook:a", 1000), ["m2", "m3", "m4"]);
+        assert_eq!(counters(&s, "hook:a").evicted, 2);
         assert!(s.reply_ref("rr_m0").unwrap().is_none());
         assert_accounting(&s);
     }
 
     #[test]
     fn drop_oldest_evicts_at_the_channel_byte_cap() {
-        let s = store();
         let header = Header {
             message_id: "m0".into(),
             accepted_at: 1000,
@@ -857,130 +948,124 @@ mod tests {
             attempts: 0,
             reply_ref: Some("rr_m0".into()),
         };
-        let one = record::bytes("webhook:a", &record::encode(&header, "{\"message_id\":\"m0\"}"));
-        let p = Policy {
+        let one = record::bytes("hook:a", &record::encode(&header, "{\"message_id\":\"m0\"}"));
+        let s = store_with(Policy {
             max_bytes_per_channel: one * 2,
             ..ROOMY
-        };
+        });
         for i in 0..4 {
-            s.enqueue(msg(&format!("m{i}"), 1000, 60_000), p).unwrap();
+            s.enqueue(msg(&format!("m{i}"), 1000, 60_000)).unwrap();
         }
-        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m2", "m3"]);
-        assert_eq!(counters(&s, "webhook:a").evicted, 2);
-        assert!(counters(&s, "webhook:a").pending_bytes <= one * 2);
+        assert_eq!(ids_of(&s, "hook:a", 1000), ["m2", "m3"]);
+        assert_eq!(counters(&s, "hook:a").evicted, 2);
+        assert!(counters(&s, "hook:a").pending_bytes <= one * 2);
         assert_accounting(&s);
     }
 
     #[test]
     fn reject_new_refuses_at_each_cap_and_stores_nothing() {
-        let s = store();
         let p = Policy {
             max_messages_per_channel: 2,
             overflow: Overflow::RejectNew,
             ..ROOMY
         };
-        s.enqueue(msg("m0", 1000, 60_000), p).unwrap();
-        s.enqueue(msg("m1", 1000, 60_000), p).unwrap();
-        assert_eq!(
-            s.enqueue(msg("m2", 1000, 60_000), p).unwrap(),
-            Enqueued::CapacityExceeded
-        );
+        let (db, _dir) = store::temp_db("outbox");
+        let s = Outbox::open(db.clone(), p).unwrap();
+        s.enqueue(msg("m0", 1000, 60_000)).unwrap();
+        s.enqueue(msg("m1", 1000, 60_000)).unwrap();
+        assert_eq!(s.enqueue(msg("m2", 1000, 60_000)).unwrap(), Enqueued::CapacityExceeded);
         assert!(s.reply_ref("rr_m2").unwrap().is_none());
-        assert_eq!(ids_of(&s, "webhook:a", 1000), ["m0", "m1"]);
+        assert_eq!(ids_of(&s, "hook:a", 1000), ["m0", "m1"]);
         // Not deduped: the sender may retry once there is room.
-        let p2 = Policy {
-            max_messages_per_channel: 3,
-            ..p
-        };
-        assert!(accepted(s.enqueue(msg("m2", 1000, 60_000), p2)));
+        drop(s);
+        let s = Outbox::open(
+            db,
+            Policy {
+                max_messages_per_channel: 3,
+                ..p
+            },
+        )
+        .unwrap();
+        assert!(accepted(s.enqueue(msg("m2", 1000, 60_000))));
 
-        let s = store();
-        let p = Policy {
+        let s = store_with(Policy {
             max_bytes_total: 150,
             overflow: Overflow::RejectNew,
             ..ROOMY
-        };
-        s.enqueue(msg_in("webhook:a", "a0", 1000, 60_000), p).unwrap();
+        });
+        s.enqueue(msg_in("hook:a", "a0", 1000, 60_000)).unwrap();
         assert_eq!(
-            s.enqueue(msg_in("webhook:b", "b0", 1000, 60_000), p).unwrap(),
+            s.enqueue(msg_in("hook:b", "b0", 1000, 60_000)).unwrap(),
             Enqueued::CapacityExceeded
         );
-        assert_eq!(counters(&s, "webhook:a").evicted, 0);
+        assert_eq!(counters(&s, "hook:a").evicted, 0);
         assert_accounting(&s);
     }
 
     #[test]
     fn the_total_cap_reclaims_expired_messages_before_it_refuses() {
-        let s = store();
         let one = {
             let tmp = store();
-            tmp.enqueue(msg_in("webhook:b", "b0", 1000, 10), ROOMY).unwrap();
+            tmp.enqueue(msg_in("hook:b", "b0", 1000, 10)).unwrap();
             tmp.total_bytes()
         };
-        let p = Policy {
+        let s = store_with(Policy {
             max_bytes_total: one + one / 2,
             ..ROOMY
-        };
-        s.enqueue(msg_in("webhook:b", "b0", 1000, 10), p).unwrap();
+        });
+        s.enqueue(msg_in("hook:b", "b0", 1000, 10)).unwrap();
         // b0 expired; a0 needs its room, in another source.
-        let r = s.enqueue(msg_in("webhook:a", "a0", 5000, 60_000), p).unwrap();
+        let r = s.enqueue(msg_in("hook:a", "a0", 5000, 60_000)).unwrap();
         assert!(matches!(r, Enqueued::Accepted { .. }), "{r:?}");
-        assert_eq!(counters(&s, "webhook:b").expired, 1);
+        assert_eq!(counters(&s, "hook:b").expired, 1);
         // With drop_oldest, a full total cap held by another source refuses rather than
         // evicting someone else's messages.
-        let r = s.enqueue(msg_in("webhook:c", "c0", 5000, 60_000), p).unwrap();
+        let r = s.enqueue(msg_in("hook:c", "c0", 5000, 60_000)).unwrap();
         assert_eq!(r, Enqueued::CapacityExceeded);
         assert_accounting(&s);
     }
 
     #[test]
     fn drop_oldest_at_the_total_cap_evicts_from_the_new_messages_own_source() {
-        let s = store();
         let one = {
             let tmp = store();
-            tmp.enqueue(msg_in("webhook:a", "a0", 1000, 60_000), ROOMY).unwrap();
+            tmp.enqueue(msg_in("hook:a", "a0", 1000, 60_000)).unwrap();
             tmp.total_bytes()
         };
         let p = Policy {
             max_bytes_total: one * 3 + one / 2,
             ..ROOMY
         };
-        s.enqueue(msg_in("webhook:b", "b0", 1000, 60_000), p).unwrap();
+        let s = store_with(p);
+        s.enqueue(msg_in("hook:b", "b0", 1000, 60_000)).unwrap();
         for i in 0..4 {
-            assert!(accepted(
-                s.enqueue(msg_in("webhook:a", &format!("a{i}"), 1000, 60_000), p)
-            ));
+            assert!(accepted(s.enqueue(msg_in("hook:a", &format!("a{i}"), 1000, 60_000))));
         }
-        assert_eq!(ids_of(&s, "webhook:a", 1000), ["a2", "a3"]);
+        assert_eq!(ids_of(&s, "hook:a", 1000), ["a2", "a3"]);
         assert_eq!(
-            ids_of(&s, "webhook:b", 1000),
+            ids_of(&s, "hook:b", 1000),
             ["b0"],
             "another channel's messages are never evicted"
         );
-        assert_eq!(counters(&s, "webhook:a").evicted, 2);
+        assert_eq!(counters(&s, "hook:a").evicted, 2);
         assert!(s.total_bytes() <= p.max_bytes_total);
         assert_accounting(&s);
     }
 
     #[test]
     fn dedupe_state_survives_restart_and_is_bounded_per_source() {
-        let dir = std::env::temp_dir().join(format!("imgate-outbox-{}", ids::random_hex(4)));
-        let s = Store::open(&dir).unwrap();
         let p = Policy {
             max_messages_per_channel: 1,
             ..ROOMY
         }; // delivered_cap() = 1000
+        let (db, dir) = store::temp_db("outbox");
+        let s = Outbox::open(db, p).unwrap();
         for i in 0..1005 {
-            s.enqueue(msg(&format!("d{i}"), 1000, 60_000), p).unwrap();
-            let seqs: Vec<u64> = s
-                .pending("webhook:a", 10, 1000)
-                .unwrap()
-                .iter()
-                .map(|p| p.seq)
-                .collect();
-            s.mark_delivered("webhook:a", &seqs, p).unwrap();
+            s.enqueue(msg(&format!("d{i}"), 1000, 60_000)).unwrap();
+            let seqs: Vec<u64> = s.pending("hook:a", 10, 1000).unwrap().iter().map(|p| p.seq).collect();
+            s.mark_delivered("hook:a", &seqs).unwrap();
         }
-        s.enqueue(msg("pending-one", 1000, 60_000), ROOMY).unwrap();
+        s.enqueue(msg("pending-one", 1000, 60_000)).unwrap();
         assert!(
             s.reply_ref("rr_d0").unwrap().is_none(),
             "reply refs leave with the trimmed log entry"
@@ -990,22 +1075,21 @@ mod tests {
             "a delivered message can still be answered"
         );
         drop(s);
-        let s = Store::open(&dir).unwrap();
+        let s = Outbox::open(Db::open(&dir).unwrap(), p).unwrap();
         assert_eq!(
-            s.enqueue(msg("d1004", 2000, 60_000), p).unwrap(),
+            s.enqueue(msg("d1004", 2000, 60_000)).unwrap(),
             Enqueued::Duplicate,
             "delivered IDs persist"
         );
         assert_eq!(
-            s.enqueue(msg("pending-one", 2000, 60_000), p).unwrap(),
+            s.enqueue(msg("pending-one", 2000, 60_000)).unwrap(),
             Enqueued::Duplicate,
             "pending IDs persist"
         );
         // Only the newest 1000 delivered IDs are kept: the oldest ones are new again.
-        assert!(accepted(s.enqueue(msg("d0", 2000, 60_000), ROOMY)));
-        let txn = s.db.get().unwrap().begin_read().unwrap();
-        assert_eq!(txn.open_table(DELIVERED).unwrap().len().unwrap(), 1000);
-        drop(txn);
+        assert!(accepted(s.enqueue(msg("d0", 2000, 60_000))));
+        let kept = s.shared.db.read(|txn| Ok(txn.open_table(DELIVERED)?.len()?));
+        assert_eq!(kept.unwrap(), 1000);
         assert_accounting(&s);
     }
 
@@ -1017,10 +1101,8 @@ mod tests {
                 let s = s.clone();
                 std::thread::spawn(move || {
                     for i in 0..50 {
-                        let src = format!("webhook:t{t}");
-                        assert!(accepted(
-                            s.enqueue(msg_in(&src, &format!("{i:03}"), 1000, 60_000), ROOMY)
-                        ));
+                        let src = format!("hook:t{t}");
+                        assert!(accepted(s.enqueue(msg_in(&src, &format!("{i:03}"), 1000, 60_000))));
                     }
                 })
             })
@@ -1029,7 +1111,7 @@ mod tests {
             t.join().unwrap();
         }
         for t in 0..8 {
-            let ids = ids_of(&s, &format!("webhook:t{t}"), 1000);
+            let ids = ids_of(&s, &format!("hook:t{t}"), 1000);
             let want: Vec<String> = (0..50).map(|i| format!("{i:03}")).collect();
             assert_eq!(ids, want);
         }

@@ -71,24 +71,16 @@ fn tool(id: &str, title: &str, description: &str, schema: Value) -> Value {
     ])
 }
 
-/// The Connector Card. `api_key_required` reflects whether `[server] api_key` is set;
-/// `telegram` is `Some(default bot configured)` when `[telegram]` is enabled.
-pub fn card(api_key_required: bool, telegram: Option<bool>) -> Value {
-    let mut targets = vec![obj([
-        ("target_type", s("im")),
-        ("provider", s("webhook")),
-        ("label", s("Webhook")),
-        ("description", s("Any system that can POST JSON to an HTTP endpoint.")),
-    ])];
-    let mut flows = vec![webhook_flow()];
-    let mut tools = vec![
-        tool(
+/// The tool a Card declares under `id`.
+fn tool_entry(id: &str) -> Value {
+    match id {
+        TOOL_SEND => tool(
             TOOL_SEND,
             "Send a Message",
             "Send text to the conversation bound to the current channel.",
             input_schema(&["text"], vec![("text", "Text to send.")]),
         ),
-        tool(
+        TOOL_REPLY => tool(
             TOOL_REPLY,
             "Reply to a Message",
             "Reply to an inbound message, using the reply_ref that came with it.",
@@ -103,9 +95,7 @@ pub fn card(api_key_required: bool, telegram: Option<bool>) -> Value {
                 ],
             ),
         ),
-    ];
-    if let Some(default_bot) = telegram {
-        tools.push(tool(
+        _ => tool(
             TOOL_FILE_SEND,
             "Send a File",
             "Send a file (photo or document) uploaded for the current channel, with an optional caption.",
@@ -116,15 +106,20 @@ pub fn card(api_key_required: bool, telegram: Option<bool>) -> Value {
                     ("caption", "Optional caption."),
                 ],
             ),
-        ));
-        targets.push(obj([
-            ("target_type", s("im")),
-            ("provider", s("telegram")),
-            ("label", s("Telegram")),
-            ("description", s("A Telegram bot in a private chat or a group.")),
-        ]));
-        flows.push(telegram_flow(default_bot));
+        ),
     }
+}
+
+/// What the enabled providers bring to the Card: their targets, auth flows and the tools their
+/// channels can use.
+pub struct Parts {
+    pub targets: Vec<Value>,
+    pub auth_flows: Vec<Value>,
+    pub tools: Vec<&'static str>,
+}
+
+/// The Connector Card. `api_key_required` reflects whether `[server] api_key` is set.
+pub fn card(api_key_required: bool, parts: Parts) -> Value {
     obj([
         ("schema", s("xagent.connector/v1")),
         ("protocol_version", s(PROTOCOL_VERSION)),
@@ -136,7 +131,10 @@ pub fn card(api_key_required: bool, telegram: Option<bool>) -> Value {
                 ("name", s("imgate")),
                 ("version", s(VERSION)),
                 ("vendor", s("imgate")),
-                ("description", s("Bridges instant-messaging systems (webhook senders, Telegram) into xAgent from an edge device.")),
+                (
+                    "description",
+                    s("Bridges instant-messaging systems into xAgent from an edge device."),
+                ),
             ]),
         ),
         (
@@ -144,99 +142,18 @@ pub fn card(api_key_required: bool, telegram: Option<bool>) -> Value {
             obj([
                 ("user_channel_mode", s("multiple")),
                 ("target_types", strs(["im"])),
-                ("targets", arr(targets)),
+                ("targets", arr(parts.targets)),
                 ("profiles", strs([PROFILE])),
             ]),
         ),
-        ("tools", arr(tools)),
-        ("auth_flows", arr(flows)),
+        ("tools", arr(parts.tools.iter().map(|t| tool_entry(t)))),
+        ("auth_flows", arr(parts.auth_flows)),
         (
             "security",
             obj([
                 ("trust_level", s("third_party")),
                 ("api_key_required", b(api_key_required)),
                 ("data_classes", strs(["message"])),
-            ]),
-        ),
-    ])
-}
-
-fn webhook_flow() -> Value {
-    obj([
-        ("id", s("webhook_binding")),
-        ("target_type", s("im")),
-        ("type", s("form")),
-        ("title", s("Bind a Webhook Endpoint")),
-        (
-            "description",
-            s("Bind this channel to a [webhook.NAME] endpoint configured on the imgate device."),
-        ),
-        (
-            "fields",
-            arr([
-                obj([
-                    ("name", s("endpoint")),
-                    ("label", s("Endpoint name")),
-                    ("input_type", s("text")),
-                    ("required", b(true)),
-                    ("placeholder", s("alerts")),
-                    ("help_text", s("The NAME of a [webhook.NAME] section in imgate.conf.")),
-                ]),
-                obj([
-                    ("name", s("secret")),
-                    ("label", s("Endpoint secret")),
-                    ("input_type", s("password")),
-                    ("required", b(true)),
-                    ("secret", b(true)),
-                    (
-                        "help_text",
-                        s("The secret of that endpoint, proving you administer the device."),
-                    ),
-                ]),
-            ]),
-        ),
-    ])
-}
-
-/// `telegram_bot_binding` (contract section 5): the token field is required only when the
-/// device has no default bot.
-fn telegram_flow(default_bot: bool) -> Value {
-    obj([
-        ("id", s("telegram_bot_binding")),
-        ("target_type", s("im")),
-        ("type", s("form")),
-        ("title", s("Bind a Telegram Bot")),
-        ("description", s("Bind this channel to one Telegram chat of a bot.")),
-        (
-            "fields",
-            arr([
-                obj([
-                    ("name", s("bot_token")),
-                    ("label", s("Bot Token")),
-                    ("input_type", s("password")),
-                    ("required", b(!default_bot)),
-                    ("secret", b(true)),
-                    ("placeholder", s("123456:ABC-DEF...")),
-                    (
-                        "help_text",
-                        s(if default_bot {
-                            "Leave empty to use the device's bot, or enter another bot's token from BotFather."
-                        } else {
-                            "Create a bot with BotFather and enter its token."
-                        }),
-                    ),
-                ]),
-                obj([
-                    ("name", s("chat_id")),
-                    ("label", s("Chat ID")),
-                    ("input_type", s("text")),
-                    ("required", b(true)),
-                    ("placeholder", s("For example, 123456789")),
-                    (
-                        "help_text",
-                        s("Start a conversation with the bot (or add it to the group), then enter the chat ID."),
-                    ),
-                ]),
             ]),
         ),
     ])

@@ -19,6 +19,8 @@ pub const SKILL_NAME: &str = "connector-im-imgate";
 pub const TOOL_SEND: &str = "imgate_message_send";
 pub const TOOL_REPLY: &str = "imgate_message_reply";
 pub const TOOL_FILE_SEND: &str = "imgate_file_send";
+/// Every tool a Card may declare, in the order it lists them.
+pub const ALL_TOOLS: [&str; 3] = [TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 
 /// Protocol error codes (common protocol section 8.23) plus imgate's own stable ones.
 pub mod code {

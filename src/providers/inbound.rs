@@ -1,8 +1,10 @@
-//! What every IM provider's inbound message becomes: the stored event and its rendering as
-//! a `message.push` payload with every field of IM profile v1 section 5.
+//! What every IM provider's inbound message becomes: the stored event (`Inbound`, the outbox
+//! payload of every provider) and its rendering as a `message.push` payload with every field of
+//! IM profile v1 section 5.
 
 use crate::json::{self, arr, b, obj, opt_s, s, strs, Value};
-use crate::protocol::{PROFILE, SKILL_NAME, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use crate::outbox::StoredMessage;
+use crate::protocol::{PROFILE, SKILL_NAME, TOOL_REPLY};
 
 /// A validated inbound message; stored as is in the outbox and rendered at push time.
 #[derive(Debug, PartialEq, miniserde::Serialize, miniserde::Deserialize)]
@@ -30,14 +32,23 @@ pub struct FileItem {
     pub expires_at: u64,
 }
 
-/// Tools the agent may use on a channel of `provider` (the file tool works with Telegram only,
-/// and is declared only when Telegram is enabled, which a Telegram message implies).
-fn tool_ids(provider: &str) -> Vec<&'static str> {
-    if provider == "telegram" {
-        vec![TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND]
-    } else {
-        vec![TOOL_SEND, TOOL_REPLY]
+impl Inbound {
+    /// The event a stored message carries; `None` for a record this build cannot read.
+    pub fn of(stored: &StoredMessage) -> Option<Inbound> {
+        miniserde::json::from_str(&stored.payload).ok()
     }
+}
+
+/// Who the message is from and what the agent may do with it: the parts of a push that come
+/// from the provider of its source, not from the message.
+pub struct Origin<'a> {
+    pub provider: &'a str,
+    /// The source's name as the agent sees it (`Alerts`, `Telegram`).
+    pub label: &'a str,
+    /// The tools the agent may use on this channel.
+    pub tools: &'a [&'static str],
+    /// `[server] public_url` (empty: `download_url` stays relative, xAgent resolves it).
+    pub base: &'a str,
 }
 
 /// Shows a few characters of an identifier, enough to tell senders apart.
@@ -52,25 +63,17 @@ pub fn redact(id: &str) -> String {
     }
 }
 
-/// The `message.push` payload (IM profile v1 sections 5, 6 and 9) of one inbound message.
-/// `base` is `[server] public_url` (empty: `download_url` stays relative, xAgent resolves it).
-#[allow(clippy::too_many_arguments)]
-pub fn render(
-    provider: &str,
-    label: &str,
-    m: &Inbound,
-    reply_ref: Option<&str>,
-    accepted_at: u64,
-    expires_at: u64,
-    base: &str,
-) -> Value {
+/// The `message.push` payload (IM profile v1 sections 5, 6 and 9) of one stored message.
+pub fn render(origin: &Origin, m: &Inbound, stored: &StoredMessage) -> Value {
+    let h = &stored.header;
+    let (label, provider, base) = (origin.label, origin.provider, origin.base);
     let sender = m.sender_name.clone().unwrap_or_else(|| redact(&m.sender_id));
     let user_text = if m.text.is_empty() { "none" } else { m.text.as_str() };
     let text = format!(
         "User message from {}:\nSender: {}\nConversation type: {}\nMessage type: {}\nUser text: {}",
         label, sender, m.chat_type, m.message_type, user_text
     );
-    let reply = reply_ref.map_or(Value::Null, |r| {
+    let reply = h.reply_ref.as_deref().map_or(Value::Null, |r| {
         obj([("required", b(true)), ("tool_id", s(TOOL_REPLY)), ("reply_ref", s(r))])
     });
     obj([
@@ -100,12 +103,12 @@ pub fn render(
             obj([
                 ("skill_id", s(SKILL_NAME)),
                 ("name", s(SKILL_NAME)),
-                ("tool_ids", strs(tool_ids(provider))),
+                ("tool_ids", strs(origin.tools.iter().copied())),
             ]),
         ),
         ("event_time", m.event_time.map_or(Value::Null, json::n)),
-        ("accepted_at", json::n(accepted_at)),
-        ("expires_at", json::n(expires_at)),
+        ("accepted_at", json::n(h.accepted_at)),
+        ("expires_at", json::n(h.expires_at)),
     ])
 }
 

@@ -1,17 +1,73 @@
-//! Providers: what a channel is bound to, how it is described, how its tools act.
+//! Providers: the IM systems imgate bridges, as plug-ins behind one trait.
 //!
-//! The data plane calls only the functions here; each provider module owns its inbound
-//! parsing, binding rules and outbound calls.
+//! A provider is a folder here plus one line in `REGISTRATIONS`: its config sections (a
+//! `config::Reader`), and a constructor that returns the running `Provider` when its config
+//! enables it. Everything outside this folder asks the `Registry` and never names a provider:
+//! the Card is the union of their targets, auth flows and tools; a channel's Descriptor, label
+//! and outbound messages come from the provider named by its source; ingest routes are theirs.
+//!
+//! The trait is synchronous and object-safe. A provider's blocking work (its HTTP calls, long
+//! polls) runs on its own threads or on the caller's blocking thread, never on the async
+//! executor; `delivered` must return at once.
 
 pub mod inbound;
 pub mod telegram;
 pub mod webhook;
 
-use crate::app::App;
-use crate::json::{self, Object, Value};
-use crate::protocol::descriptor::{self, Target, ToolState};
-use crate::protocol::{code, CARD_ID, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
-use crate::store::ChannelRecord;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::channels::Channels;
+use crate::config::{self, Config};
+use crate::files::{FileRecord, Files};
+use crate::json::{Object, Value};
+use crate::outbox::{Enqueued, Outbox, Policy, Ticket};
+use crate::protocol::code;
+use crate::protocol::descriptor::{Target, ToolState};
+use crate::source::Source;
+use crate::store::{self, Db, StoreError};
+
+/// Every provider imgate knows, in Card order. Adding a provider: its folder and one line here.
+pub const REGISTRATIONS: &[Registration] = &[webhook::REGISTRATION, telegram::REGISTRATION];
+
+/// One provider's entry: how it reads the config, how it starts.
+pub struct Registration {
+    pub reader: config::Reader,
+    /// The running provider, or `None` when the config leaves it disabled.
+    pub start: StartFn,
+}
+
+/// Starts a provider on the layers below it.
+pub type StartFn = fn(&Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError>;
+
+/// The config readers of every provider, for `config::load`.
+pub fn readers() -> Vec<config::Reader> {
+    REGISTRATIONS.iter().map(|r| r.reader).collect()
+}
+
+/// What a provider may use: the layers below it.
+pub struct Host {
+    pub config: Config,
+    pub db: Arc<Db>,
+    pub channels: Channels,
+    pub outbox: Outbox,
+    pub files: Files,
+}
+
+impl Host {
+    pub fn ttl_ms(&self) -> u64 {
+        self.config.queue.ttl.as_millis() as u64
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.outbox.policy()
+    }
+
+    /// `[server] public_url` as the base of `download_url`s ("" keeps them relative).
+    pub fn public_base(&self) -> &str {
+        self.config.server.public_url.as_deref().unwrap_or("")
+    }
+}
 
 /// A failed tool call or binding: a stable code and a message without secrets.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,137 +83,235 @@ impl Failure {
             message: message.into(),
         }
     }
-}
 
-/// The Connection Descriptor of a channel in its current state.
-pub fn describe(app: &App, cch: &str, rec: &ChannelRecord, profiles: &[String]) -> Value {
-    let (status, target, tools) = match rec.source.as_deref() {
-        Some(src) if telegram::is_source(src) => telegram::describe(app, src),
-        Some(src) => match webhook::endpoint_of(src) {
-            Some(name) => webhook::describe(app, name),
-            None => unbound("error", "unknown source", "the binding refers to an unknown provider"),
-        },
-        None => unbound("created", "imgate (not bound)", "channel is not bound yet"),
-    };
-    let mut tools = tools;
-    // The file tool is in the Card when Telegram is enabled; channels that cannot use it say so.
-    if app.config.telegram.is_some() && !tools.iter().any(|(id, _)| *id == TOOL_FILE_SEND) {
-        tools.push((TOOL_FILE_SEND, ToolState::unavailable("this channel cannot send files")));
+    /// The store could not answer: a storage failure, never "not found".
+    pub fn storage(e: StoreError) -> Failure {
+        Failure::new(code::TOOL_INVOKE_FAILED, format!("storage error: {e}"))
     }
-    descriptor::build(CARD_ID, &app.connector_id, cch, profiles, status, &target, &tools)
 }
 
-fn unbound(status: &'static str, name: &str, reason: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
-    (
-        status,
-        Target {
-            provider: "imgate".into(),
-            label: "imgate".into(),
-            display_name: name.into(),
-            account_hint: None,
-        },
-        vec![
-            (TOOL_SEND, ToolState::unavailable(reason)),
-            (TOOL_REPLY, ToolState::unavailable(reason)),
-        ],
-    )
+/// A channel as its Descriptor shows it.
+pub struct Description {
+    /// `connected`, or `error` when the binding cannot work (the reason is in `tools`).
+    pub status: &'static str,
+    pub target: Target,
+    /// The state of each of the provider's tools on this channel.
+    pub tools: Vec<(&'static str, ToolState)>,
 }
 
-/// The wire payload of a stored message of `source`.
-pub fn render_push(app: &App, source: &str, stored: &crate::outbox::StoredMessage) -> Value {
-    if telegram::is_source(source) {
-        return telegram::render_push(app, stored);
+/// One message to send to a bound conversation (a tool call, or xAgent's own message).
+pub struct Outbound<'a> {
+    /// The text; with a file, its caption (may be empty).
+    pub text: &'a str,
+    /// The provider's ID of the message answered, from a `reply_ref`.
+    pub reply_to: Option<&'a str>,
+    /// A file uploaded through `/files/uploads` for this channel, and where its bytes are.
+    pub file: Option<&'a (FileRecord, PathBuf)>,
+    /// Names this send to the receiver, so a retried call can be recognised.
+    pub idempotency_key: &'a str,
+}
+
+/// An HTTP request to a provider's own route, already framed and bounded by the front door.
+pub struct HttpRequest<'a> {
+    pub method: &'a str,
+    /// The path below `public_url`'s prefix, without the query.
+    pub path: &'a str,
+    pub headers: &'a [(String, String)],
+    pub body: &'a [u8],
+}
+
+impl HttpRequest<'_> {
+    /// A header's value (names compare case-insensitively).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
-    match webhook::endpoint_of(source) {
-        Some(name) => webhook::render_push(app, name, stored),
-        None => {
-            log::error!("outbox: message of unknown source {source}");
-            json::obj([])
+}
+
+/// A JSON answer.
+pub struct HttpAnswer {
+    pub status: u16,
+    pub body: Value,
+}
+
+impl HttpAnswer {
+    pub fn new(status: u16, body: Value) -> HttpAnswer {
+        HttpAnswer { status, body }
+    }
+
+    /// `{"error": code}`.
+    pub fn error(status: u16, code: &str) -> HttpAnswer {
+        HttpAnswer::new(status, crate::json::obj([("error", crate::json::s(code))]))
+    }
+}
+
+/// How a provider answers its route.
+pub enum Reply {
+    Now(HttpAnswer),
+    /// Once the message is committed; the caller waits without holding a thread if it can.
+    AfterCommit(Ticket, Box<dyn FnOnce(store::Result<Enqueued>) -> HttpAnswer + Send>),
+    /// Work that blocks (the provider's own API calls): run on a blocking thread.
+    Blocking(Box<dyn FnOnce() -> HttpAnswer + Send>),
+}
+
+impl Reply {
+    /// The answer, blocking the calling thread for whatever it waits on.
+    pub fn wait(self) -> HttpAnswer {
+        match self {
+            Reply::Now(a) => a,
+            Reply::AfterCommit(ticket, answer) => answer(ticket.wait()),
+            Reply::Blocking(work) => work(),
         }
     }
 }
 
-/// Runs an auth flow. On success returns the source to bind the channel to.
-pub fn authenticate(app: &App, flow_id: &str, input: &Object) -> Result<String, Failure> {
-    match flow_id {
-        "webhook_binding" => webhook::check_binding(app, input),
-        "telegram_bot_binding" if app.config.telegram.is_some() => telegram::check_binding(app, input),
-        other => Err(Failure::new(
-            code::INVALID_ARGUMENTS,
-            format!("unknown auth flow `{other}`; see the Connector Card's auth_flows"),
-        )),
+/// A route a provider answers: `POST /hooks/NAME` is `("POST", "/hooks/", true)`.
+pub struct Route {
+    pub method: &'static str,
+    pub path: &'static str,
+    /// `path` is a prefix (the rest names something of the provider's).
+    pub prefix: bool,
+}
+
+impl Route {
+    fn matches(&self, method: &str, path: &str) -> bool {
+        self.method == method
+            && if self.prefix {
+                path.len() > self.path.len() && path.starts_with(self.path)
+            } else {
+                path == self.path
+            }
     }
 }
 
-/// After bindings changed (auth, logout, lease): pollers follow, unused tokens are forgotten.
-pub fn bindings_changed(app: &std::sync::Arc<App>) {
-    telegram::poll::Pollers::sync(app);
-    telegram::forget_unused_tokens(app);
+pub trait Provider: Send + Sync {
+    /// Its name: the provider part of its sources and the Card's `target.provider`.
+    fn name(&self) -> &'static str;
+
+    /// Its entry in the Card's `supports.targets`.
+    fn target(&self) -> Value;
+
+    /// Its auth flows, as the Card lists them; their IDs are unique across providers.
+    fn auth_flows(&self) -> Vec<Value>;
+
+    /// The IDs of its auth flows.
+    fn flow_ids(&self) -> &'static [&'static str];
+
+    /// The tools its channels can use (the Card declares the union over all providers).
+    fn tools(&self) -> &'static [&'static str];
+
+    /// Runs one of its auth flows; on success, the source to bind the channel to.
+    fn bind(&self, flow_id: &str, input: &Object) -> Result<Source, Failure>;
+
+    /// The Descriptor of a channel bound to `source`. `Err` only when the store cannot tell.
+    fn describe(&self, source: &Source) -> Result<Description, StoreError>;
+
+    /// The name the agent is shown as the message's source (`Alerts`, `Telegram`).
+    fn label(&self, source: &Source) -> String;
+
+    /// Sends to the conversation of `source`; the provider's ID of what it sent.
+    fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure>;
+
+    /// The routes it answers itself (ingest webhooks).
+    fn routes(&self) -> &'static [Route] {
+        &[]
+    }
+
+    /// Answers a request to one of its routes.
+    fn handle(&self, _req: &HttpRequest) -> Reply {
+        Reply::Now(HttpAnswer::error(404, "not_found"))
+    }
+
+    /// The set of bound sources changed (auth, logout, lease): start or stop background work,
+    /// forget what no binding uses.
+    fn bindings_changed(&self, _bound: &[Source]) {}
+
+    /// Messages of `source` were delivered. Must return at once: anything it does (a typing
+    /// indicator) runs elsewhere, with its own deadline.
+    fn delivered(&self, _source: &Source) {}
+
+    /// Its own lines of `/metrics` (Prometheus text).
+    fn metrics(&self, _out: &mut String) {}
+
+    /// Shutdown: background work stops.
+    fn stop(&self) {}
 }
 
-/// After messages of `source` were delivered (best effort, never affects delivery).
-pub fn delivered(app: &App, source: &str) {
-    if telegram::is_source(source) {
-        telegram::typing(app, source);
-    }
+/// The running providers.
+pub struct Registry {
+    providers: Vec<Arc<dyn Provider>>,
 }
 
-/// Runs a tool on a bound channel. `idempotency_key` names the call to the provider.
-pub fn invoke(app: &App, source: &str, tool_id: &str, args: &Object, idempotency_key: &str) -> Result<Value, Failure> {
-    let text = || -> Result<&str, Failure> {
-        json::get_str(args, "text")
-            .filter(|t| !t.trim().is_empty())
-            .ok_or_else(|| {
-                Failure::new(
-                    code::INVALID_ARGUMENTS,
-                    "`text` is required and must be a non-empty string",
-                )
-            })
-    };
-    if tool_id == TOOL_FILE_SEND && app.config.telegram.is_some() {
-        let file_ref = json::get_str(args, "file_ref")
-            .ok_or_else(|| Failure::new(code::INVALID_ARGUMENTS, "`file_ref` is required"))?;
-        if !telegram::is_source(source) {
-            return Err(Failure::new(
-                code::CHANNEL_UNAVAILABLE,
-                "this channel cannot send files",
-            ));
+impl Registry {
+    /// Starts every provider the config enables, in `REGISTRATIONS` order.
+    pub fn start(host: &Arc<Host>) -> Result<Registry, StoreError> {
+        let mut providers = Vec::new();
+        for r in REGISTRATIONS {
+            if let Some(p) = (r.start)(host)? {
+                providers.push(p);
+            }
         }
-        return telegram::send_file(app, source, file_ref, json::get_str(args, "caption"));
+        Ok(Registry { providers })
     }
-    let reply_to = match tool_id {
-        TOOL_SEND => None,
-        TOOL_REPLY => {
-            let reference = json::get_str(args, "reply_ref")
-                .ok_or_else(|| Failure::new(code::INVALID_ARGUMENTS, "`reply_ref` is required"))?;
-            let r = app
-                .store
-                .reply_ref(reference)
-                .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("storage error: {e}")))?
-                .filter(|r| r.source == source && r.expires_at > crate::ids::now_ms())
-                .ok_or_else(|| {
-                    Failure::new(
-                        code::REPLY_REF_INVALID,
-                        "reply_ref is unknown, expired or belongs to another channel",
-                    )
-                })?;
-            Some(r.message_id)
-        }
-        other => {
-            return Err(Failure::new(
-                code::UNKNOWN_TOOL,
-                format!("tool `{other}` is not declared by this connector"),
-            ))
-        }
-    };
-    if telegram::is_source(source) {
-        return telegram::send(app, source, text()?, reply_to.as_deref());
+
+    pub fn all(&self) -> &[Arc<dyn Provider>] {
+        &self.providers
     }
-    match webhook::endpoint_of(source) {
-        Some(name) => webhook::send(app, name, text()?, reply_to.as_deref(), idempotency_key),
-        None => Err(Failure::new(
-            code::CHANNEL_UNAVAILABLE,
-            "channel is bound to an unknown provider",
-        )),
+
+    pub fn get(&self, name: &str) -> Option<&Arc<dyn Provider>> {
+        self.providers.iter().find(|p| p.name() == name)
+    }
+
+    /// The provider that owns `source`; `None` for one no enabled provider knows.
+    pub fn of(&self, source: &Source) -> Option<&Arc<dyn Provider>> {
+        self.get(source.provider())
+    }
+
+    /// The provider whose auth flow this is.
+    pub fn for_flow(&self, flow_id: &str) -> Option<&Arc<dyn Provider>> {
+        self.providers.iter().find(|p| p.flow_ids().contains(&flow_id))
+    }
+
+    /// The provider answering `method path` itself.
+    pub fn for_route(&self, method: &str, path: &str) -> Option<&Arc<dyn Provider>> {
+        self.providers
+            .iter()
+            .find(|p| p.routes().iter().any(|r| r.matches(method, path)))
+    }
+
+    /// Whether `path` is some provider's route, whatever the method (for 405 answers).
+    pub fn has_path(&self, path: &str) -> bool {
+        self.providers
+            .iter()
+            .any(|p| p.routes().iter().any(|r| r.matches(r.method, path)))
+    }
+
+    /// The tools the Card declares: every tool some enabled provider serves, in `ALL_TOOLS` order.
+    pub fn tools(&self) -> Vec<&'static str> {
+        crate::protocol::ALL_TOOLS
+            .iter()
+            .copied()
+            .filter(|t| self.providers.iter().any(|p| p.tools().contains(t)))
+            .collect()
+    }
+
+    /// Tells every provider which sources are bound now.
+    pub fn bindings_changed(&self, channels: &Channels) {
+        match channels.bound_sources() {
+            Ok(bound) => {
+                for p in &self.providers {
+                    p.bindings_changed(&bound);
+                }
+            }
+            Err(e) => log::error!("providers: cannot read the bindings: {e}"),
+        }
+    }
+
+    pub fn stop(&self) {
+        for p in &self.providers {
+            p.stop();
+        }
     }
 }

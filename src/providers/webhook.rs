@@ -1,54 +1,151 @@
 //! The generic webhook provider: `POST /hooks/NAME` inbound, `reply_url` outbound.
 //!
-//! Source key: `webhook:NAME`. The sender's `message_id` is the push's `message_id`, so it is
-//! stable across the sender's retries and imgate's redeliveries.
+//! Source key: the endpoint `NAME`. The sender's `message_id` is the push's `message_id`, so it
+//! is stable across the sender's retries and imgate's redeliveries.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
 
 use ring::hmac;
 
-use super::inbound::{self, Inbound};
-use super::Failure;
-use crate::app::App;
-use crate::config::Webhook;
+use super::inbound::Inbound;
+use super::{Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply, Route};
+use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::ids;
-use crate::json::{self, obj, opt_s, s, Object, Value};
-use crate::outbox::{Enqueued, NewMessage, StoredMessage};
+use crate::json::{self, arr, b, obj, opt_s, s, Object, Value};
+use crate::outbox::{Enqueued, NewMessage, ReplyRef};
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{code, TOOL_REPLY, TOOL_SEND};
-use crate::store::ReplyRef;
+use crate::source::Source;
+use crate::store::StoreError;
 
-const SOURCE_PREFIX: &str = "webhook:";
+const NAME: &str = "webhook";
 /// Longest accepted `message_id` / `sender_id` / `chat_id`.
 const MAX_ID: usize = 256;
+const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY];
+const FLOW: &str = "webhook_binding";
+/// Outbound POSTs to a `reply_url`: no answer within this is `upstream_unreachable`.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
 
-pub fn source_of(name: &str) -> String {
-    format!("{SOURCE_PREFIX}{name}")
+pub const REGISTRATION: Registration = Registration {
+    reader: Reader {
+        provider: NAME,
+        section: "webhook.",
+        secrets: &["secret"],
+        read,
+    },
+    start,
+};
+
+/// One `[webhook.NAME]` section.
+#[derive(Clone)]
+pub struct Endpoint {
+    pub secret: Secret,
+    pub reply_url: Option<String>,
+    pub label: String,
 }
 
-pub fn endpoint_of(source: &str) -> Option<&str> {
-    source.strip_prefix(SOURCE_PREFIX)
-}
+/// Every configured endpoint, by name.
+pub struct Endpoints(pub BTreeMap<String, Endpoint>);
 
-/// The HTTP answer to a webhook POST: status and JSON body.
-pub struct Answer {
-    pub status: u16,
-    pub body: Value,
-}
+impl Settings for Endpoints {
+    fn summary(&self) -> String {
+        if self.0.is_empty() {
+            return "webhooks:          none\n".into();
+        }
+        self.0
+            .iter()
+            .map(|(name, w)| {
+                format!(
+                    "webhook {name}:  label \"{}\", reply_url {}\n",
+                    w.label,
+                    w.reply_url.as_deref().unwrap_or("none (send/reply tools unavailable)")
+                )
+            })
+            .collect()
+    }
 
-fn answer(status: u16, pairs: Vec<(&str, Value)>) -> Answer {
-    Answer {
-        status,
-        body: obj(pairs),
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 
-fn invalid(detail: impl Into<String>) -> Answer {
-    answer(400, vec![("error", s("invalid_payload")), ("detail", s(detail))])
+/// Endpoint names appear in URLs (`/hooks/NAME`) and in auth input, so keep them plain.
+fn valid_name(n: &str) -> bool {
+    !n.is_empty() && n.len() <= 64 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn read(_: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+    let mut endpoints = BTreeMap::new();
+    for section in sections {
+        let name = section.name.strip_prefix("webhook.").unwrap_or_default();
+        let mut f = Fields::new(section, p, &["secret"]);
+        if !valid_name(name) {
+            f.err(format!(
+                "webhook name `{name}` must be 1-64 characters of A-Z a-z 0-9 _ -"
+            ));
+        }
+        let secret = f.secret("secret");
+        let reply_url = f.url("reply_url");
+        let label = match f.raw("label") {
+            Some((v, line)) if v.is_empty() => {
+                f.err_at(line, "label must not be empty");
+                None
+            }
+            other => other.map(|(v, _)| v),
+        };
+        match secret {
+            Some(secret) => {
+                endpoints.insert(
+                    name.to_string(),
+                    Endpoint {
+                        secret,
+                        reply_url,
+                        label: label.unwrap_or_else(|| name.to_string()),
+                    },
+                );
+            }
+            None => f.err(format!(
+                "[webhook.{name}] needs `secret` (or `secret_file`): senders must authenticate"
+            )),
+        }
+        f.finish();
+    }
+    // Always enabled: a channel can be bound to an endpoint added to the config later.
+    Some(Arc::new(Endpoints(endpoints)))
+}
+
+fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
+    let http = ureq::Agent::config_builder()
+        .timeout_global(Some(REPLY_TIMEOUT))
+        .timeout_connect(Some(Duration::from_secs(5)))
+        .http_status_as_error(false)
+        .user_agent(format!("imgate/{}", crate::protocol::card::VERSION))
+        .build();
+    Ok(Some(Arc::new(Webhooks {
+        host: host.clone(),
+        http: ureq::Agent::new_with_config(http),
+    })))
+}
+
+pub struct Webhooks {
+    host: Arc<Host>,
+    /// One client for every `reply_url`, so connections are reused.
+    http: ureq::Agent,
+}
+
+impl Webhooks {
+    fn endpoints(&self) -> &BTreeMap<String, Endpoint> {
+        static NONE: BTreeMap<String, Endpoint> = BTreeMap::new();
+        self.host.config.provider::<Endpoints>(NAME).map_or(&NONE, |e| &e.0)
+    }
 }
 
 /// Checks the sender: `Authorization: Bearer <secret>` or `X-Imgate-Signature: sha256=<hex>`.
-pub fn authorized(hook: &Webhook, authorization: Option<&str>, signature: Option<&str>, body: &[u8]) -> bool {
-    if let Some(token) = authorization.and_then(|a| a.strip_prefix("Bearer ")) {
-        return ids::secret_eq(token.trim(), hook.secret.expose());
+pub fn authorized(hook: &Endpoint, authorization: Option<&str>, signature: Option<&str>, body: &[u8]) -> bool {
+    if let Some(token) = authorization.and_then(ids::bearer) {
+        return ids::secret_eq(token, hook.secret.expose());
     }
     if let Some(sig) = signature.and_then(|s| s.trim().strip_prefix("sha256=")) {
         let Some(mac) = unhex(sig) else { return false };
@@ -74,14 +171,17 @@ fn unhex(h: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+fn invalid(detail: impl Into<String>) -> HttpAnswer {
+    HttpAnswer::new(400, obj([("error", s("invalid_payload")), ("detail", s(detail))]))
+}
+
 /// Parses a webhook body (contract section 4); the `Err` is the `detail` of a 400.
 pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
     let text = std::str::from_utf8(body).map_err(|_| "body is not UTF-8".to_string())?;
     let v = json::parse(text)?;
     let o = json::as_object(&v).ok_or("body must be a JSON object")?;
-    let id_field = |k: &str, required: bool| -> Result<Option<String>, String> {
+    let id_field = |k: &str| -> Result<Option<String>, String> {
         let v = match json::get(o, k) {
-            None if required => return Err(format!("`{k}` is required")),
             None => return Ok(None),
             Some(Value::String(s)) => s.clone(),
             Some(Value::Number(_)) => match json::get_u64(o, k) {
@@ -95,6 +195,7 @@ pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
         }
         Ok(Some(v))
     };
+    let required = |k: &str| id_field(k)?.ok_or_else(|| format!("`{k}` is required"));
     let str_field = |k: &str| -> Result<Option<String>, String> {
         match json::get(o, k) {
             None => Ok(None),
@@ -102,6 +203,8 @@ pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
             Some(_) => Err(format!("`{k}` must be a string")),
         }
     };
+    let message_id = required("message_id")?;
+    let sender_id = required("sender_id")?;
     let chat_type = str_field("chat_type")?.unwrap_or_else(|| "p2p".into());
     if chat_type != "p2p" && chat_type != "group" {
         return Err("`chat_type` must be p2p or group".into());
@@ -118,10 +221,10 @@ pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
         Some(_) => Some(json::get_u64(o, "event_time").ok_or("`event_time` must be Unix milliseconds")?),
     };
     Ok(Inbound {
-        message_id: id_field("message_id", true)?.expect("required"),
-        sender_id: id_field("sender_id", true)?.expect("required"),
+        message_id,
+        sender_id,
         sender_name: str_field("sender_name")?.filter(|n| !n.trim().is_empty()),
-        chat_id: id_field("chat_id", false)?,
+        chat_id: id_field("chat_id")?,
         chat_type,
         message_type,
         text: str_field("text")?.unwrap_or_default(),
@@ -130,227 +233,279 @@ pub fn parse_body(body: &[u8]) -> Result<Inbound, String> {
     })
 }
 
-/// The `message.push` payload of a stored message (IM profile v1 sections 5 and 6).
-pub fn render_push(app: &App, name: &str, stored: &StoredMessage) -> Value {
-    let Ok(m) = miniserde::json::from_str::<Inbound>(&stored.payload) else {
-        log::error!(
-            "webhook {name}: stored message {} is unreadable",
-            stored.header.message_id
-        );
-        return obj([]);
-    };
-    // The label as configured now; an endpoint removed since acceptance keeps its name.
-    let label = app.config.webhooks.get(name).map_or(name, |h| h.label.as_str());
-    let h = &stored.header;
-    let base = app.config.server.public_url.as_deref().unwrap_or("");
-    inbound::render(
-        "webhook",
-        label,
-        &m,
-        h.reply_ref.as_deref(),
-        h.accepted_at,
-        h.expires_at,
-        base,
-    )
-}
-
-/// Handles `POST /hooks/NAME` once the body is read (size was checked by the HTTP layer).
-pub fn accept(app: &App, name: &str, authorization: Option<&str>, signature: Option<&str>, body: &[u8]) -> Answer {
-    let Some(hook) = app.config.webhooks.get(name) else {
-        return answer(404, vec![("error", s("unknown_endpoint"))]);
-    };
-    if !authorized(hook, authorization, signature, body) {
-        log::info!("webhook {name}: rejected a request with a missing or wrong secret/signature");
-        return answer(401, vec![("error", s("unauthorized"))]);
-    }
-    let m = match parse_body(body) {
-        Ok(m) => m,
-        Err(detail) => {
-            log::info!("webhook {name}: invalid payload: {detail}");
-            return invalid(detail);
+impl Webhooks {
+    /// `POST /hooks/NAME` once the body is read (its size was checked by the front door).
+    fn accept(&self, name: &str, req: &HttpRequest) -> Reply {
+        let Some(hook) = self.endpoints().get(name) else {
+            return Reply::Now(HttpAnswer::error(404, "unknown_endpoint"));
+        };
+        let (auth, sig) = (req.header("Authorization"), req.header("X-Imgate-Signature"));
+        if !authorized(hook, auth, sig, req.body) {
+            log::debug!("webhook {name}: rejected a request with a missing or wrong secret/signature");
+            return Reply::Now(HttpAnswer::error(401, "unauthorized"));
         }
-    };
-    let now = ids::now_ms();
-    let ttl = app.ttl_ms();
-    if m.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
-        log::info!(
-            "webhook {name}: message {} is stale (event_time older than the ttl)",
-            m.message_id
-        );
-        return answer(409, vec![("error", s("stale")), ("message_id", s(&m.message_id))]);
-    }
-    let source = source_of(name);
-    let expires_at = now + ttl;
-    let reply_ref = hook.reply_url.as_ref().map(|_| ids::token("rr_"));
-    let payload = miniserde::json::to_string(&m);
-    let message = NewMessage {
-        source: source.clone(),
-        message_id: m.message_id.clone(),
-        payload,
-        // A reply is possible within the message's TTL, delivered or not; the reference
-        // leaves with the message's dedupe entry.
-        reply_ref: reply_ref.map(|t| {
-            (
-                t,
-                ReplyRef {
-                    source: source.clone(),
-                    message_id: m.message_id.clone(),
-                    expires_at,
-                },
-            )
-        }),
-        accepted_at: now,
-        expires_at,
-        cursor: None,
-    };
-    match app.store.enqueue(message, app.policy()) {
-        Ok(Enqueued::Accepted { .. }) => {
-            log::debug!("webhook {name}: accepted message {}", m.message_id);
-            app.hub.notify_source(&app.store, &source);
-            answer(202, vec![("status", s("accepted")), ("message_id", s(&m.message_id))])
+        let m = match parse_body(req.body) {
+            Ok(m) => m,
+            Err(detail) => {
+                log::debug!("webhook {name}: invalid payload: {detail}");
+                return Reply::Now(invalid(detail));
+            }
+        };
+        let now = ids::now_ms();
+        let ttl = self.host.ttl_ms();
+        if m.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
+            log::info!(
+                "webhook {name}: message {} is stale (event_time older than the ttl)",
+                m.message_id
+            );
+            let body = obj([("error", s("stale")), ("message_id", s(&m.message_id))]);
+            return Reply::Now(HttpAnswer::new(409, body));
         }
-        Ok(Enqueued::Duplicate) => {
-            log::debug!("webhook {name}: duplicate message {}", m.message_id);
-            answer(200, vec![("status", s("duplicate")), ("message_id", s(&m.message_id))])
-        }
-        Ok(Enqueued::CapacityExceeded) => answer(503, vec![("error", s("capacity_exceeded"))]),
-        Err(e) => {
-            // The store logs the outage once; each refused message only at debug.
-            log::debug!("webhook {name}: cannot store message {}: {e}", m.message_id);
-            answer(503, vec![("error", s("storage_unavailable"))])
-        }
-    }
-}
-
-/// Descriptor parts of a webhook channel.
-pub fn describe(app: &App, name: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
-    match app.config.webhooks.get(name) {
-        Some(hook) => {
-            let reply = if hook.reply_url.is_some() {
-                ToolState::available()
-            } else {
-                ToolState::unavailable("this endpoint has no reply_url configured")
-            };
-            (
-                "connected",
-                Target {
-                    provider: "webhook".into(),
-                    label: hook.label.clone(),
-                    display_name: format!("Webhook {}", hook.label),
-                    account_hint: Some(name.to_string()),
-                },
-                vec![(TOOL_SEND, reply.clone()), (TOOL_REPLY, reply)],
-            )
-        }
-        // Bound to an endpoint that was removed from the config.
-        None => (
-            "error",
-            Target {
-                provider: "webhook".into(),
-                label: name.to_string(),
-                display_name: format!("Webhook {name} (no longer configured)"),
-                account_hint: None,
-            },
-            vec![
+        let source = Source::new(NAME, name).to_string();
+        let expires_at = now + ttl;
+        let message = NewMessage {
+            source: source.clone(),
+            message_id: m.message_id.clone(),
+            payload: miniserde::json::to_string(&m),
+            // A reply is possible within the message's TTL, delivered or not; the reference
+            // leaves with the message's dedupe entry.
+            reply_ref: hook.reply_url.as_ref().map(|_| {
                 (
-                    TOOL_SEND,
-                    ToolState::unavailable("the bound endpoint is no longer configured"),
-                ),
-                (
-                    TOOL_REPLY,
-                    ToolState::unavailable("the bound endpoint is no longer configured"),
-                ),
-            ],
-        ),
-    }
-}
-
-/// `webhook_binding`: the endpoint must exist and the secret must be that endpoint's.
-pub fn check_binding(app: &App, input: &Object) -> Result<String, Failure> {
-    let endpoint = json::get_str(input, "endpoint").map(str::trim).unwrap_or_default();
-    let secret = json::get_str(input, "secret").unwrap_or_default();
-    if endpoint.is_empty() || secret.is_empty() {
-        return Err(Failure::new(
-            code::INVALID_ARGUMENTS,
-            "both `endpoint` and `secret` are required",
-        ));
-    }
-    match app.config.webhooks.get(endpoint) {
-        Some(hook) if ids::secret_eq(secret, hook.secret.expose()) => Ok(source_of(endpoint)),
-        // One answer for both cases, so the form cannot be used to probe endpoint names.
-        _ => Err(Failure::new(
-            code::CONNECTION_NOT_AUTHENTICATED,
-            "no webhook endpoint with that name and secret is configured on this device",
-        )),
-    }
-}
-
-/// POSTs an outbound message to the endpoint's `reply_url`, signed with its secret.
-pub fn send(
-    app: &App,
-    name: &str,
-    text: &str,
-    reply_to_message_id: Option<&str>,
-    idempotency_key: &str,
-) -> Result<Value, Failure> {
-    let hook = app
-        .config
-        .webhooks
-        .get(name)
-        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bound endpoint is no longer configured"))?;
-    let url = hook
-        .reply_url
-        .as_deref()
-        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "this endpoint has no reply_url configured"))?;
-    let body = json::to_string(&obj([
-        ("endpoint", s(name)),
-        ("text", s(text)),
-        ("reply_to_message_id", opt_s(reply_to_message_id)),
-        ("idempotency_key", s(idempotency_key)),
-    ]));
-    let signature = sign(hook.secret.expose(), body.as_bytes());
-    let result = app
-        .http
-        .post(url)
-        .header("Content-Type", "application/json")
-        .header("X-Imgate-Signature", &signature)
-        .send(body.as_bytes());
-    let mut resp = result.map_err(|e| {
-        // The configured URL may carry a credential of its own: never echo it.
-        let e = e.to_string().replace(url, "<reply_url>");
-        log::warn!("webhook {name}: reply_url unreachable: {e}");
-        Failure::new(
-            code::UPSTREAM_UNREACHABLE,
-            format!("reply_url could not be reached: {e}"),
+                    ids::token("rr_"),
+                    ReplyRef {
+                        source,
+                        message_id: m.message_id.clone(),
+                        expires_at,
+                    },
+                )
+            }),
+            accepted_at: now,
+            expires_at,
+            cursor: None,
+        };
+        let (name, id) = (name.to_string(), m.message_id);
+        let ticket = self.host.outbox.submit(message);
+        Reply::AfterCommit(
+            ticket,
+            Box::new(move |outcome| {
+                let answer = |status, what| HttpAnswer::new(status, obj([("status", s(what)), ("message_id", s(&id))]));
+                match outcome {
+                    Ok(Enqueued::Accepted { .. }) => {
+                        log::debug!("webhook {name}: accepted message {id}");
+                        answer(202, "accepted")
+                    }
+                    Ok(Enqueued::Duplicate) => {
+                        log::debug!("webhook {name}: duplicate message {id}");
+                        answer(200, "duplicate")
+                    }
+                    Ok(Enqueued::CapacityExceeded) => HttpAnswer::error(503, "capacity_exceeded"),
+                    Err(e) => {
+                        // The store logs the outage once; each refused message only at debug.
+                        log::debug!("webhook {name}: cannot store message {id}: {e}");
+                        HttpAnswer::error(503, "storage_unavailable")
+                    }
+                }
+            }),
         )
-    })?;
-    let status = resp.status().as_u16();
-    if !(200..300).contains(&status) {
-        log::warn!("webhook {name}: reply_url answered HTTP {status}");
-        return Err(Failure::new(
-            code::UPSTREAM_REJECTED,
-            format!("reply_url answered HTTP {status}"),
-        ));
     }
-    // The receiver may name the message it created; otherwise the idempotency key identifies it.
-    let answer = resp
-        .body_mut()
-        .with_config()
-        .limit(64 * 1024)
-        .read_to_string()
-        .unwrap_or_default();
-    let remote_id = json::parse(&answer).ok().and_then(|v| {
-        json::as_object(&v)
-            .and_then(|o| json::get_str(o, "message_id"))
-            .map(str::to_string)
-    });
-    Ok(obj([
-        ("status", s("sent")),
+}
+
+fn flow() -> Value {
+    obj([
+        ("id", s(FLOW)),
+        ("target_type", s("im")),
+        ("type", s("form")),
+        ("title", s("Bind a Webhook Endpoint")),
         (
-            "message_id",
-            s(remote_id.unwrap_or_else(|| idempotency_key.to_string())),
+            "description",
+            s("Bind this channel to a [webhook.NAME] endpoint configured on the imgate device."),
         ),
-    ]))
+        (
+            "fields",
+            arr([
+                obj([
+                    ("name", s("endpoint")),
+                    ("label", s("Endpoint name")),
+                    ("input_type", s("text")),
+                    ("required", b(true)),
+                    ("placeholder", s("alerts")),
+                    ("help_text", s("The NAME of a [webhook.NAME] section in imgate.conf.")),
+                ]),
+                obj([
+                    ("name", s("secret")),
+                    ("label", s("Endpoint secret")),
+                    ("input_type", s("password")),
+                    ("required", b(true)),
+                    ("secret", b(true)),
+                    (
+                        "help_text",
+                        s("The secret of that endpoint, proving you administer the device."),
+                    ),
+                ]),
+            ]),
+        ),
+    ])
+}
+
+impl Provider for Webhooks {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn target(&self) -> Value {
+        obj([
+            ("target_type", s("im")),
+            ("provider", s(NAME)),
+            ("label", s("Webhook")),
+            ("description", s("Any system that can POST JSON to an HTTP endpoint.")),
+        ])
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow()]
+    }
+
+    fn flow_ids(&self) -> &'static [&'static str] {
+        &[FLOW]
+    }
+
+    fn tools(&self) -> &'static [&'static str] {
+        TOOLS
+    }
+
+    /// `webhook_binding`: the endpoint must exist and the secret must be that endpoint's.
+    fn bind(&self, _flow_id: &str, input: &Object) -> Result<Source, Failure> {
+        let endpoint = json::get_str(input, "endpoint").map(str::trim).unwrap_or_default();
+        let secret = json::get_str(input, "secret").unwrap_or_default();
+        if endpoint.is_empty() || secret.is_empty() {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                "both `endpoint` and `secret` are required",
+            ));
+        }
+        match self.endpoints().get(endpoint) {
+            Some(hook) if ids::secret_eq(secret, hook.secret.expose()) => Ok(Source::new(NAME, endpoint)),
+            // One answer for both cases, so the form cannot be used to probe endpoint names.
+            _ => Err(Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                "no webhook endpoint with that name and secret is configured on this device",
+            )),
+        }
+    }
+
+    fn describe(&self, source: &Source) -> Result<Description, StoreError> {
+        let name = source.key();
+        Ok(match self.endpoints().get(name) {
+            Some(hook) => {
+                let reply = if hook.reply_url.is_some() {
+                    ToolState::available()
+                } else {
+                    ToolState::unavailable("this endpoint has no reply_url configured")
+                };
+                Description {
+                    status: "connected",
+                    target: Target {
+                        provider: NAME.into(),
+                        label: hook.label.clone(),
+                        display_name: format!("Webhook {}", hook.label),
+                        account_hint: Some(name.to_string()),
+                    },
+                    tools: TOOLS.iter().map(|t| (*t, reply.clone())).collect(),
+                }
+            }
+            // Bound to an endpoint that was removed from the config.
+            None => Description {
+                status: "error",
+                target: Target {
+                    provider: NAME.into(),
+                    label: name.to_string(),
+                    display_name: format!("Webhook {name} (no longer configured)"),
+                    account_hint: None,
+                },
+                tools: TOOLS
+                    .iter()
+                    .map(|t| (*t, ToolState::unavailable("the bound endpoint is no longer configured")))
+                    .collect(),
+            },
+        })
+    }
+
+    /// The label as configured now; an endpoint removed since acceptance keeps its name.
+    fn label(&self, source: &Source) -> String {
+        let name = source.key();
+        self.endpoints()
+            .get(name)
+            .map_or_else(|| name.to_string(), |h| h.label.clone())
+    }
+
+    /// POSTs the message to the endpoint's `reply_url`, signed with its secret.
+    fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
+        let name = source.key();
+        let hook = self
+            .endpoints()
+            .get(name)
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bound endpoint is no longer configured"))?;
+        let url = hook
+            .reply_url
+            .as_deref()
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "this endpoint has no reply_url configured"))?;
+        let body = json::to_string(&obj([
+            ("endpoint", s(name)),
+            ("text", s(out.text)),
+            ("reply_to_message_id", opt_s(out.reply_to)),
+            ("idempotency_key", s(out.idempotency_key)),
+        ]));
+        let signature = sign(hook.secret.expose(), body.as_bytes());
+        let result = self
+            .http
+            .post(url)
+            .header("Content-Type", "application/json")
+            .header("X-Imgate-Signature", &signature)
+            .send(body.as_bytes());
+        let mut resp = result.map_err(|e| {
+            // The configured URL may carry a credential of its own: never echo it.
+            let e = e.to_string().replace(url, "<reply_url>");
+            log::warn!("webhook {name}: reply_url unreachable: {e}");
+            Failure::new(
+                code::UPSTREAM_UNREACHABLE,
+                format!("reply_url could not be reached: {e}"),
+            )
+        })?;
+        let status = resp.status().as_u16();
+        if !(200..300).contains(&status) {
+            log::warn!("webhook {name}: reply_url answered HTTP {status}");
+            return Err(Failure::new(
+                code::UPSTREAM_REJECTED,
+                format!("reply_url answered HTTP {status}"),
+            ));
+        }
+        // The receiver may name the message it created; otherwise the idempotency key names it.
+        let answer = resp
+            .body_mut()
+            .with_config()
+            .limit(64 * 1024)
+            .read_to_string()
+            .unwrap_or_default();
+        let remote_id = json::parse(&answer).ok().and_then(|v| {
+            json::as_object(&v)
+                .and_then(|o| json::get_str(o, "message_id"))
+                .map(str::to_string)
+        });
+        Ok(remote_id.unwrap_or_else(|| out.idempotency_key.to_string()))
+    }
+
+    fn routes(&self) -> &'static [Route] {
+        &[Route {
+            method: "POST",
+            path: "/hooks/",
+            prefix: true,
+        }]
+    }
+
+    fn handle(&self, req: &HttpRequest) -> Reply {
+        let name = req.path.strip_prefix("/hooks/").unwrap_or_default();
+        self.accept(name, req)
+    }
 }
 
 #[cfg(test)]
@@ -401,7 +556,7 @@ mod tests {
 
     #[test]
     fn hmac_signatures_verify_and_tampering_fails() {
-        let hook = Webhook {
+        let hook = Endpoint {
             secret: crate::config::Secret::new("k"),
             reply_url: None,
             label: "x".into(),
@@ -411,6 +566,10 @@ mod tests {
         assert!(!authorized(&hook, None, Some(&sig), b"bodY"));
         assert!(!authorized(&hook, None, Some("sha256=zz"), b"body"));
         assert!(authorized(&hook, Some("Bearer k"), None, b""));
+        assert!(
+            authorized(&hook, Some("bearer  k"), None, b""),
+            "the scheme is case-insensitive"
+        );
         assert!(!authorized(&hook, Some("Bearer x"), None, b""));
         assert!(!authorized(&hook, None, None, b""));
     }

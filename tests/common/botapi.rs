@@ -26,6 +26,8 @@ struct State {
     failures: HashMap<String, Vec<(u16, Option<u64>)>>,
     /// method → how long its next calls hang before they are answered.
     stalls: HashMap<String, Vec<Duration>>,
+    /// Methods in the order their calls arrived (before any stall).
+    arrived: Vec<String>,
     /// file_path → bytes, served at `/file/bot<token>/<file_path>`; file_id → file_path.
     files: HashMap<String, Vec<u8>>,
     file_ids: HashMap<String, String>,
@@ -68,7 +70,11 @@ impl BotApi {
                     }
                     let body = String::from_utf8_lossy(&raw).to_string();
                     let method = req.url().rsplit('/').next().unwrap_or_default().to_string();
-                    let stall = state.0.lock().unwrap().stalls.get_mut(&method).and_then(|l| l.pop());
+                    let stall = {
+                        let mut s = state.0.lock().unwrap();
+                        s.arrived.push(method.clone());
+                        s.stalls.get_mut(&method).and_then(|l| l.pop())
+                    };
                     if let Some(d) = stall {
                         std::thread::sleep(d);
                     }
@@ -219,6 +225,29 @@ impl BotApi {
             .get(&bot_id)
             .copied()
             .unwrap_or(0)
+    }
+
+    /// Waits until `n` calls of `method` have arrived, answered or still stalled.
+    pub fn wait_arrived(&self, method: &str, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let arrived = self
+                .state
+                .0
+                .lock()
+                .unwrap()
+                .arrived
+                .iter()
+                .filter(|m| *m == method)
+                .count();
+            if arrived >= n {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Waits until `method` has been called `n` times.

@@ -37,6 +37,7 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+#[derive(Clone)]
 pub struct Api {
     base: String,
     http: ureq::Agent,

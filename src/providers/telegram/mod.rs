@@ -1,38 +1,134 @@
-//! The Telegram provider: bot binding, long-poll inbound, send and reply tools.
+//! The Telegram provider: bot binding, long-poll (or webhook) inbound, send, reply and file tools.
 //!
-//! Source key: `telegram:{bot_id}:{chat_id}`. A binding stores display names in `TG_CHATS`;
-//! a bot token given in the auth form is kept in `state_dir/telegram/bot{id}.token` (mode 0600),
-//! never in the database, a packet or a log line. The default bot of `[telegram] bot_token` is
-//! used when the form leaves the token empty.
+//! Source key: `{bot_id}:{chat_id}`. A binding stores display names in its own table
+//! (`telegram_chats`); a bot token given in the auth form is kept in
+//! `state_dir/telegram/bot{id}.token` (mode 0600), never in the database, a packet or a log
+//! line. The default bot of `[telegram] bot_token` is used when the form leaves the token empty.
 
 pub mod api;
 pub mod poll;
 
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::{ReadableDatabase, TableDefinition};
+use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
-use super::inbound::{self, Inbound};
-use super::Failure;
-use crate::app::App;
-use crate::json::{self, obj, s, Object, Value};
-use crate::outbox::StoredMessage;
+use super::inbound;
+use super::{Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply, Route};
+use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
+use crate::json::{self, arr, b, obj, s, Object, Value};
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use crate::source::Source;
+use crate::store::{self, StoreError};
 
-const SOURCE_PREFIX: &str = "telegram:";
+const NAME: &str = "telegram";
 /// source → `ChatInfo` JSON.
-pub(crate) const TG_CHATS: TableDefinition<&str, &str> = TableDefinition::new("telegram_chats");
+const TG_CHATS: TableDefinition<&str, &str> = TableDefinition::new("telegram_chats");
+const FLOW: &str = "telegram_bot_binding";
+const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// Telegram's limit for one message's text.
 const MAX_TEXT: usize = 4096;
 /// A tool call retries 429 and 5xx answers for at most this long, and no single call outlives it.
 const TOOL_DEADLINE: Duration = Duration::from_secs(20);
+/// A typing indicator that Telegram does not take within this is dropped.
+const TYPING_DEADLINE: Duration = Duration::from_secs(5);
+
+pub const REGISTRATION: Registration = Registration {
+    reader: Reader {
+        provider: NAME,
+        section: "telegram",
+        secrets: &["bot_token", "webhook_secret"],
+        read,
+    },
+    start,
+};
+
+/// `[telegram]`.
+#[derive(Clone)]
+pub struct TelegramSettings {
+    pub bot_token: Option<Secret>,
+    /// `poll` or `webhook`.
+    pub mode: &'static str,
+    pub webhook_secret: Option<Secret>,
+    pub api_base: String,
+}
+
+impl Settings for TelegramSettings {
+    fn summary(&self) -> String {
+        let set = if self.bot_token.is_some() { "set" } else { "not set" };
+        format!(
+            "telegram:          mode {}, bot_token {set}, api_base {}\n",
+            self.mode, self.api_base
+        )
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn read(cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+    let section = sections.first()?;
+    let mut f = Fields::new(section, p, &["bot_token", "webhook_secret"]);
+    let t = TelegramSettings {
+        bot_token: f.secret("bot_token"),
+        mode: f.choice("mode", &["poll", "webhook"]).unwrap_or("poll"),
+        webhook_secret: f.secret("webhook_secret"),
+        api_base: f.url("api_base").unwrap_or_else(|| "https://api.telegram.org".into()),
+    };
+    if t.mode == "webhook" {
+        if t.webhook_secret.is_none() {
+            f.err("[telegram] mode = webhook needs `webhook_secret`");
+        }
+        if t.bot_token.is_none() {
+            f.err("[telegram] mode = webhook needs the default bot's `bot_token`");
+        }
+        if cfg.server.public_url.is_none() {
+            f.err("[telegram] mode = webhook needs [server] public_url (Telegram must reach /telegram/webhook)");
+        }
+    }
+    f.finish();
+    Some(Arc::new(t))
+}
+
+fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
+    let Some(settings) = host.config.provider::<TelegramSettings>(NAME).cloned() else {
+        return Ok(None);
+    };
+    host.db.write(|txn| {
+        txn.open_table(TG_CHATS)?;
+        Ok(())
+    })?;
+    let tg = Arc::new_cyclic(|me| Telegram {
+        me: me.clone(),
+        host: host.clone(),
+        api: Api::new(&settings.api_base),
+        settings,
+        pollers: poll::Pollers::default(),
+        typing: Mutex::new(HashSet::new()),
+        unbound_updates: AtomicU64::new(0),
+    });
+    if tg.webhook_bot().is_some() {
+        // setWebhook blocks on Telegram; the start does not wait for it.
+        let t = tg.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tg-setwebhook".into())
+            .spawn(move || t.register_webhook());
+        if let Err(e) = spawned {
+            log::error!("telegram: cannot register the webhook: {e}");
+        }
+    }
+    Ok(Some(tg))
+}
 
 /// What a binding knows about its bot and chat, for the Descriptor and for routing.
 #[derive(Serialize, Deserialize, Clone, Debug)]
@@ -48,300 +144,31 @@ pub struct ChatInfo {
 }
 
 pub fn source_of(bot_id: u64, chat_id: i64) -> String {
-    format!("{SOURCE_PREFIX}{bot_id}:{chat_id}")
+    Source::new(NAME, &format!("{bot_id}:{chat_id}")).to_string()
 }
 
-pub fn is_source(source: &str) -> bool {
-    source.starts_with(SOURCE_PREFIX)
-}
-
-pub fn api(app: &App) -> Option<Api> {
-    app.config.telegram.as_ref().map(|t| Api::new(&t.api_base))
-}
-
-fn token_path(app: &App, bot_id: u64) -> PathBuf {
-    app.config
-        .server
-        .state_dir
-        .join("telegram")
-        .join(format!("bot{bot_id}.token"))
-}
-
-/// The token that speaks for a binding.
-pub fn token_for(app: &App, info: &ChatInfo) -> Option<String> {
-    if info.own_token {
-        std::fs::read_to_string(token_path(app, info.bot_id))
-            .ok()
-            .map(|t| t.trim().to_string())
-    } else {
-        app.config
-            .telegram
-            .as_ref()?
-            .bot_token
-            .as_ref()
-            .map(|t| t.expose().to_string())
-    }
-}
-
-pub fn chat_info(app: &App, source: &str) -> Option<ChatInfo> {
-    let db = app.store.db.get().ok()?;
-    let txn = db.begin_read().ok()?;
-    let t = txn.open_table(TG_CHATS).ok()?;
-    let v = t.get(source).ok()??;
-    miniserde::json::from_str(v.value()).ok()
-}
-
-fn save_chat_info(app: &App, source: &str, info: &ChatInfo) -> Result<(), Failure> {
-    let write = || -> crate::store::Result<()> {
-        let db = app.store.db.get()?;
-        let txn = db.begin_write()?;
-        txn.open_table(TG_CHATS)?
-            .insert(source, miniserde::json::to_string(info).as_str())?;
-        txn.commit()?;
-        Ok(())
-    };
-    write().map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the binding: {e}")))
-}
-
-/// Every binding whose source is still bound to a channel, with its source key.
-pub fn bound_chats(app: &App) -> Vec<(String, ChatInfo)> {
-    let Ok(channels) = app.store.channels() else {
-        return vec![];
-    };
-    channels
-        .into_iter()
-        .filter_map(|(_, rec)| rec.source)
-        .filter(|s| is_source(s))
-        .filter_map(|s| chat_info(app, &s).map(|i| (s, i)))
-        .collect()
+pub struct Telegram {
+    me: Weak<Telegram>,
+    host: Arc<Host>,
+    settings: TelegramSettings,
+    /// One client for every Bot API call, so connections are reused.
+    api: Api,
+    pollers: poll::Pollers,
+    /// Chats with a typing indicator on its way: at most one each.
+    typing: Mutex<HashSet<i64>>,
+    /// Updates from chats no channel is bound to (counted, logged at debug, not stored).
+    unbound_updates: AtomicU64,
 }
 
 fn redact_id(id: i64) -> String {
     inbound::redact(&id.to_string())
 }
 
-/// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
-pub fn check_binding(app: &App, input: &Object) -> Result<String, Failure> {
-    let Some(api) = api(app) else {
-        return Err(Failure::new(
-            code::INVALID_ARGUMENTS,
-            "Telegram is not enabled on this device ([telegram] is missing)",
-        ));
-    };
-    let given = json::get_str(input, "bot_token")
-        .map(str::trim)
-        .filter(|t| !t.is_empty());
-    let default = app
-        .config
-        .telegram
-        .as_ref()
-        .and_then(|t| t.bot_token.as_ref())
-        .map(|t| t.expose());
-    let Some(token) = given.or(default) else {
-        return Err(Failure::new(
-            code::INVALID_ARGUMENTS,
-            "a bot token is required (none is configured on the device)",
-        ));
-    };
-    let chat_raw = json::get_str(input, "chat_id").map(str::trim).unwrap_or_default();
-    let chat_param = match chat_raw.parse::<i64>() {
-        Ok(n) => json::Value::Number(json::Number::I64(n)),
-        Err(_) if chat_raw.starts_with('@') && chat_raw.len() > 1 => s(chat_raw),
-        Err(_) => {
-            return Err(Failure::new(
-                code::INVALID_ARGUMENTS,
-                "chat_id must be a number or an @channelname",
-            ))
-        }
-    };
-    let me = api.call(token, "getMe", &obj([])).map_err(|e| match e.code {
-        401 | 404 => Failure::new(code::CONNECTION_NOT_AUTHENTICATED, "Telegram rejected the bot token"),
-        _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the bot token: {e}")),
-    })?;
-    let me = json::as_object(&me).cloned().unwrap_or_default();
-    let bot_id =
-        json::get_u64(&me, "id").ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "getMe returned no bot id"))?;
-    let bot_username = json::get_str(&me, "username").unwrap_or("bot").to_string();
-    let chat = api.call(token, "getChat", &obj([("chat_id", chat_param)])).map_err(|e| match e.code {
-        400 => Failure::new(
-            code::CONNECTION_NOT_AUTHENTICATED,
-            "Telegram does not know this chat for the bot: check the chat ID, add the bot to the group, or send the bot a message first",
-        ),
-        403 => Failure::new(code::CONNECTION_NOT_AUTHENTICATED, "the bot is not a member of this chat (blocked or removed)"),
-        _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the chat: {e}")),
-    })?;
-    let chat = json::as_object(&chat).cloned().unwrap_or_default();
-    let chat_id =
-        poll::int(&chat, "id").ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "getChat returned no chat id"))?;
-    let kind = json::get_str(&chat, "type").unwrap_or("private");
-    let title = json::get_str(&chat, "title")
-        .or_else(|| json::get_str(&chat, "first_name"))
-        .or_else(|| json::get_str(&chat, "username"))
-        .map_or_else(|| redact_id(chat_id), str::to_string);
-    let own_token = given.is_some() && Some(token) != default;
-    if own_token {
-        store_token(app, bot_id, token)
-            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the bot token: {e}")))?;
-    }
-    let info = ChatInfo {
-        bot_id,
-        bot_username,
-        chat_id,
-        chat_title: title,
-        chat_type: if kind == "private" {
-            "p2p".into()
-        } else {
-            "group".into()
-        },
-        own_token,
-    };
-    let source = source_of(bot_id, chat_id);
-    save_chat_info(app, &source, &info)?;
-    Ok(source)
-}
-
-fn store_token(app: &App, bot_id: u64, token: &str) -> std::io::Result<()> {
-    let path = token_path(app, bot_id);
-    std::fs::create_dir_all(path.parent().expect("a parent"))?;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)?;
-    f.write_all(token.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(tmp, path)
-}
-
-/// After `auth.logout` or a lease expiry: forgets tokens no binding uses any more.
-pub fn forget_unused_tokens(app: &App) {
-    let in_use: Vec<u64> = bound_chats(app)
-        .iter()
-        .filter(|(_, i)| i.own_token)
-        .map(|(_, i)| i.bot_id)
-        .collect();
-    let dir = app.config.server.state_dir.join("telegram");
-    let Ok(entries) = std::fs::read_dir(&dir) else { return };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().to_string();
-        let id = name
-            .strip_prefix("bot")
-            .and_then(|n| n.strip_suffix(".token"))
-            .and_then(|n| n.parse::<u64>().ok());
-        if let Some(id) = id.filter(|id| !in_use.contains(id)) {
-            let _ = std::fs::remove_file(e.path());
-            log::info!("telegram: token of bot {id} forgotten (no binding uses it)");
-        }
-    }
-}
-
-/// The default bot's ID when `mode = webhook` (Telegram tokens start with the bot's ID).
-pub fn webhook_bot(app: &App) -> Option<u64> {
-    let t = app.config.telegram.as_ref().filter(|t| t.mode == "webhook")?;
-    t.bot_token.as_ref()?.expose().split(':').next()?.parse().ok()
-}
-
-/// Webhook mode: tells Telegram where to push the default bot's updates (once at start).
-pub fn register_webhook(app: &App) {
-    let (Some(t), Some(base)) = (app.config.telegram.as_ref(), app.config.server.public_url.as_deref()) else {
-        return;
-    };
-    let (Some(token), Some(secret)) = (t.bot_token.as_ref(), t.webhook_secret.as_ref()) else {
-        return;
-    };
-    if t.mode != "webhook" {
-        return;
-    }
-    let params = obj([
-        ("url", s(format!("{base}/telegram/webhook"))),
-        ("secret_token", s(secret.expose())),
-        ("allowed_updates", crate::json::strs(["message"])),
-    ]);
-    match Api::new(&t.api_base).call(token.expose(), "setWebhook", &params) {
-        Ok(_) => log::info!("telegram: webhook registered at {base}/telegram/webhook"),
-        Err(e) => log::error!("telegram: setWebhook failed: {e}; updates will not arrive until it succeeds"),
-    }
-}
-
-/// `POST /telegram/webhook`: one Update, answered 200 only after its commit (Telegram retries
-/// anything else).
-pub fn webhook_update(app: &App, secret_header: Option<&str>, body: &[u8]) -> (u16, Value) {
-    let Some(t) = app.config.telegram.as_ref().filter(|t| t.mode == "webhook") else {
-        return (404, obj([("error", s("not_found"))]));
-    };
-    let expected = t.webhook_secret.as_ref().map(|s| s.expose()).unwrap_or_default();
-    if expected.is_empty() || !crate::ids::secret_eq(secret_header.unwrap_or(""), expected) {
-        log::info!("telegram: webhook call with a missing or wrong secret refused");
-        return (401, obj([("error", s("unauthorized"))]));
-    }
-    let update = std::str::from_utf8(body).ok().and_then(|b| json::parse(b).ok());
-    let Some(update) = update.filter(|u| json::as_object(u).is_some()) else {
-        return (400, obj([("error", s("invalid_payload"))]));
-    };
-    let (Some(bot_id), Some(token)) = (webhook_bot(app), t.bot_token.as_ref()) else {
-        return (404, obj([("error", s("not_found"))]));
-    };
-    let info = ChatInfo {
-        bot_id,
-        bot_username: String::new(),
-        chat_id: 0,
-        chat_title: String::new(),
-        chat_type: String::new(),
-        own_token: false,
-    };
-    match poll::accept(app, &Api::new(&t.api_base), token.expose(), &info, &[update]) {
-        None => (200, obj([("ok", json::b(true))])),
-        Some(_) => (503, obj([("error", s("storage_unavailable"))])),
-    }
-}
-
-/// Descriptor parts of a Telegram channel.
-pub fn describe(app: &App, source: &str) -> (&'static str, Target, Vec<(&'static str, ToolState)>) {
-    let tools = [TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
-    match chat_info(app, source).filter(|i| token_for(app, i).is_some()) {
-        Some(info) => (
-            "connected",
-            Target {
-                provider: "telegram".into(),
-                label: "Telegram".into(),
-                display_name: format!("@{} in {}", info.bot_username, info.chat_title),
-                account_hint: Some(redact_id(info.chat_id)),
-            },
-            tools.map(|t| (t, ToolState::available())).to_vec(),
-        ),
-        None => (
-            "error",
-            Target {
-                provider: "telegram".into(),
-                label: "Telegram".into(),
-                display_name: "Telegram (binding lost: bind again)".into(),
-                account_hint: None,
-            },
-            tools
-                .map(|t| (t, ToolState::unavailable("the bot token is no longer available")))
-                .to_vec(),
-        ),
-    }
-}
-
-pub fn render_push(app: &App, stored: &StoredMessage) -> Value {
-    match miniserde::json::from_str::<Inbound>(&stored.payload) {
-        Ok(m) => {
-            let h = &stored.header;
-            let base = app.config.server.public_url.as_deref().unwrap_or("");
-            inbound::render(
-                "telegram",
-                "Telegram",
-                &m,
-                h.reply_ref.as_deref(),
-                h.accepted_at,
-                h.expires_at,
-                base,
-            )
-        }
-        Err(_) => obj([]),
+fn failure(e: &ApiError) -> Failure {
+    if e.code == 0 {
+        Failure::new(code::UPSTREAM_UNREACHABLE, e.to_string())
+    } else {
+        Failure::new(code::UPSTREAM_REJECTED, e.to_string())
     }
 }
 
@@ -387,120 +214,523 @@ pub(super) fn with_retry<T>(
     }
 }
 
-/// `imgate_message_send` / `imgate_message_reply` on a Telegram channel.
-pub fn send(app: &App, source: &str, text: &str, reply_to: Option<&str>) -> Result<Value, Failure> {
-    let (api, info, token) = route(app, source)?;
-    let reply_to_id = reply_to
-        .and_then(|r| r.rsplit(':').next())
-        .and_then(|m| m.parse::<u64>().ok());
-    let deadline = Instant::now() + TOOL_DEADLINE;
-    let mut last_id = String::new();
-    for (i, chunk) in split_text(text).into_iter().enumerate() {
-        let reply = match reply_to_id {
-            Some(m) if i == 0 => obj([
-                ("message_id", json::n(m)),
-                ("allow_sending_without_reply", json::b(true)),
-            ]),
-            _ => Value::Null,
+impl Telegram {
+    fn token_path(&self, bot_id: u64) -> PathBuf {
+        self.host
+            .config
+            .server
+            .state_dir
+            .join("telegram")
+            .join(format!("bot{bot_id}.token"))
+    }
+
+    /// The token that speaks for a binding.
+    fn token_for(&self, info: &ChatInfo) -> Option<String> {
+        if info.own_token {
+            std::fs::read_to_string(self.token_path(info.bot_id))
+                .ok()
+                .map(|t| t.trim().to_string())
+        } else {
+            self.settings.bot_token.as_ref().map(|t| t.expose().to_string())
+        }
+    }
+
+    fn chat_info(&self, source: &str) -> Result<Option<ChatInfo>, StoreError> {
+        self.host.db.read(|txn| {
+            let Some(v) = txn.open_table(TG_CHATS)?.get(source)? else {
+                return Ok(None);
+            };
+            let info = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("telegram chat"))?;
+            Ok(Some(info))
+        })
+    }
+
+    fn save_chat_info(&self, source: &str, info: &ChatInfo) -> Result<(), Failure> {
+        self.host
+            .db
+            .write(|txn| {
+                txn.open_table(TG_CHATS)?
+                    .insert(source, miniserde::json::to_string(info).as_str())?;
+                Ok(())
+            })
+            .map_err(Failure::storage)
+    }
+
+    /// The update offset of a bot: every update before it is confirmed to Telegram.
+    fn offset(&self, bot_id: u64) -> Result<Option<u64>, StoreError> {
+        let key = poll::offset_key(bot_id);
+        self.host.db.read(|txn| store::parse_u64(&key, store::meta(txn, &key)?))
+    }
+
+    /// The bound chats of `bound` with what their bindings know.
+    fn bound_chats(&self, bound: &[Source]) -> Vec<(String, ChatInfo)> {
+        bound
+            .iter()
+            .filter(|s| s.provider() == NAME)
+            .filter_map(|s| match self.chat_info(s.as_str()) {
+                Ok(Some(info)) => Some((s.to_string(), info)),
+                Ok(None) => None,
+                Err(e) => {
+                    log::error!("telegram: cannot read the binding of {s}: {e}");
+                    None
+                }
+            })
+            .collect()
+    }
+
+    fn store_token(&self, bot_id: u64, token: &str) -> std::io::Result<()> {
+        let path = self.token_path(bot_id);
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension("tmp");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(token.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(tmp, path)
+    }
+
+    /// Forgets tokens no binding uses any more.
+    fn forget_unused_tokens(&self, chats: &[(String, ChatInfo)]) {
+        let in_use: Vec<u64> = chats
+            .iter()
+            .filter(|(_, i)| i.own_token)
+            .map(|(_, i)| i.bot_id)
+            .collect();
+        let dir = self.host.config.server.state_dir.join("telegram");
+        let Ok(entries) = std::fs::read_dir(&dir) else { return };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let id = name
+                .strip_prefix("bot")
+                .and_then(|n| n.strip_suffix(".token"))
+                .and_then(|n| n.parse::<u64>().ok());
+            if let Some(id) = id.filter(|id| !in_use.contains(id)) {
+                let _ = std::fs::remove_file(e.path());
+                log::info!("telegram: token of bot {id} forgotten (no binding uses it)");
+            }
+        }
+    }
+
+    /// The default bot's ID when `mode = webhook` (Telegram tokens start with the bot's ID).
+    fn webhook_bot(&self) -> Option<u64> {
+        if self.settings.mode != "webhook" {
+            return None;
+        }
+        self.settings
+            .bot_token
+            .as_ref()?
+            .expose()
+            .split(':')
+            .next()?
+            .parse()
+            .ok()
+    }
+
+    /// Webhook mode: tells Telegram where to push the default bot's updates (once at start).
+    fn register_webhook(&self) {
+        let base = self.host.public_base();
+        let (Some(token), Some(secret)) = (&self.settings.bot_token, &self.settings.webhook_secret) else {
+            return;
         };
         let params = obj([
-            ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
-            ("text", s(chunk)),
-            ("reply_parameters", reply),
+            ("url", s(format!("{base}/telegram/webhook"))),
+            ("secret_token", s(secret.expose())),
+            ("allowed_updates", json::strs(["message"])),
         ]);
-        let sent = with_retry("sendMessage", deadline, |left| {
-            api.call_within(&token, "sendMessage", &params, left)
+        match self.api.call(token.expose(), "setWebhook", &params) {
+            Ok(_) => log::info!("telegram: webhook registered at {base}/telegram/webhook"),
+            Err(e) => log::error!("telegram: setWebhook failed: {e}; updates will not arrive until it succeeds"),
+        }
+    }
+
+    /// `POST /telegram/webhook`: one Update, answered 200 only after its commit (Telegram retries
+    /// anything else).
+    fn webhook_update(&self, req: &HttpRequest) -> Reply {
+        let (Some(bot_id), Some(token)) = (self.webhook_bot(), self.settings.bot_token.clone()) else {
+            return Reply::Now(HttpAnswer::error(404, "not_found"));
+        };
+        let expected = self
+            .settings
+            .webhook_secret
+            .as_ref()
+            .map(|s| s.expose())
+            .unwrap_or_default();
+        let given = req.header("X-Telegram-Bot-Api-Secret-Token").unwrap_or("");
+        if expected.is_empty() || !crate::ids::secret_eq(given, expected) {
+            log::debug!("telegram: webhook call with a missing or wrong secret refused");
+            return Reply::Now(HttpAnswer::error(401, "unauthorized"));
+        }
+        let update = std::str::from_utf8(req.body).ok().and_then(|b| json::parse(b).ok());
+        let Some(update) = update.filter(|u| json::as_object(u).is_some()) else {
+            return Reply::Now(HttpAnswer::error(400, "invalid_payload"));
+        };
+        let Some(tg) = self.me.upgrade() else {
+            return Reply::Now(HttpAnswer::error(503, "stopping"));
+        };
+        // Media is fetched from Telegram before the commit: blocking work.
+        Reply::Blocking(Box::new(move || {
+            let info = ChatInfo {
+                bot_id,
+                bot_username: String::new(),
+                chat_id: 0,
+                chat_title: String::new(),
+                chat_type: String::new(),
+                own_token: false,
+            };
+            match poll::accept(&tg, token.expose(), &info, &[update]) {
+                None => HttpAnswer::new(200, obj([("ok", b(true))])),
+                Some(_) => HttpAnswer::error(503, "storage_unavailable"),
+            }
+        }))
+    }
+
+    /// The API, the binding and its token for a bound source.
+    fn route(&self, source: &Source) -> Result<(ChatInfo, String), Failure> {
+        let info = self
+            .chat_info(source.as_str())
+            .map_err(Failure::storage)?
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the Telegram binding is gone"))?;
+        let token = self
+            .token_for(&info)
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bot token is no longer available"))?;
+        Ok((info, token))
+    }
+
+    fn send_text(&self, info: &ChatInfo, token: &str, text: &str, reply_to: Option<&str>) -> Result<String, Failure> {
+        let reply_to_id = reply_to
+            .and_then(|r| r.rsplit(':').next())
+            .and_then(|m| m.parse::<u64>().ok());
+        let deadline = Instant::now() + TOOL_DEADLINE;
+        let mut last_id = String::new();
+        for (i, chunk) in split_text(text).into_iter().enumerate() {
+            let reply = match reply_to_id {
+                Some(m) if i == 0 => obj([("message_id", json::n(m)), ("allow_sending_without_reply", b(true))]),
+                _ => Value::Null,
+            };
+            let params = obj([
+                ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
+                ("text", s(chunk)),
+                ("reply_parameters", reply),
+            ]);
+            let sent = with_retry("sendMessage", deadline, |left| {
+                self.api.call_within(token, "sendMessage", &params, left)
+            })
+            .map_err(|e| failure(&e))?;
+            let id = json::as_object(&sent)
+                .and_then(|o| json::get_u64(o, "message_id"))
+                .unwrap_or(0);
+            last_id = format!("{}:{id}", info.chat_id);
+        }
+        Ok(last_id)
+    }
+
+    /// A file uploaded for this channel goes as a photo or a document.
+    fn send_file(
+        &self,
+        info: &ChatInfo,
+        token: &str,
+        file: &(crate::files::FileRecord, PathBuf),
+        caption: &str,
+    ) -> Result<String, Failure> {
+        let (rec, path) = file;
+        let bytes = std::fs::read(path)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot read the file: {e}")))?;
+        let (method, field) = if rec.kind == "image" {
+            ("sendPhoto", "photo")
+        } else {
+            ("sendDocument", "document")
+        };
+        let boundary = format!("imgate{}", crate::ids::random_hex(12));
+        let mut body = Vec::with_capacity(bytes.len() + 512);
+        let mut text_part = |name: &str, value: &str| {
+            body.extend_from_slice(
+                format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n")
+                    .as_bytes(),
+            );
+        };
+        text_part("chat_id", &info.chat_id.to_string());
+        if !caption.is_empty() {
+            text_part("caption", caption);
+        }
+        body.extend_from_slice(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"{}\"\r\nContent-Type: {}\r\n\r\n",
+                rec.filename, rec.mime_type
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(&bytes);
+        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let deadline = Instant::now() + TOOL_DEADLINE;
+        let sent = with_retry(method, deadline, |left| {
+            self.api.call_multipart(token, method, &boundary, body.clone(), left)
         })
         .map_err(|e| failure(&e))?;
         let id = json::as_object(&sent)
             .and_then(|o| json::get_u64(o, "message_id"))
             .unwrap_or(0);
-        last_id = format!("{}:{id}", info.chat_id);
+        Ok(format!("{}:{id}", info.chat_id))
     }
-    Ok(obj([("status", s("sent")), ("message_id", s(last_id))]))
 }
 
-/// `imgate_file_send`: a file uploaded for this channel goes as a photo or a document.
-pub fn send_file(app: &App, source: &str, file_ref: &str, caption: Option<&str>) -> Result<Value, Failure> {
-    let (rec, path) = crate::files::get(app, file_ref)
-        .filter(|(r, _)| r.direction == "out" && r.source == source)
-        .ok_or_else(|| {
-            Failure::new(
-                code::FILE_REF_INVALID,
-                "file_ref is unknown, expired or was uploaded for another channel",
-            )
+fn flow(default_bot: bool) -> Value {
+    obj([
+        ("id", s(FLOW)),
+        ("target_type", s("im")),
+        ("type", s("form")),
+        ("title", s("Bind a Telegram Bot")),
+        ("description", s("Bind this channel to one Telegram chat of a bot.")),
+        (
+            "fields",
+            arr([
+                obj([
+                    ("name", s("bot_token")),
+                    ("label", s("Bot Token")),
+                    ("input_type", s("password")),
+                    // Required only when the device has no default bot.
+                    ("required", b(!default_bot)),
+                    ("secret", b(true)),
+                    ("placeholder", s("123456:ABC-DEF...")),
+                    (
+                        "help_text",
+                        s(if default_bot {
+                            "Leave empty to use the device's bot, or enter another bot's token from BotFather."
+                        } else {
+                            "Create a bot with BotFather and enter its token."
+                        }),
+                    ),
+                ]),
+                obj([
+                    ("name", s("chat_id")),
+                    ("label", s("Chat ID")),
+                    ("input_type", s("text")),
+                    ("required", b(true)),
+                    ("placeholder", s("For example, 123456789")),
+                    (
+                        "help_text",
+                        s("Start a conversation with the bot (or add it to the group), then enter the chat ID."),
+                    ),
+                ]),
+            ]),
+        ),
+    ])
+}
+
+impl Provider for Telegram {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn target(&self) -> Value {
+        obj([
+            ("target_type", s("im")),
+            ("provider", s(NAME)),
+            ("label", s("Telegram")),
+            ("description", s("A Telegram bot in a private chat or a group.")),
+        ])
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow(self.settings.bot_token.is_some())]
+    }
+
+    fn flow_ids(&self) -> &'static [&'static str] {
+        &[FLOW]
+    }
+
+    fn tools(&self) -> &'static [&'static str] {
+        TOOLS
+    }
+
+    /// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
+    fn bind(&self, _flow_id: &str, input: &Object) -> Result<Source, Failure> {
+        let given = json::get_str(input, "bot_token")
+            .map(str::trim)
+            .filter(|t| !t.is_empty());
+        let default = self.settings.bot_token.as_ref().map(|t| t.expose());
+        let Some(token) = given.or(default) else {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                "a bot token is required (none is configured on the device)",
+            ));
+        };
+        let chat_raw = json::get_str(input, "chat_id").map(str::trim).unwrap_or_default();
+        let chat_param = match chat_raw.parse::<i64>() {
+            Ok(n) => Value::Number(json::Number::I64(n)),
+            Err(_) if chat_raw.starts_with('@') && chat_raw.len() > 1 => s(chat_raw),
+            Err(_) => {
+                return Err(Failure::new(
+                    code::INVALID_ARGUMENTS,
+                    "chat_id must be a number or an @channelname",
+                ))
+            }
+        };
+        let me = self.api.call(token, "getMe", &obj([])).map_err(|e| match e.code {
+            401 | 404 => Failure::new(code::CONNECTION_NOT_AUTHENTICATED, "Telegram rejected the bot token"),
+            _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the bot token: {e}")),
         })?;
-    let (api, info, token) = route(app, source)?;
-    let bytes = std::fs::read(&path)
-        .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot read the file: {e}")))?;
-    let (method, field) = if rec.kind == "image" {
-        ("sendPhoto", "photo")
-    } else {
-        ("sendDocument", "document")
-    };
-    let boundary = format!("imgate{}", crate::ids::random_hex(12));
-    let mut body = Vec::with_capacity(bytes.len() + 512);
-    let mut text_part = |name: &str, value: &str| {
-        body.extend_from_slice(
-            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").as_bytes(),
-        );
-    };
-    text_part("chat_id", &info.chat_id.to_string());
-    if let Some(c) = caption.filter(|c| !c.is_empty()) {
-        text_part("caption", c);
-    }
-    body.extend_from_slice(
-        format!(
-            "--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"{}\"\r\nContent-Type: {}\r\n\r\n",
-            rec.filename, rec.mime_type
-        )
-        .as_bytes(),
-    );
-    body.extend_from_slice(&bytes);
-    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-    let deadline = Instant::now() + TOOL_DEADLINE;
-    let sent = with_retry(method, deadline, |left| {
-        api.call_multipart(&token, method, &boundary, body.clone(), left)
-    })
-    .map_err(|e| failure(&e))?;
-    let id = json::as_object(&sent)
-        .and_then(|o| json::get_u64(o, "message_id"))
-        .unwrap_or(0);
-    Ok(obj([
-        ("status", s("sent")),
-        ("message_id", s(format!("{}:{id}", info.chat_id))),
-    ]))
-}
-
-fn route(app: &App, source: &str) -> Result<(Api, ChatInfo, String), Failure> {
-    let api =
-        api(app).ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "Telegram is not enabled on this device"))?;
-    let info = chat_info(app, source)
-        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the Telegram binding is gone"))?;
-    let token = token_for(app, &info)
-        .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bot token is no longer available"))?;
-    Ok((api, info, token))
-}
-
-fn failure(e: &ApiError) -> Failure {
-    if e.code == 0 {
-        Failure::new(code::UPSTREAM_UNREACHABLE, e.to_string())
-    } else {
-        Failure::new(code::UPSTREAM_REJECTED, e.to_string())
-    }
-}
-
-/// After a message was delivered: show "typing" in the chat (best effort; Telegram clears it
-/// after 5 s or with the reply).
-pub fn typing(app: &App, source: &str) {
-    if let Ok((api, info, token)) = route(app, source) {
-        let params = obj([
-            ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
-            ("action", s("typing")),
-        ]);
-        if let Err(e) = api.call(&token, "sendChatAction", &params) {
-            log::debug!("telegram: typing indicator failed: {e}");
+        let me = json::as_object(&me).cloned().unwrap_or_default();
+        let bot_id = json::get_u64(&me, "id")
+            .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "getMe returned no bot id"))?;
+        let bot_username = json::get_str(&me, "username").unwrap_or("bot").to_string();
+        let chat = self
+            .api
+            .call(token, "getChat", &obj([("chat_id", chat_param)]))
+            .map_err(|e| match e.code {
+                400 => Failure::new(
+                    code::CONNECTION_NOT_AUTHENTICATED,
+                    "Telegram does not know this chat for the bot: check the chat ID, add the bot to the group, or send the bot a message first",
+                ),
+                403 => Failure::new(
+                    code::CONNECTION_NOT_AUTHENTICATED,
+                    "the bot is not a member of this chat (blocked or removed)",
+                ),
+                _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the chat: {e}")),
+            })?;
+        let chat = json::as_object(&chat).cloned().unwrap_or_default();
+        let chat_id = poll::int(&chat, "id")
+            .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "getChat returned no chat id"))?;
+        let kind = json::get_str(&chat, "type").unwrap_or("private");
+        let title = json::get_str(&chat, "title")
+            .or_else(|| json::get_str(&chat, "first_name"))
+            .or_else(|| json::get_str(&chat, "username"))
+            .map_or_else(|| redact_id(chat_id), str::to_string);
+        let own_token = given.is_some() && Some(token) != default;
+        if own_token {
+            self.store_token(bot_id, token)
+                .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the bot token: {e}")))?;
         }
+        let info = ChatInfo {
+            bot_id,
+            bot_username,
+            chat_id,
+            chat_title: title,
+            chat_type: if kind == "private" {
+                "p2p".into()
+            } else {
+                "group".into()
+            },
+            own_token,
+        };
+        let source = Source::new(NAME, &format!("{bot_id}:{chat_id}"));
+        self.save_chat_info(source.as_str(), &info)?;
+        Ok(source)
+    }
+
+    fn describe(&self, source: &Source) -> Result<Description, StoreError> {
+        let target = |display_name: String, account_hint| Target {
+            provider: NAME.into(),
+            label: "Telegram".into(),
+            display_name,
+            account_hint,
+        };
+        Ok(
+            match self.chat_info(source.as_str())?.filter(|i| self.token_for(i).is_some()) {
+                Some(info) => Description {
+                    status: "connected",
+                    target: target(
+                        format!("@{} in {}", info.bot_username, info.chat_title),
+                        Some(redact_id(info.chat_id)),
+                    ),
+                    tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
+                },
+                None => Description {
+                    status: "error",
+                    target: target("Telegram (binding lost: bind again)".into(), None),
+                    tools: TOOLS
+                        .iter()
+                        .map(|t| (*t, ToolState::unavailable("the bot token is no longer available")))
+                        .collect(),
+                },
+            },
+        )
+    }
+
+    fn label(&self, _source: &Source) -> String {
+        "Telegram".into()
+    }
+
+    fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
+        let (info, token) = self.route(source)?;
+        match out.file {
+            Some(file) => self.send_file(&info, &token, file, out.text),
+            None => self.send_text(&info, &token, out.text, out.reply_to),
+        }
+    }
+
+    fn routes(&self) -> &'static [Route] {
+        &[Route {
+            method: "POST",
+            path: "/telegram/webhook",
+            prefix: false,
+        }]
+    }
+
+    fn handle(&self, req: &HttpRequest) -> Reply {
+        self.webhook_update(req)
+    }
+
+    /// Pollers follow the bindings; tokens no binding uses are forgotten.
+    fn bindings_changed(&self, bound: &[Source]) {
+        let chats = self.bound_chats(bound);
+        let pushed = self.webhook_bot();
+        let mut wanted: HashMap<u64, ChatInfo> = HashMap::new();
+        for (_, info) in &chats {
+            // The default bot in webhook mode gets its updates from POST /telegram/webhook.
+            if pushed == Some(info.bot_id) && !info.own_token {
+                continue;
+            }
+            wanted.entry(info.bot_id).or_insert_with(|| info.clone());
+        }
+        if let Some(me) = self.me.upgrade() {
+            self.pollers.sync(&me, wanted);
+        }
+        self.forget_unused_tokens(&chats);
+    }
+
+    /// Shows "typing" in the chat after a delivery: on a blocking thread with its own deadline,
+    /// at most one per chat at a time, so a stalled Bot API never holds up delivery.
+    fn delivered(&self, source: &Source) {
+        let Some(me) = self.me.upgrade() else { return };
+        let source = source.clone();
+        smol::unblock(move || {
+            let Ok((info, token)) = me.route(&source) else { return };
+            if !me.typing.lock().unwrap_or_else(|e| e.into_inner()).insert(info.chat_id) {
+                return;
+            }
+            let params = obj([
+                ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
+                ("action", s("typing")),
+            ]);
+            if let Err(e) = me.api.call_within(&token, "sendChatAction", &params, TYPING_DEADLINE) {
+                log::debug!("telegram: typing indicator failed: {e}");
+            }
+            me.typing
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&info.chat_id);
+        })
+        .detach();
+    }
+
+    fn metrics(&self, out: &mut String) {
+        out.push_str("# TYPE imgate_telegram_pollers gauge\n");
+        out.push_str(&format!("imgate_telegram_pollers {}\n", self.pollers.count()));
+        out.push_str("# TYPE imgate_telegram_unbound_updates_total counter\n");
+        out.push_str(&format!(
+            "imgate_telegram_unbound_updates_total {}\n",
+            self.unbound_updates.load(Ordering::Relaxed)
+        ));
+    }
+
+    fn stop(&self) {
+        self.pollers.stop_all();
     }
 }
 

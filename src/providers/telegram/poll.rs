@@ -6,52 +6,64 @@
 //! that took a message also moved the offset past it (never accepts it twice).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
-use super::api::POLL_SECONDS;
-use super::{api, source_of, token_for, ChatInfo};
-use crate::app::App;
+use super::api::{Api, POLL_SECONDS};
+use super::{source_of, ChatInfo, Telegram};
 use crate::ids;
 use crate::json::{self, obj, strs, Value};
-use crate::outbox::{Enqueued, NewMessage};
+use crate::outbox::{Enqueued, NewMessage, ReplyRef};
 use crate::providers::inbound::{FileItem, Inbound};
-use crate::store::ReplyRef;
+use crate::store;
 
-/// Updates from chats no channel is bound to (counted, logged at debug, not stored).
-pub static UNBOUND_UPDATES: AtomicU64 = AtomicU64::new(0);
+/// Tells one poll loop to stop; the loop's pauses wait on it, so a stop is seen at once.
+#[derive(Default)]
+pub(super) struct Stop {
+    stopped: Mutex<bool>,
+    wake: Condvar,
+}
+
+impl Stop {
+    fn stop(&self) {
+        *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.wake.notify_all();
+    }
+
+    fn is_stopped(&self) -> bool {
+        *self.stopped.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sleeps for `wait` unless stopped first; true when stopped.
+    fn pause(&self, wait: Duration) -> bool {
+        let g = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
+        let (g, _) = self
+            .wake
+            .wait_timeout_while(g, wait, |stopped| !*stopped)
+            .unwrap_or_else(|e| e.into_inner());
+        *g
+    }
+}
 
 /// The running poll loops, by bot ID.
 #[derive(Default)]
 pub struct Pollers {
-    running: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    running: Mutex<HashMap<u64, Arc<Stop>>>,
 }
 
-fn offset_key(bot_id: u64) -> String {
+pub(super) fn offset_key(bot_id: u64) -> String {
     format!("telegram_offset:{bot_id}")
 }
 
 impl Pollers {
-    /// Starts a loop for every bot with a binding and stops the loops of bots without one.
-    pub fn sync(app: &Arc<App>) {
-        if app.config.telegram.is_none() {
-            return;
-        }
-        let mut wanted: HashMap<u64, ChatInfo> = HashMap::new();
-        let pushed = super::webhook_bot(app);
-        for (_, info) in super::bound_chats(app) {
-            // The default bot in webhook mode gets its updates from POST /telegram/webhook.
-            if pushed == Some(info.bot_id) && !info.own_token {
-                continue;
-            }
-            wanted.entry(info.bot_id).or_insert(info);
-        }
-        let mut running = app.telegram.running.lock().unwrap_or_else(|e| e.into_inner());
+    /// Starts a loop for every bot in `wanted` and stops the loops of the others.
+    pub(super) fn sync(&self, tg: &Arc<Telegram>, wanted: HashMap<u64, ChatInfo>) {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         running.retain(|bot, stop| {
             let keep = wanted.contains_key(bot);
             if !keep {
-                stop.store(true, Ordering::SeqCst);
+                stop.stop();
                 log::info!("telegram: bot {bot} has no binding left; its poller stops");
             }
             keep
@@ -60,9 +72,9 @@ impl Pollers {
             if running.contains_key(&bot) {
                 continue;
             }
-            let stop = Arc::new(AtomicBool::new(false));
+            let stop = Arc::new(Stop::default());
             running.insert(bot, stop.clone());
-            let weak = Arc::downgrade(app);
+            let weak = Arc::downgrade(tg);
             log::info!("telegram: polling bot @{} ({bot})", info.bot_username);
             let spawned = std::thread::Builder::new()
                 .name(format!("tg-poll-{bot}"))
@@ -73,22 +85,32 @@ impl Pollers {
         }
     }
 
+    /// Shutdown: every loop stops (one in a long poll leaves when it returns).
+    pub(super) fn stop_all(&self) {
+        for stop in self.running.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            stop.stop();
+        }
+    }
+
     pub fn count(&self) -> usize {
         self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
 
-/// The loop. It holds the app only between calls, so a long poll never delays a shutdown.
-fn run(app: Weak<App>, info: ChatInfo, stop: Arc<AtomicBool>) {
+/// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
+fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
     let mut backoff = Duration::from_secs(1);
     let mut last_error = String::new();
     loop {
-        let Some((api, token, offset)) = app.upgrade().and_then(|a| {
-            if a.is_stopping() || stop.load(Ordering::SeqCst) {
+        let Some((token, offset)) = tg.upgrade().and_then(|t| {
+            if stop.is_stopped() {
                 return None;
             }
-            let offset = a.store.cursor(&offset_key(info.bot_id)).ok().flatten().unwrap_or(0);
-            Some((api(&a)?, token_for(&a, &info)?, offset))
+            let offset = t.offset(info.bot_id).unwrap_or_else(|e| {
+                log::debug!("telegram: cannot read the update offset: {e}");
+                None
+            });
+            Some((t.token_for(&info)?, offset.unwrap_or(0)))
         }) else {
             return;
         };
@@ -97,18 +119,26 @@ fn run(app: Weak<App>, info: ChatInfo, stop: Arc<AtomicBool>) {
             ("timeout", json::n(POLL_SECONDS)),
             ("allowed_updates", strs(["message"])),
         ]);
-        let wait = match api.call(&token, "getUpdates", &params) {
+        let polled = match tg.upgrade() {
+            Some(t) => {
+                let api = t.api.clone();
+                drop(t);
+                api.call(&token, "getUpdates", &params)
+            }
+            None => return,
+        };
+        let wait = match polled {
             Ok(Value::Array(updates)) => {
                 backoff = Duration::from_secs(1);
                 if !last_error.is_empty() {
                     log::info!("telegram: bot {}: polling works again", info.bot_id);
                     last_error.clear();
                 }
-                let Some(app) = app.upgrade() else { return };
-                if stop.load(Ordering::SeqCst) {
+                let Some(t) = tg.upgrade() else { return };
+                if stop.is_stopped() {
                     return;
                 }
-                accept(&app, &api, &token, &info, &updates)
+                accept(&t, &token, &info, &updates)
             }
             Ok(_) => Some(backoff),
             Err(e) => {
@@ -129,28 +159,18 @@ fn run(app: Weak<App>, info: ChatInfo, stop: Arc<AtomicBool>) {
             }
         };
         if let Some(wait) = wait {
-            // Sleep in steps so stop and shutdown are noticed.
-            let until = std::time::Instant::now() + wait;
-            while std::time::Instant::now() < until {
-                if stop.load(Ordering::SeqCst) || app.upgrade().is_none_or(|a| a.is_stopping()) {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(100));
+            if stop.pause(wait) {
+                return;
             }
         }
     }
 }
 
 /// Accepts one batch of updates; `Some(wait)` when the loop should pause before polling again.
-pub(super) fn accept(
-    app: &App,
-    api: &super::api::Api,
-    token: &str,
-    info: &ChatInfo,
-    updates: &[Value],
-) -> Option<Duration> {
+pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
+    let host = &tg.host;
     let key = offset_key(info.bot_id);
-    let ttl = app.ttl_ms();
+    let ttl = host.ttl_ms();
     let now = ids::now_ms();
     let mut next = 0;
     for update in updates.iter().filter_map(json::as_object).filter_map(read_update) {
@@ -160,18 +180,26 @@ pub(super) fn accept(
             continue;
         };
         let source = source_of(info.bot_id, message.chat_id);
-        if !matches!(app.store.bound_channel(&source), Ok(Some(_))) {
-            UNBOUND_UPDATES.fetch_add(1, Ordering::Relaxed);
-            log::debug!(
-                "telegram: bot {}: update from a chat no channel is bound to",
-                info.bot_id
-            );
-            next = next.max(after);
-            continue;
+        match host.channels.bound_channel(&source) {
+            Ok(Some(_)) => {}
+            Err(e) => {
+                // The store cannot tell: leave the update at Telegram and try again.
+                log::debug!("telegram: {source}: cannot read the binding: {e}");
+                return Some(Duration::from_secs(1));
+            }
+            Ok(None) => {
+                tg.unbound_updates.fetch_add(1, Ordering::Relaxed);
+                log::debug!(
+                    "telegram: bot {}: update from a chat no channel is bound to",
+                    info.bot_id
+                );
+                next = next.max(after);
+                continue;
+            }
         }
         if message.inbound.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
             // A backlog after a long outage: older than the TTL, never pushed.
-            if let Err(e) = app.store.record_expired(&source, 1) {
+            if let Err(e) = host.outbox.record_expired(&source, 1) {
                 log::error!("telegram: {e}");
             }
             next = next.max(after);
@@ -180,7 +208,7 @@ pub(super) fn accept(
         let mut inbound = message.inbound;
         if let Some(media) = message.media {
             // Fetched now: Telegram's file URLs carry the token and expire; ours do neither.
-            match fetch(app, api, token, &source, &media) {
+            match fetch(tg, token, &source, &media) {
                 Ok(item) => inbound.files = Some(vec![item]),
                 Err(why) => {
                     log::warn!("telegram: {source}: {} not cached: {why}", media.kind);
@@ -208,9 +236,8 @@ pub(super) fn accept(
             expires_at,
             cursor: Some((key.clone(), after)),
         };
-        match app.store.enqueue(message, app.policy()) {
-            Ok(Enqueued::Accepted { .. }) => app.hub.notify_source(&app.store, &source),
-            Ok(Enqueued::Duplicate) => {}
+        match host.outbox.enqueue(message) {
+            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {}
             Ok(Enqueued::CapacityExceeded) => {
                 // reject_new: Telegram keeps the update; stop advancing the offset (backpressure).
                 log::warn!("telegram: {source}: queue full; leaving updates at Telegram until there is room");
@@ -224,7 +251,15 @@ pub(super) fn accept(
         next = next.max(after);
     }
     if next > 0 {
-        if let Err(e) = app.store.set_cursor(&key, next) {
+        // Updates that stored nothing (other kinds, unbound chats, expired) are confirmed too.
+        let moved = host.db.write(|txn| {
+            let current = store::parse_u64(&key, store::meta_in(txn, &key)?)?.unwrap_or(0);
+            if next > current {
+                store::set_meta(txn, &key, Some(&next.to_string()))?;
+            }
+            Ok(())
+        });
+        if let Err(e) = moved {
             log::error!("telegram: cannot store the update offset: {e}");
         }
     }
@@ -314,8 +349,9 @@ fn media_of(m: &json::Object) -> Option<Media> {
 const FETCH_DEADLINE: Duration = Duration::from_secs(30);
 
 /// `getFile` and the download, into the file cache.
-fn fetch(app: &App, api: &super::api::Api, token: &str, source: &str, media: &Media) -> Result<FileItem, String> {
-    let limit = app.config.files.max_file_bytes;
+fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<FileItem, String> {
+    let api: &Api = &tg.api;
+    let limit = tg.host.config.files.max_file_bytes;
     if media.file_size.is_some_and(|s| s > limit) {
         return Err("larger than [files] max_file_bytes".into());
     }
@@ -333,8 +369,11 @@ fn fetch(app: &App, api: &super::api::Api, token: &str, source: &str, media: &Me
         api.download(token, &path, limit, left)
     })
     .map_err(|e| e.to_string())?;
-    let (file_ref, rec) =
-        crate::files::store(app, source, &media.filename, &media.mime_type, &bytes, "in").map_err(|e| e.to_string())?;
+    let (file_ref, rec) = tg
+        .host
+        .files
+        .store(source, &media.filename, &media.mime_type, &bytes, "in")
+        .map_err(|e| e.to_string())?;
     Ok(FileItem {
         file_ref,
         kind: rec.kind,
