@@ -6,6 +6,7 @@ pub mod channels;
 pub mod config;
 pub mod dataplane;
 pub mod files;
+pub mod front;
 pub mod http;
 pub mod ids;
 pub mod json;

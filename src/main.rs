@@ -1,7 +1,7 @@
 //! imgate: an xAgent IM Connector Server for edge devices. CLI and wiring only; the modules live in
 //! the library (src/lib.rs) so that the fuzz targets in fuzz/ can reach the parsers.
 
-use imgate::{app, config, dataplane, http, ids, json, maintenance, protocol, providers, runtime, service};
+use imgate::{app, config, dataplane, front, http, ids, json, maintenance, protocol, providers, runtime, service};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -183,13 +183,16 @@ fn run(cfg: config::Config) -> ExitCode {
         }
     };
     let socket = internal_socket(&state_dir);
-    let workers = match http::start(app.clone(), &socket) {
-        Ok(w) => w,
+    let dispatch = match http::start(&app, &socket) {
+        Ok(d) => d,
         Err(e) => {
             log::error!("{e}");
             return ExitCode::from(1);
         }
     };
+    // Every connection needs a descriptor: as many as the hard limit allows, and no more
+    // connections than they carry.
+    let max_connections = front::connection_limit(app.config.server.max_connections, service::raise_fd_limit());
     let names: Vec<&str> = app.providers.all().iter().map(|p| p.name()).collect();
     log::info!(
         "listening on {} (connector_id {}, providers: {})",
@@ -219,10 +222,11 @@ fn run(cfg: config::Config) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    // Listener bound, outbox open, HTTP workers running: ready.
+    let door = front::FrontDoor::new(&app, front::relay::Backend::new(socket.clone(), dispatch), prefix);
+    // Listener bound, outbox open, internal HTTP server running: ready.
     service::notify("READY=1");
     let why = runtime::block_on(async {
-        let serve = dataplane::listen::serve(app.clone(), listener, socket.clone(), prefix);
+        let serve = front::serve(door, listener, max_connections);
         let stop = service::stop_signal(signals);
         async {
             serve.await;
@@ -231,18 +235,12 @@ fn run(cfg: config::Config) -> ExitCode {
         .or(stop)
         .await
     });
-    shutdown(app, dial, workers, why, &socket)
+    shutdown(app, dial, why, &socket)
 }
 
 /// Graceful stop: no new connections, WebSockets closed with a close frame, requests being
 /// answered are finished, then the database is closed cleanly (next start needs no repair).
-fn shutdown(
-    app: Arc<app::App>,
-    dial: Option<smol::Task<()>>,
-    workers: http::Workers,
-    why: &str,
-    socket: &Path,
-) -> ExitCode {
+fn shutdown(app: Arc<app::App>, dial: Option<smol::Task<()>>, why: &str, socket: &Path) -> ExitCode {
     log::info!("{why}: stopping");
     service::notify("STOPPING=1");
     // The executor keeps running while the sessions close and the answers go out.
@@ -250,11 +248,10 @@ fn shutdown(
         drop(dial);
         app.hub.close_all("imgate is stopping");
         let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
-        // The listener is closed; requests already sent are answered before the workers stop.
-        runtime::until(deadline, || dataplane::listen::requests_in_flight() == 0).await;
+        // The listener is closed; requests already sent are answered first.
+        runtime::until(deadline, || front::requests_in_flight() == 0).await;
         app.stop();
-        workers.stop();
-        // Every worker, session and task holds the app; the last one out closes the database.
+        // Every session and task holds the app; the last one out closes the database.
         runtime::until(deadline, || Arc::strong_count(&app) == 1).await;
     });
     let _ = std::fs::remove_file(socket);

@@ -69,6 +69,20 @@ pub async fn stop_signal(mut signals: async_signal::Signals) -> &'static str {
     "signal stream ended"
 }
 
+/// Raises the soft open-file limit to the hard one (each connection needs a descriptor); returns
+/// the limit in force, `None` when there is none.
+pub fn raise_fd_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, limit) {
+            log::debug!("cannot raise the open-file limit: {e}");
+        }
+    }
+    getrlimit(Resource::Nofile).current
+}
+
 pub fn signals() -> std::io::Result<async_signal::Signals> {
     use async_signal::Signal;
     async_signal::Signals::new([Signal::Term, Signal::Int, Signal::Hup])

@@ -193,7 +193,12 @@ fn slow_clients_are_cut_off_by_the_head_and_body_timeouts() {
         body_cut < Duration::from_secs(14),
         "a stalled body is cut after 10 s of silence: {body_cut:?}"
     );
-    assert!(d.log().contains("request body stalled"), "{}", d.log());
+    assert!(
+        d.log_shows("request body stalled", Duration::from_secs(2)),
+        "{}",
+        d.log()
+    );
+    assert!(d.log().contains("request head not complete in time"), "{}", d.log());
 }
 
 #[test]

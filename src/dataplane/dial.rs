@@ -89,7 +89,7 @@ async fn connect(app: &Arc<App>, url: &str) -> Result<(), String> {
         .await
         .map_err(|e| format!("TCP connect failed: {e}"))?;
     let _ = tcp.set_nodelay(true);
-    let config = Some(super::listen::ws_config());
+    let config = Some(super::ws_config());
     if target.tls {
         let connector = futures_rustls::TlsConnector::from(tls_config(app)?);
         let name = rustls::pki_types::ServerName::try_from(target.host.clone())

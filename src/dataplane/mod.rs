@@ -1,12 +1,22 @@
-//! The data plane: one packet engine (`session`) behind two transports, `listen` (xAgent dials
-//! our `/ws`) and `dial` (we connect out). The `Hub` knows which session holds which channel.
+//! The data plane: one packet engine (`session`) behind two transports: xAgent dials our `/ws`
+//! (upgraded by the front door, `crate::front::upgrade`), or we dial out (`dial`). The `Hub`
+//! knows which session holds which channel.
 //!
 //! Invariant: a channel is open on at most one session; the newest `channel.open` takes it over.
 
 pub mod dial;
-pub mod listen;
 pub mod session;
 pub mod tools;
+
+/// Largest data-plane packet; a bigger message closes that connection (1009), not the process.
+pub const MAX_PACKET: usize = 1 << 20;
+
+/// WebSocket limits shared by both transports.
+pub fn ws_config() -> async_tungstenite::tungstenite::protocol::WebSocketConfig {
+    async_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+        .max_message_size(Some(MAX_PACKET))
+        .max_frame_size(Some(MAX_PACKET))
+}
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -28,8 +38,8 @@ pub struct SessionLink {
 /// What a session's writer sends.
 pub enum Outgoing {
     Packet(Packet),
-    /// Send a close frame and stop.
-    Close(String),
+    /// Send this close frame (`None`: only what tungstenite owes the peer) and stop.
+    Close(Option<async_tungstenite::tungstenite::protocol::CloseFrame>),
 }
 
 #[derive(Default)]

@@ -12,7 +12,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use async_tungstenite::tungstenite::protocol::CloseFrame;
+use async_tungstenite::tungstenite::Error as WsError;
 use async_tungstenite::tungstenite::Message;
 use async_tungstenite::WebSocketStream;
 use smol::future::FutureExt;
@@ -69,6 +71,24 @@ async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T +
     smol::unblock(move || f(&app)).await
 }
 
+fn close_frame(code: CloseCode, reason: impl Into<String>) -> CloseFrame {
+    CloseFrame {
+        code,
+        reason: reason.into().into(),
+    }
+}
+
+/// The Close a read error calls for (RFC 6455 7.4.1): its code and a reason with no detail of
+/// ours; `None` when the connection is already gone.
+fn closing_error(e: &WsError) -> Option<CloseFrame> {
+    match e {
+        WsError::Protocol(_) | WsError::AttackAttempt => Some(close_frame(CloseCode::Protocol, "protocol error")),
+        WsError::Utf8(_) => Some(close_frame(CloseCode::Invalid, "invalid UTF-8")),
+        WsError::Capacity(_) => Some(close_frame(CloseCode::Size, "message too big")),
+        _ => None,
+    }
+}
+
 /// Serves one data-plane connection until it closes.
 pub async fn run<S>(app: Arc<App>, ws: WebSocketStream<S>, peer: String)
 where
@@ -95,12 +115,9 @@ where
                         break;
                     }
                 }
-                Outgoing::Close(reason) => {
-                    let frame = CloseFrame {
-                        code: async_tungstenite::tungstenite::protocol::frame::coding::CloseCode::Normal,
-                        reason: reason.into(),
-                    };
-                    let _ = tx.close(Some(frame)).await;
+                Outgoing::Close(frame) => {
+                    // After the peer's Close this sends the echo tungstenite queued.
+                    let _ = tx.close(frame).await;
                     break;
                 }
             }
@@ -115,17 +132,17 @@ where
         stop_tx.clone(),
     ));
 
-    let reason = loop {
+    let (reason, close) = loop {
         // `Err`: the session was told to stop (shutdown, dead peer), with its reason.
         let next = async { Ok(rx.next().await) }
             .or(async { Err(stop_rx.recv().await.unwrap_or_else(|_| "stopped".to_string())) });
         let frame = match next.await {
             Ok(frame) => frame,
-            Err(reason) => break reason,
+            Err(reason) => break (reason.clone(), Some(close_frame(CloseCode::Away, reason))),
         };
         match frame {
-            None => break "peer closed the connection".to_string(),
-            Some(Err(e)) => break format!("read error: {e}"),
+            None => break ("peer closed the connection".to_string(), None),
+            Some(Err(e)) => break (format!("read error: {e}"), closing_error(&e)),
             Some(Ok(Message::Text(text))) => {
                 let replies = handle(&app, id, &state, &out_tx, text.as_str()).await;
                 for p in replies {
@@ -138,7 +155,7 @@ where
                 let p = Packet::error_for(None, code::INVALID_PACKET, "data-plane packets are text frames");
                 let _ = out_tx.send(Outgoing::Packet(p)).await;
             }
-            Some(Ok(Message::Close(_))) => break "peer sent close".to_string(),
+            Some(Ok(Message::Close(_))) => break ("peer sent close".to_string(), None),
             Some(Ok(_)) => {} // WebSocket-level ping/pong are answered by tungstenite.
         }
     };
@@ -153,7 +170,7 @@ where
             log::error!("data plane: cannot record the start of the lease: {e}");
         }
     }
-    let _ = out_tx.send(Outgoing::Close(reason.clone())).await;
+    let _ = out_tx.send(Outgoing::Close(close)).await;
     drop(out_tx);
     let _ = writer.await;
     // Whatever was pushed but not confirmed goes back to pending with one more attempt.

@@ -14,53 +14,33 @@ use crate::app::App;
 use crate::ids;
 use crate::json::{self, obj, s, Value};
 use crate::protocol::card;
-use crate::providers::HttpRequest;
 
-/// Worker threads answering HTTP requests; the front door caps connections before them. Enough
-/// for 16 concurrent senders to share one group commit.
-const WORKERS: usize = 16;
-/// Handlers parse small bodies and wait on commits; they need little stack.
-const WORKER_STACK: usize = 256 * 1024;
+/// How long a handler started for a request waits for tiny_http to hand it over.
+const HANDOVER: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// The internal server's workers; `stop` lets each go once it has answered what it holds.
-pub struct Workers {
-    server: Arc<Server>,
-}
-
-impl Workers {
-    pub fn stop(&self) {
-        for _ in 0..WORKERS {
-            self.server.unblock();
-        }
-    }
-}
-
-/// Starts the internal HTTP server on `socket` and its worker threads. Idle workers block in
-/// `recv` (no polling); `Workers::stop` unblocks them.
-pub fn start(app: Arc<App>, socket: &Path) -> Result<Workers, String> {
+/// Starts the internal HTTP server on `socket`. It has no worker threads of its own: the front
+/// door calls the returned function once for every request it writes to the socket, and each
+/// call answers one request on a blocking thread (which the pool lets go when idle).
+pub fn start(app: &Arc<App>, socket: &Path) -> Result<crate::front::relay::Dispatch, String> {
     let _ = std::fs::remove_file(socket);
     let server =
         Server::http_unix(socket).map_err(|e| format!("cannot bind internal socket {}: {e}", socket.display()))?;
     let server = Arc::new(server);
-    for i in 0..WORKERS {
+    let app = Arc::downgrade(app);
+    Ok(Box::new(move || {
         let (server, app) = (server.clone(), app.clone());
-        std::thread::Builder::new()
-            .name(format!("http-{i}"))
-            .stack_size(WORKER_STACK)
-            .spawn(move || {
-                loop {
-                    match server.recv() {
-                        Ok(req) => handle(&app, req),
-                        Err(_) if app.is_stopping() => break,
-                        Err(e) => log::warn!("http: receive failed: {e}"),
+        smol::unblock(move || {
+            if let Ok(Some(req)) = server.recv_timeout(HANDOVER) {
+                match app.upgrade() {
+                    Some(app) => handle(&app, req),
+                    None => {
+                        let _ = req.respond(error(503, "stopping"));
                     }
                 }
-                drop(app);
-                crate::runtime::released();
-            })
-            .map_err(|e| format!("cannot start HTTP worker: {e}"))?;
-    }
-    Ok(Workers { server })
+            }
+        })
+        .detach();
+    }))
 }
 
 fn header(req: &Request, name: &str) -> Option<String> {
@@ -231,31 +211,6 @@ fn card_of(app: &App) -> Value {
     )
 }
 
-/// A route a provider answers itself (ingest webhooks), body capped at `max_body`.
-fn provider_route(app: &App, req: &mut Request, path: &str) -> Response<std::io::Cursor<Vec<u8>>> {
-    let method = req.method().as_str().to_string();
-    let Some(provider) = app.providers.for_route(&method, path) else {
-        return error(404, "not_found");
-    };
-    let Ok(body) = read_body(req, app.config.server.max_body) else {
-        log::debug!("http: {method} {path}: body over max_body refused");
-        return error(413, "too_large");
-    };
-    let headers: Vec<(String, String)> = req
-        .headers()
-        .iter()
-        .map(|h| (h.field.as_str().as_str().to_string(), h.value.as_str().to_string()))
-        .collect();
-    let request = HttpRequest {
-        method: &method,
-        path,
-        headers: &headers,
-        body: &body,
-    };
-    let answer = provider.handle(&request).wait();
-    json_response(answer.status, &answer.body)
-}
-
 fn handle(app: &App, mut req: Request) {
     let path = route(app, req.url());
     let method = req.method().clone();
@@ -285,7 +240,6 @@ fn handle(app: &App, mut req: Request) {
         }
         (Method::Post, "/files/uploads") if authorized(app, &req) => upload(app, &mut req),
         (Method::Post, "/files/uploads") => error(401, "unauthorized"),
-        (m, p) if app.providers.for_route(m.as_str(), p).is_some() => provider_route(app, &mut req, &path),
         (_, "/connector-card.json" | "/skill.md" | "/health" | "/status" | "/metrics") => {
             error(405, "method_not_allowed")
         }

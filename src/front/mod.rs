@@ -1,0 +1,380 @@
+//! The front door: owns the one TCP port and frames every request on every connection itself
+//! (`conn`, `head`, `body`). Behind the framing (`Service`):
+//!
+//! - `GET {prefix}/ws` is upgraded here (`upgrade`) and becomes a data-plane session;
+//! - a provider's own routes (`POST /hooks/NAME`, `POST /telegram/webhook`) are answered here,
+//!   on the executor, awaiting the group commit without a thread per waiting sender;
+//! - every other route goes to tiny_http's handlers as a request written out again (`relay`).
+//!
+//! Limits: `max_connections` slots (clamped to the file descriptors the process may open), a
+//! head, body, idle and write deadline per request, a cap per body, and two budgets of body
+//! bytes held in memory at once (any route; uploads), so neither a slow client nor many of them
+//! can hold the workers, the memory or the slots for long.
+
+pub mod body;
+pub mod conn;
+pub mod head;
+pub mod relay;
+pub mod stats;
+pub mod upgrade;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use smol::io::AsyncWriteExt;
+use smol::net::{TcpListener, TcpStream};
+
+use self::conn::{Answer, Body, Limits, Plan, Refused, Reply, Service};
+use self::head::{Framing, Head};
+use self::relay::{Backend, Outgoing, RelayError};
+use self::stats::Cause;
+use crate::app::App;
+use crate::ids;
+use crate::json;
+use crate::providers::{HttpRequest, Reply as ProviderReply};
+
+/// A request head must arrive within this (slow clients are cut off: 408).
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// A body may pause this long; a write to a client may stall this long.
+const STALL: Duration = Duration::from_secs(10);
+/// An idle keep-alive connection is closed after this long, freeing its slot.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
+/// Bytes a second a body must average once it started (a large body may take its time, a
+/// trickling one may not hold a slot for hours).
+const MIN_RATE: u64 = 16 * 1024;
+/// Bodies of any route held in memory at once: at least this, or four of `max_body`.
+const BODY_BUDGET: u64 = 16 << 20;
+/// Uploads held in memory at once.
+const UPLOADS_AT_ONCE: u64 = 2;
+/// Room for the multipart framing around an uploaded file.
+const MULTIPART_ROOM: u64 = 64 * 1024;
+/// File descriptors kept for everything but client connections (the database, the internal
+/// hop, outbound calls, pollers).
+const RESERVED_FDS: u64 = 64;
+
+pub const LIMITS: Limits = Limits {
+    head: HEAD_TIMEOUT,
+    idle: KEEPALIVE_IDLE,
+    body_idle: STALL,
+    min_rate: MIN_RATE,
+    write: STALL,
+};
+
+/// Requests between their head and their answer, over all connections. Shutdown waits for it
+/// to reach zero before it lets go of the app.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+pub fn requests_in_flight() -> usize {
+    IN_FLIGHT.load(Ordering::SeqCst)
+}
+
+struct InFlight;
+
+impl InFlight {
+    fn start() -> InFlight {
+        IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
+        InFlight
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+        crate::runtime::released();
+    }
+}
+
+/// Bytes of bodies held in memory at once.
+struct Budget {
+    used: AtomicU64,
+    limit: u64,
+}
+
+struct Taken(Arc<Budget>, u64);
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        self.0.used.fetch_sub(self.1, Ordering::SeqCst);
+    }
+}
+
+impl Budget {
+    fn take(self: &Arc<Self>, n: u64) -> Option<Taken> {
+        let mut used = self.used.load(Ordering::SeqCst);
+        loop {
+            if used.saturating_add(n) > self.limit {
+                return None;
+            }
+            match self
+                .used
+                .compare_exchange(used, used + n, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return Some(Taken(self.clone(), n)),
+                Err(now) => used = now,
+            }
+        }
+    }
+}
+
+/// What a request holds until its answer is written: its place in the in-flight count and
+/// its share of a body budget.
+struct Hold(#[allow(dead_code)] InFlight, #[allow(dead_code)] Option<Taken>);
+
+pub struct FrontDoor {
+    /// Held weakly: a connection that is only reading never delays a shutdown.
+    app: Weak<App>,
+    prefix: String,
+    backend: Arc<Backend>,
+    max_body: u64,
+    upload_cap: u64,
+    api_key: Option<crate::config::Secret>,
+    bodies: Arc<Budget>,
+    uploads: Arc<Budget>,
+}
+
+impl FrontDoor {
+    pub fn new(app: &Arc<App>, backend: Arc<Backend>, prefix: String) -> Arc<FrontDoor> {
+        let s = &app.config.server;
+        let upload_cap = app.config.files.max_file_bytes + MULTIPART_ROOM;
+        Arc::new(FrontDoor {
+            app: Arc::downgrade(app),
+            prefix,
+            backend,
+            max_body: s.max_body,
+            upload_cap,
+            api_key: s.api_key.clone(),
+            bodies: Arc::new(Budget {
+                used: AtomicU64::new(0),
+                limit: BODY_BUDGET.max(s.max_body.saturating_mul(4)),
+            }),
+            uploads: Arc::new(Budget {
+                used: AtomicU64::new(0),
+                limit: upload_cap.saturating_mul(UPLOADS_AT_ONCE),
+            }),
+        })
+    }
+
+    /// The path below `public_url`'s prefix.
+    fn route<'a>(&self, path: &'a str) -> &'a str {
+        path.strip_prefix(self.prefix.as_str())
+            .filter(|r| !self.prefix.is_empty() && r.starts_with('/'))
+            .unwrap_or(path)
+    }
+
+    fn authorized(&self, head: &Head) -> bool {
+        match &self.api_key {
+            None => true,
+            Some(key) => head
+                .header("Authorization")
+                .and_then(ids::bearer)
+                .is_some_and(|t| ids::secret_eq(t, key.expose())),
+        }
+    }
+
+    /// Reads a body of at most `cap` bytes, held against `budget`.
+    fn read(&self, head: &Head, cap: u64, budget: &Arc<Budget>) -> Plan {
+        let size = match head.body {
+            Framing::None => 0,
+            Framing::Length(n) => n.min(cap),
+            Framing::Chunked => cap,
+        };
+        let taken = if size == 0 {
+            None
+        } else {
+            match budget.take(size) {
+                Some(t) => Some(t),
+                None => {
+                    stats::note(Cause::Busy, "too many request bodies in memory at once");
+                    return Plan::Answer(Answer::error(503, "busy"));
+                }
+            }
+        };
+        Plan::Read {
+            cap,
+            hold: Box::new(Hold(InFlight::start(), taken)),
+        }
+    }
+
+    async fn provider_answer(
+        &self,
+        provider: &dyn crate::providers::Provider,
+        head: &Head,
+        route: &str,
+        body: &[u8],
+    ) -> Answer {
+        let req = HttpRequest {
+            method: &head.method,
+            path: route,
+            headers: &head.headers,
+            body,
+        };
+        let answer = match provider.handle(&req) {
+            ProviderReply::Now(a) => a,
+            ProviderReply::AfterCommit(ticket, answer) => answer(ticket.outcome().await),
+            ProviderReply::Blocking(work) => smol::unblock(work).await,
+        };
+        if answer.status == 401 {
+            stats::note(Cause::Unauthorized, &format!("{} {route}", head.method));
+        }
+        Answer::json(answer.status, json::to_string(&answer.body))
+    }
+
+    async fn relay_answer(&self, head: &Head, body: Vec<u8>) -> Answer {
+        // HEAD is GET without the body; the front door leaves the body out.
+        let method = if head.method == "HEAD" {
+            "GET"
+        } else {
+            head.method.as_str()
+        };
+        let with_body = !matches!(method, "GET" | "DELETE" | "OPTIONS");
+        let req = Outgoing {
+            method,
+            target: &head.target,
+            headers: &head.headers,
+            body: if with_body { &body } else { &[] },
+        };
+        match self.backend.exchange(&req).await {
+            Ok(mut r) => {
+                if r.status == 401 {
+                    stats::note(Cause::Unauthorized, &format!("{} {}", head.method, head.path));
+                }
+                Answer {
+                    status: r.status,
+                    headers: std::mem::take(&mut r.headers),
+                    body: Body::Relay(Box::new(r)),
+                    close: false,
+                }
+            }
+            Err(RelayError::Busy) => {
+                stats::note(Cause::Busy, "every internal handler busy");
+                Answer::error(503, "busy")
+            }
+            Err(RelayError::Unavailable) => {
+                log::error!("front door: the internal HTTP server gave no usable answer");
+                Answer::error(502, "unavailable").closing()
+            }
+            Err(RelayError::Timeout) => {
+                log::warn!("front door: the internal HTTP server did not answer in time");
+                Answer::error(504, "timeout").closing()
+            }
+        }
+    }
+}
+
+impl Service for FrontDoor {
+    fn plan(&self, head: &Head) -> Plan {
+        let route = self.route(&head.path);
+        if route == "/ws" && matches!(head.method.as_str(), "GET" | "HEAD") {
+            return Plan::Upgrade;
+        }
+        if route == "/files/uploads" && head.method == "POST" {
+            // Authenticated before a byte of a file is read.
+            if !self.authorized(head) {
+                stats::note(Cause::Unauthorized, "POST /files/uploads");
+                return Plan::Answer(Answer::error(401, "unauthorized"));
+            }
+            return self.read(head, self.upload_cap, &self.uploads);
+        }
+        self.read(head, self.max_body, &self.bodies)
+    }
+
+    fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>) -> Reply<'a> {
+        Box::pin(async move {
+            let Some(app) = self.app.upgrade() else {
+                return Answer::error(503, "stopping").closing();
+            };
+            let route = self.route(&head.path);
+            if let Some(provider) = app.providers.for_route(&head.method, route).cloned() {
+                return self.provider_answer(&*provider, head, route, &body).await;
+            }
+            drop(app);
+            self.relay_answer(head, body).await
+        })
+    }
+
+    fn refused(&self, why: Refused) {
+        match why {
+            Refused::BadHead(0) => stats::note(Cause::BadRequest, "HTTP/2 connection preface closed"),
+            Refused::BadHead(status) => stats::note(Cause::BadRequest, &format!("malformed request head ({status})")),
+            Refused::BadBody(status) => stats::note(Cause::BadBody, &format!("request body refused ({status})")),
+            Refused::SlowHead => stats::note(Cause::SlowHead, "request head not complete in time"),
+            Refused::SlowBody => stats::note(Cause::SlowBody, "request body stalled or too slow"),
+        }
+    }
+}
+
+/// Frees a connection slot when the connection ends, however it ends.
+struct Slot;
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        stats::CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// `max_connections`, lowered to what the file descriptors carry.
+pub fn connection_limit(configured: usize, fds: Option<u64>) -> usize {
+    match fds {
+        Some(fds) if (fds.saturating_sub(RESERVED_FDS) as usize) < configured => {
+            let max = (fds.saturating_sub(RESERVED_FDS) as usize).max(1);
+            log::warn!(
+                "max_connections = {configured} needs more file descriptors than the limit of {fds} allows; serving at most {max} connections (raise LimitNOFILE)"
+            );
+            max
+        }
+        _ => configured,
+    }
+}
+
+/// Accepts connections until the future is dropped (shutdown).
+pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(v) => v,
+            Err(e) => {
+                // Typically EMFILE: back off instead of spinning; the client waits in the backlog.
+                stats::note(Cause::AcceptFailed, &e.to_string());
+                smol::Timer::after(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        // Packets and answers are small writes; Nagle's delay would add ~40 ms to each.
+        let _ = stream.set_nodelay(true);
+        if stats::CONNECTIONS.fetch_add(1, Ordering::SeqCst) >= max {
+            stats::CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
+            stats::note(
+                Cause::TooManyConnections,
+                &format!("{max} connections open; refusing {peer} with 503"),
+            );
+            crate::runtime::spawn(async move {
+                let mut s = stream;
+                let _ = s.write_all(&conn::error_bytes(503, "too_many_connections")).await;
+            })
+            .detach();
+            continue;
+        }
+        let door = door.clone();
+        crate::runtime::spawn(async move {
+            let _slot = Slot;
+            connection(door, stream, peer).await;
+        })
+        .detach();
+    }
+}
+
+async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr) {
+    let (head, stream, early) = match conn::serve(stream, &*door, &LIMITS).await {
+        conn::Outcome::Closed => return,
+        conn::Outcome::Upgrade(head, stream, early) => (head, stream, early),
+    };
+    let Some(app) = door.app.upgrade().filter(|a| !a.is_stopping()) else {
+        let mut s = stream;
+        let _ = s.write_all(&conn::error_bytes(503, "stopping")).await;
+        return;
+    };
+    if let Some(why) = upgrade::upgrade(app, head, stream, early, peer.to_string()).await {
+        stats::note(Cause::WsRefused, &format!("{peer}: {why}"));
+    }
+}

@@ -1,0 +1,112 @@
+//! What the front door refused, counted for `/metrics` and logged at most once a minute per
+//! cause with the count since the last line: a scanner on the LAN must not fill an SD card
+//! with log lines, and the operator still sees that it happened.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Cause {
+    /// More connections than `max_connections`: 503.
+    TooManyConnections,
+    /// `accept` failed (no file descriptors left): the listener backs off.
+    AcceptFailed,
+    /// A malformed request head (400, 431, 501, 505) or the HTTP/2 preface.
+    BadRequest,
+    /// A body over its cap or malformed (413, 400).
+    BadBody,
+    /// A head not complete in time (408).
+    SlowHead,
+    /// A body that stalled or came too slowly (408).
+    SlowBody,
+    /// A missing or wrong key, secret or signature (401).
+    Unauthorized,
+    /// A `/ws` upgrade refused.
+    WsRefused,
+    /// Too many bodies in memory at once, or tiny_http busy (503).
+    Busy,
+}
+
+const CAUSES: [Cause; 9] = [
+    Cause::TooManyConnections,
+    Cause::AcceptFailed,
+    Cause::BadRequest,
+    Cause::BadBody,
+    Cause::SlowHead,
+    Cause::SlowBody,
+    Cause::Unauthorized,
+    Cause::WsRefused,
+    Cause::Busy,
+];
+
+impl Cause {
+    fn index(self) -> usize {
+        CAUSES.iter().position(|c| *c == self).unwrap_or(0)
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Cause::TooManyConnections => "too_many_connections",
+            Cause::AcceptFailed => "accept_failed",
+            Cause::BadRequest => "bad_request",
+            Cause::BadBody => "bad_body",
+            Cause::SlowHead => "slow_head",
+            Cause::SlowBody => "slow_body",
+            Cause::Unauthorized => "unauthorized",
+            Cause::WsRefused => "ws_refused",
+            Cause::Busy => "busy",
+        }
+    }
+}
+
+/// A cause is logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+
+static COUNTS: [AtomicU64; CAUSES.len()] = [const { AtomicU64::new(0) }; CAUSES.len()];
+/// Per cause: when it was last logged and how many happened since.
+static LOGGED: Mutex<[(Option<Instant>, u64); CAUSES.len()]> = Mutex::new([(None, 0); CAUSES.len()]);
+/// Connections open now (each holds a slot of `max_connections`).
+pub static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts one refusal and logs it unless its cause was logged within the last minute.
+pub fn note(cause: Cause, detail: &str) {
+    let i = cause.index();
+    COUNTS[i].fetch_add(1, Ordering::Relaxed);
+    let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    let (last, since) = &mut logged[i];
+    if last.is_some_and(|t| t.elapsed() < LOG_EVERY) {
+        *since += 1;
+        return;
+    }
+    let more = match *since {
+        0 => String::new(),
+        n => format!(" ({n} more since the last line)"),
+    };
+    *last = Some(Instant::now());
+    *since = 0;
+    drop(logged);
+    match cause {
+        Cause::TooManyConnections | Cause::AcceptFailed | Cause::Busy => {
+            log::warn!("front door: {}: {detail}{more}", cause.label())
+        }
+        _ => log::info!("front door: {}: {detail}{more}", cause.label()),
+    }
+}
+
+/// The front door's lines of `/metrics`.
+pub fn metrics(out: &mut String) {
+    out.push_str("# TYPE imgate_http_connections gauge\n");
+    out.push_str(&format!(
+        "imgate_http_connections {}\n",
+        CONNECTIONS.load(Ordering::Relaxed)
+    ));
+    out.push_str("# TYPE imgate_http_refused_total counter\n");
+    for c in CAUSES {
+        out.push_str(&format!(
+            "imgate_http_refused_total{{cause=\"{}\"}} {}\n",
+            c.label(),
+            COUNTS[c.index()].load(Ordering::Relaxed)
+        ));
+    }
+}
