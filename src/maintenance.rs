@@ -27,7 +27,7 @@ pub async fn run(app: Weak<App>) {
         if sweep {
             next_sweep = Instant::now() + every;
         }
-        let (lease_left, recovering) = smol::unblock(move || work(&a, sweep)).await;
+        let (lease_left, recovering) = crate::runtime::unblock(move || work(&a, sweep)).await;
         let mut wait = next_sweep.saturating_duration_since(Instant::now()).min(lease_left);
         if recovering {
             wait = wait.min(RECOVER_EVERY);

@@ -237,6 +237,30 @@ fn a_stalled_typing_indicator_never_delays_another_channels_push() {
 }
 
 #[test]
+fn a_document_with_a_name_and_type_in_any_script_downloads() {
+    let (d, api) = telegram("tg-unicode-file", "");
+    let (mut x, _) = bound(&d);
+    api.user_sends_document(BOT, CHAT, b"%PDF-1.7", "отчёт.pdf", "application/pdf\u{e9}");
+    let push = x.next_push(Duration::from_secs(10)).expect("the document is pushed");
+    let file = &push["payload"]["files"][0];
+    assert_eq!(file["filename"], "отчёт.pdf");
+    let mut resp = load_agent()
+        .get(&d.url(file["download_url"].as_str().unwrap()))
+        .call()
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let disposition = resp
+        .headers()
+        .get("Content-Disposition")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(disposition.contains("filename*=UTF-8''%D0%BE%D1%82"), "{disposition}");
+    assert_eq!(resp.body_mut().read_to_vec().unwrap(), b"%PDF-1.7");
+}
+
+#[test]
 fn rate_limits_are_retried_and_permanent_errors_come_back_with_a_stable_code() {
     let (d, api) = telegram("tg-retry", "");
     let (mut x, cch) = bound(&d);

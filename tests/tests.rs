@@ -7,6 +7,7 @@ mod common;
 mod cli;
 mod crash;
 mod dataplane;
+mod edge;
 mod limits;
 mod outbox;
 mod secrets;

@@ -1,7 +1,10 @@
-//! The first bytes of a connection to the one port, as the front door reads the request head.
+//! The first bytes of a connection to the one port, as the front door reads a request head.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = imgate::dataplane::listen::parse_head(data);
+    if let Some((start, end)) = imgate::front::head::find_end(data) {
+        let _ = imgate::front::head::parse(&data[start..end]);
+    }
+    let _ = imgate::front::head::parse(data);
 });

@@ -68,7 +68,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// Runs blocking store or network work off the async threads.
 async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
     let app = app.clone();
-    smol::unblock(move || f(&app)).await
+    crate::runtime::unblock(move || f(&app)).await
 }
 
 fn close_frame(code: CloseCode, reason: impl Into<String>) -> CloseFrame {
@@ -155,7 +155,17 @@ where
                 let p = Packet::error_for(None, code::INVALID_PACKET, "data-plane packets are text frames");
                 let _ = out_tx.send(Outgoing::Packet(p)).await;
             }
-            Some(Ok(Message::Close(_))) => break ("peer sent close".to_string(), None),
+            Some(Ok(Message::Close(_))) => {
+                // tungstenite queued the echo (RFC 6455 5.5.1); the next read sends it (a close
+                // on the sending half cannot once the peer has closed).
+                let _ = async { rx.next().await.map(|_| ()) }
+                    .or(async {
+                        smol::Timer::after(Duration::from_secs(1)).await;
+                        None
+                    })
+                    .await;
+                break ("peer sent close".to_string(), None);
+            }
             Some(Ok(_)) => {} // WebSocket-level ping/pong are answered by tungstenite.
         }
     };

@@ -195,7 +195,7 @@ pub fn parse(buf: &[u8]) -> Result<Head, Refusal> {
     let body = match (lengths.as_slice(), codings.as_slice()) {
         ([], []) => Framing::None,
         ([n], []) => {
-            if n.is_empty() || n.len() > 19 || !n.bytes().all(|b| b.is_ascii_digit()) {
+            if n.is_empty() || n.len() > 20 || !n.bytes().all(|b| b.is_ascii_digit()) {
                 return refuse(400, "malformed Content-Length");
             }
             match n.parse::<u64>() {

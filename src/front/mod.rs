@@ -44,8 +44,12 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 /// Bytes a second a body must average once it started (a large body may take its time, a
 /// trickling one may not hold a slot for hours).
 const MIN_RATE: u64 = 16 * 1024;
-/// Bodies of any route held in memory at once: at least this, or four of `max_body`.
+/// Bodies of any route held in memory at once: at least this, or four of `max_body`. Bodies
+/// declared under `SMALL_BODY` need no share of it (all connections together hold at most
+/// `max_connections` of them), so large bodies trickled by many clients can never keep an
+/// ordinary webhook out.
 const BODY_BUDGET: u64 = 16 << 20;
+const SMALL_BODY: u64 = 64 * 1024;
 /// Uploads held in memory at once.
 const UPLOADS_AT_ONCE: u64 = 2;
 /// Room for the multipart framing around an uploaded file.
@@ -177,6 +181,7 @@ impl FrontDoor {
     fn read(&self, head: &Head, cap: u64, budget: &Arc<Budget>) -> Plan {
         let size = match head.body {
             Framing::None => 0,
+            Framing::Length(n) if n < SMALL_BODY => 0,
             Framing::Length(n) => n.min(cap),
             Framing::Chunked => cap,
         };
@@ -213,7 +218,7 @@ impl FrontDoor {
         let answer = match provider.handle(&req) {
             ProviderReply::Now(a) => a,
             ProviderReply::AfterCommit(ticket, answer) => answer(ticket.outcome().await),
-            ProviderReply::Blocking(work) => smol::unblock(work).await,
+            ProviderReply::Blocking(work) => crate::runtime::unblock(work).await,
         };
         if answer.status == 401 {
             stats::note(Cause::Unauthorized, &format!("{} {route}", head.method));

@@ -29,7 +29,7 @@ pub fn start(app: &Arc<App>, socket: &Path) -> Result<crate::front::relay::Dispa
     let app = Arc::downgrade(app);
     Ok(Box::new(move || {
         let (server, app) = (server.clone(), app.clone());
-        smol::unblock(move || {
+        crate::runtime::spawn_blocking(move || {
             if let Ok(Some(req)) = server.recv_timeout(HANDOVER) {
                 match app.upgrade() {
                     Some(app) => handle(&app, req),
@@ -38,8 +38,7 @@ pub fn start(app: &Arc<App>, socket: &Path) -> Result<crate::front::relay::Dispa
                     }
                 }
             }
-        })
-        .detach();
+        });
     }))
 }
 
@@ -50,8 +49,38 @@ fn header(req: &Request, name: &str) -> Option<String> {
         .map(|h| h.value.as_str().to_string())
 }
 
+/// A header whose value comes from outside (a provider's file name or MIME type): anything
+/// tiny_http cannot carry is left out rather than allowed to fail the answer.
+fn header_of(name: &str, value: &str) -> Option<Header> {
+    Header::from_bytes(name, value).ok()
+}
+
 fn content_type(v: &str) -> Header {
-    Header::from_bytes("Content-Type", v).expect("static header is valid")
+    header_of("Content-Type", v)
+        .or_else(|| header_of("Content-Type", "application/octet-stream"))
+        .expect("a static header is valid")
+}
+
+/// `Content-Disposition` for a file name of any script (RFC 6266): an ASCII `filename` for old
+/// clients, the exact name as `filename*` in UTF-8.
+fn disposition(name: &str) -> String {
+    let ascii: String = name
+        .chars()
+        .map(|c| if c.is_ascii_graphic() || c == ' ' { c } else { '_' })
+        .filter(|c| *c != '"' && *c != '\\')
+        .collect();
+    let mut v = format!("attachment; filename=\"{ascii}\"");
+    if !name.is_ascii() {
+        v.push_str("; filename*=UTF-8''");
+        for b in name.bytes() {
+            if b.is_ascii_alphanumeric() || b"!#$&+-.^_`|~".contains(&b) {
+                v.push(b as char);
+            } else {
+                v.push_str(&format!("%{b:02X}"));
+            }
+        }
+    }
+    v
 }
 
 fn json_response(status: u16, body: &Value) -> Response<std::io::Cursor<Vec<u8>>> {
@@ -129,10 +158,10 @@ fn download(app: &App, req: Request, file_ref: &str) {
     };
     match std::fs::File::open(&path) {
         Ok(f) => {
-            let disposition = format!("attachment; filename=\"{}\"", rec.filename);
-            let resp = Response::from_file(f)
-                .with_header(content_type(&rec.mime_type))
-                .with_header(Header::from_bytes("Content-Disposition", disposition).expect("sanitized name"));
+            let mut resp = Response::from_file(f).with_header(content_type(&rec.mime_type));
+            if let Some(h) = header_of("Content-Disposition", &disposition(&rec.filename)) {
+                resp = resp.with_header(h);
+            }
             let _ = req.respond(resp);
         }
         Err(e) => {
@@ -251,5 +280,26 @@ fn handle(app: &App, mut req: Request) {
         log::debug!("http: {method} {path}: client went away: {e}");
     } else {
         log::debug!("http: {method} {path} -> {status}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_names_of_any_script_become_a_valid_content_disposition() {
+        assert_eq!(disposition("plan.png"), "attachment; filename=\"plan.png\"");
+        let d = disposition("отчёт 1.pdf");
+        assert_eq!(
+            d,
+            "attachment; filename=\"_____ 1.pdf\"; filename*=UTF-8''%D0%BE%D1%82%D1%87%D1%91%D1%82%201.pdf"
+        );
+        assert!(header_of("Content-Disposition", &d).is_some());
+        assert!(header_of("Content-Type", "image/p\u{e9}ng").is_none());
+        assert_eq!(
+            content_type("image/p\u{e9}ng").value.as_str(),
+            "application/octet-stream"
+        );
     }
 }

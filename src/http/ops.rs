@@ -137,6 +137,7 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
     out.push_str("# TYPE imgate_outbox_bytes gauge\n");
     out.push_str(&format!("imgate_outbox_bytes {}\n", app.outbox.total_bytes()));
+    crate::front::stats::metrics(&mut out);
     for p in app.providers.all() {
         p.metrics(&mut out);
     }

@@ -144,6 +144,36 @@ impl BotApi {
         update_id
     }
 
+    /// A user sends a document with its file name and MIME type.
+    pub fn user_sends_document(&self, bot_id: u64, chat_id: i64, bytes: &[u8], name: &str, mime: &str) -> u64 {
+        let (lock, cv) = &*self.state;
+        let mut s = lock.lock().unwrap();
+        s.next_update_id += 1;
+        s.next_message_id += 1;
+        let (update_id, message_id) = (s.next_update_id, s.next_message_id);
+        let file_id = format!("BQAD{message_id}");
+        let path = format!("documents/file_{message_id}");
+        s.files.insert(path.clone(), bytes.to_vec());
+        s.file_ids.insert(file_id.clone(), path);
+        let chat = s
+            .chats
+            .get(&(bot_id, chat_id))
+            .cloned()
+            .unwrap_or(json!({"id": chat_id, "type": "private"}));
+        s.updates.entry(bot_id).or_default().push(json!({
+            "update_id": update_id,
+            "message": {
+                "message_id": message_id,
+                "from": {"id": 4242, "is_bot": false, "first_name": "Ada"},
+                "chat": chat,
+                "date": 1_800_000_000u64,
+                "document": {"file_id": file_id, "file_unique_id": "d", "file_name": name, "mime_type": mime, "file_size": bytes.len()},
+            }
+        }));
+        cv.notify_all();
+        update_id
+    }
+
     /// A user sends a photo (the bytes) with a caption.
     pub fn user_sends_photo(&self, bot_id: u64, chat_id: i64, bytes: &[u8], caption: &str) -> u64 {
         let (lock, cv) = &*self.state;

@@ -106,6 +106,8 @@ pub struct Daemon {
     pub log: Arc<Mutex<String>>,
     pub rust_log: String,
     pub env: Vec<(String, String)>,
+    /// A command the daemon runs under (`prlimit --nofile=…`), empty for none.
+    pub wrapper: Vec<String>,
 }
 
 pub const API_KEY: &str = "test-api-key-7f3a";
@@ -141,22 +143,50 @@ impl Daemon {
             .and_then(|p| p.trim().parse().ok())
             .expect("test configs listen on 127.0.0.1:PORT");
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        Self::spawn(dir, path, port, rust_log, env)
+        Self::spawn(dir, path, port, rust_log, env, Vec::new())
+    }
+
+    /// Like `start`, run under `wrapper` (a command that ends by running its arguments).
+    pub fn start_wrapped(dir: &Path, config: &str, wrapper: &[&str]) -> Daemon {
+        let path = dir.join("imgate.conf");
+        std::fs::write(&path, config).unwrap();
+        let port = config
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("listen = 127.0.0.1:"))
+            .and_then(|p| p.trim().parse().ok())
+            .expect("test configs listen on 127.0.0.1:PORT");
+        let wrapper = wrapper.iter().map(|w| w.to_string()).collect();
+        Self::spawn(dir, path, port, "debug", Vec::new(), wrapper)
     }
 
     /// Starts again on the same config and state (after `kill`).
     pub fn restart(self) -> Daemon {
         let (dir, config, port, log) = (self.dir.clone(), self.config.clone(), self.port, self.log.clone());
-        let (rust_log, env) = (self.rust_log.clone(), self.env.clone());
+        let (rust_log, env, wrapper) = (self.rust_log.clone(), self.env.clone(), self.wrapper.clone());
         drop(self);
-        let d = Self::spawn(&dir, config, port, &rust_log, env);
+        let d = Self::spawn(&dir, config, port, &rust_log, env, wrapper);
         let old = log.lock().unwrap().clone();
         d.log.lock().unwrap().insert_str(0, &old);
         d
     }
 
-    fn spawn(dir: &Path, config: PathBuf, port: u16, rust_log: &str, env: Vec<(String, String)>) -> Daemon {
-        let mut child = Command::new(bin())
+    fn spawn(
+        dir: &Path,
+        config: PathBuf,
+        port: u16,
+        rust_log: &str,
+        env: Vec<(String, String)>,
+        wrapper: Vec<String>,
+    ) -> Daemon {
+        let mut command = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin());
+                c
+            }
+            None => Command::new(bin()),
+        };
+        let mut child = command
             .envs(env.iter().map(|(k, v)| (k, v)))
             .args(["run", "--config"])
             .arg(&config)
@@ -186,6 +216,7 @@ impl Daemon {
             log,
             rust_log: rust_log.to_string(),
             env,
+            wrapper,
         };
         d.wait_ready();
         d

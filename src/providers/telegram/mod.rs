@@ -699,7 +699,7 @@ impl Provider for Telegram {
     fn delivered(&self, source: &Source) {
         let Some(me) = self.me.upgrade() else { return };
         let source = source.clone();
-        smol::unblock(move || {
+        crate::runtime::spawn_blocking(move || {
             let Ok((info, token)) = me.route(&source) else { return };
             if !me.typing.lock().unwrap_or_else(|e| e.into_inner()).insert(info.chat_id) {
                 return;
@@ -715,8 +715,7 @@ impl Provider for Telegram {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .remove(&info.chat_id);
-        })
-        .detach();
+        });
     }
 
     fn metrics(&self, out: &mut String) {

@@ -1,0 +1,506 @@
+//! The port as a hostile client sees it: raw TCP against a real imgate. Each numbered finding of
+//! the HTTP-edge review is a test here; none of them may crash the process, leak a slot, grow
+//! its memory or starve the clients that behave.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+use serde_json::json;
+
+/// Everything the daemon answers to `bytes` on a fresh connection until it closes it or
+/// `wait` passes; and whether it closed it.
+fn exchange(port: u16, bytes: &[u8], wait: Duration) -> (String, bool) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let _ = s.write_all(bytes);
+    read_until_closed(&mut s, wait)
+}
+
+fn read_until_closed(s: &mut TcpStream, wait: Duration) -> (String, bool) {
+    let deadline = Instant::now() + wait;
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return (String::from_utf8_lossy(&got).into_owned(), false);
+        }
+        s.set_read_timeout(Some(left)).unwrap();
+        match s.read(&mut chunk) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
+                return (String::from_utf8_lossy(&got).into_owned(), false)
+            }
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), true),
+        }
+    }
+}
+
+fn rss_kib(d: &Daemon) -> u64 {
+    proc_field(d.pid(), "status", "VmRSS:")
+}
+
+fn metric(d: &Daemon, line_start: &str) -> u64 {
+    let (_, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_start))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no `{line_start}` in /metrics:\n{text}"))
+}
+
+fn alive(d: &Daemon) {
+    let (status, _) = http_get(&d.url("/health"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert_eq!(status, 200, "the daemon still answers:\n{}", d.log());
+}
+
+fn daemon(tag: &str) -> Daemon {
+    let dir = temp_dir(tag);
+    Daemon::start(&dir, &config_text(free_port(), &dir, None, ""))
+}
+
+// ---------- 1. a hostile Content-Length ----------
+
+fn huge_content_lengths_are_413(d: &Daemon) {
+    let key = format!("Authorization: Bearer {API_KEY}\r\n");
+    for length in ["1000000000000000", "18446744073709551615", "2147483648"] {
+        for (line, auth) in [
+            ("GET /skill.md", ""),
+            ("GET /health", ""),
+            ("GET /nowhere", ""),
+            ("POST /hooks/alerts", ""),
+            ("POST /files/uploads", key.as_str()),
+        ] {
+            let req = format!("{line} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {length}\r\n\r\n");
+            let (answer, closed) = exchange(d.port, req.as_bytes(), Duration::from_secs(5));
+            assert!(answer.starts_with("HTTP/1.1 413"), "{line} with {length}: {answer:?}");
+            assert!(closed, "{line} with {length}: the connection closes");
+        }
+    }
+    let (answer, _) = exchange(
+        d.port,
+        b"GET /skill.md HTTP/1.1\r\nHost: x\r\nContent-Length: 18446744073709551616\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    assert!(answer.starts_with("HTTP/1.1 400"), "past u64: {answer:?}");
+    alive(d);
+}
+
+#[test]
+fn finding_1_a_huge_declared_content_length_is_413_and_the_process_lives() {
+    huge_content_lengths_are_413(&daemon("edge-1"));
+}
+
+// ---------- 2. HTTP/2 ----------
+
+fn http2_is_refused_without_holding_a_slot(d: &Daemon) {
+    // More than max_connections (64): each must give its slot back.
+    for i in 0..70 {
+        let (req, want): (&[u8], &str) = if i % 2 == 0 {
+            (b"GET / HTTP/2.0\r\nHost: x\r\n\r\n", "HTTP/1.1 505")
+        } else {
+            (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "")
+        };
+        let (answer, closed) = exchange(d.port, req, Duration::from_secs(5));
+        assert!(closed, "closed at once: {answer:?}");
+        assert!(answer.starts_with(want), "{answer:?}");
+    }
+    let mut x = d.xagent();
+    x.hello("");
+    x.close();
+    alive(d);
+}
+
+#[test]
+fn finding_2_http_2_requests_get_505_the_preface_is_closed_and_no_slot_leaks() {
+    http2_is_refused_without_holding_a_slot(&daemon("edge-2"));
+}
+
+// ---------- 3. every request on a connection is framed ----------
+
+#[test]
+fn finding_3_a_second_request_on_a_connection_gets_its_own_head_deadline() {
+    let d = daemon("edge-3");
+    let port = d.port;
+    // 70 connections: one request each, then a second head trickled a byte a second.
+    let trickle = |port: u16| {
+        std::thread::spawn(move || {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.write_all(b"GET /skill.md HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut first = [0u8; 12];
+            if s.read_exact(&mut first).is_err() {
+                return None; // refused with 503: all slots taken by the others
+            }
+            std::thread::sleep(Duration::from_millis(300)); // the rest of the first answer
+            let started = Instant::now();
+            for b in b"GET /skill.md HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n" {
+                if s.write_all(&[*b]).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            Some(started.elapsed())
+        })
+    };
+    let threads: Vec<_> = (0..70).map(|_| trickle(port)).collect();
+    let cut: Vec<Duration> = threads.into_iter().filter_map(|t| t.join().unwrap()).collect();
+    assert!(!cut.is_empty());
+    for c in &cut {
+        assert!(
+            *c < Duration::from_secs(14),
+            "a trickled second head is cut at 10 s: {c:?}"
+        );
+    }
+    alive(&d);
+}
+
+// ---------- 4. memory ----------
+
+/// Writes up to `total` bytes of `pattern` after `start`; stops when the daemon closes.
+fn flood(port: u16, start: &[u8], pattern: &[u8], total: usize) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(start);
+    let block = pattern.repeat(64 * 1024 / pattern.len());
+    let mut sent = 0;
+    while sent < total {
+        if s.write_all(&block).is_err() {
+            break;
+        }
+        sent += block.len();
+    }
+    read_until_closed(&mut s, Duration::from_secs(5)).0
+}
+
+fn floods_leave_memory_flat(d: &Daemon) {
+    let before = rss_kib(d);
+    let big = 64 << 20;
+    let answer = flood(
+        d.port,
+        b"GET /skill.md HTTP/1.1\r\nHost: x\r\n\r\nGET /skill.md HTTP/1.1\r\nX: ",
+        b"a",
+        big,
+    );
+    assert!(
+        answer.contains("HTTP/1.1 431"),
+        "a second head over 16 KiB: {:?}",
+        &answer[..answer.len().min(200)]
+    );
+    let answer = flood(d.port, b"GET /skill.md HTTP/1.1\r\nHost: x\r\n", b"X-A: b\r\n", big);
+    assert!(answer.starts_with("HTTP/1.1 431"), "many small headers: {answer:?}");
+    let answer = flood(
+        d.port,
+        b"POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1",
+        b"0",
+        big,
+    );
+    assert!(
+        answer.starts_with("HTTP/1.1 400"),
+        "an endless chunk-size line: {answer:?}"
+    );
+    let after = rss_kib(d);
+    assert!(after < before + 4096, "RSS went from {before} KiB to {after} KiB");
+}
+
+#[test]
+fn finding_4_big_heads_many_headers_and_endless_chunk_lines_leave_memory_flat() {
+    floods_leave_memory_flat(&daemon("edge-4"));
+}
+
+// ---------- 5. slow bodies ----------
+
+#[test]
+fn finding_5_slow_bodies_never_hold_up_a_real_webhook() {
+    let d = daemon("edge-5");
+    let port = d.port;
+    let (_x, cch) = d.bound_xagent();
+    let stop = Arc::new(Mutex::new(false));
+    // More slow senders than any pool of handler threads: each declares a large body (a webhook,
+    // an upload) and trickles it.
+    let slow: Vec<_> = (0..24)
+        .map(|i| {
+            let (stop, cch) = (stop.clone(), cch.clone());
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                let head = if i % 2 == 0 {
+                    format!("POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOOK_SECRET}\r\nContent-Length: 1000000\r\n\r\n")
+                } else {
+                    format!(
+                        "POST /files/uploads HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nX-XAgent-Connector-Channel-ID: {cch}\r\nContent-Type: multipart/form-data; boundary=b\r\nContent-Length: 1000000\r\n\r\n"
+                    )
+                };
+                let _ = s.write_all(head.as_bytes());
+                while !*stop.lock().unwrap() {
+                    if s.write_all(b"a").is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    for i in 0..5 {
+        let started = Instant::now();
+        let (code, body) = d.post_hook("alerts", &json!({"message_id": format!("real-{i}"), "sender_id": "u"}));
+        let took = started.elapsed();
+        assert_eq!(code, 202, "{body}");
+        assert!(
+            took < Duration::from_secs(2),
+            "a real webhook waited {took:?} behind slow bodies"
+        );
+    }
+    *stop.lock().unwrap() = true;
+    for t in slow {
+        t.join().unwrap();
+    }
+}
+
+// ---------- 6. file descriptors ----------
+
+#[test]
+fn finding_6_a_burst_of_connections_under_a_low_open_file_limit_is_refused_not_fatal() {
+    let dir = temp_dir("edge-6");
+    let config = config_text(free_port(), &dir, None, "");
+    let d = Daemon::start_wrapped(&dir, &config, &["prlimit", "--nofile=100:100", "--"]);
+    assert!(
+        d.log_shows("serving at most 36 connections", Duration::from_secs(2)),
+        "max_connections is clamped to the descriptors: {}",
+        d.log()
+    );
+    let mut held = Vec::new();
+    for _ in 0..300 {
+        if let Ok(s) = TcpStream::connect(("127.0.0.1", d.port)) {
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match std::panic::catch_unwind(|| http_get(&d.url("/skill.md"), &[]).0) {
+            Ok(200) => break,
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
+            other => panic!("the daemon did not recover: {other:?}\n{}", d.log()),
+        }
+    }
+    alive(&d);
+}
+
+// ---------- 7. the smaller findings ----------
+
+fn status_of(d: &Daemon, req: &[u8]) -> String {
+    let (answer, _) = exchange(d.port, req, Duration::from_secs(5));
+    answer.get(..12).unwrap_or(&answer).to_string()
+}
+
+fn small_findings(d: &Daemon) {
+    let k = API_KEY;
+    let cases: Vec<(String, &str, &str)> = vec![
+        (
+            "POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n".into(),
+            "HTTP/1.1 400",
+            "a malformed chunk size is 400, not 413",
+        ),
+        (
+            "GET /skill.md HTTP/1.1\r\nHost: x\r\nX-A: b\r\n c\r\n\r\n".into(),
+            "HTTP/1.1 400",
+            "a header line that starts with a space",
+        ),
+        (
+            "GET /skill.md HTTP/1.1\r\nHost : x\r\n\r\n".into(),
+            "HTTP/1.1 400",
+            "whitespace before a colon",
+        ),
+        (
+            format!("GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: bearer {k}\r\n\r\n"),
+            "HTTP/1.1 200",
+            "the Bearer scheme in lower case",
+        ),
+        (
+            format!(
+                "GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {k}\r\nAuthorization: Bearer nope\r\n\r\n"
+            ),
+            "HTTP/1.1 400",
+            "two Authorization headers",
+        ),
+        (
+            "GET /skill.md HTTP/1.1\r\nHost: x\r\nX-Name: caf\u{e9}\r\n\r\n".into(),
+            "HTTP/1.1 200",
+            "a non-ASCII header value still gets its answer",
+        ),
+        (
+            "POST /skill.md HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n".into(),
+            "HTTP/1.1 501",
+            "a transfer coding other than chunked",
+        ),
+        (
+            "GET /skill.md HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx".into(),
+            "HTTP/1.1 400",
+            "a duplicate Content-Length",
+        ),
+        (
+            "POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n".into(),
+            "HTTP/1.1 400",
+            "Transfer-Encoding with Content-Length",
+        ),
+    ];
+    for (req, want, what) in cases {
+        assert_eq!(status_of(d, req.as_bytes()), want, "{what}");
+    }
+    // HEAD on every GET route: the GET's status and length, no body.
+    for (path, auth) in [("/connector-card.json", false), ("/skill.md", false), ("/health", true)] {
+        let a = if auth {
+            format!("Authorization: Bearer {k}\r\n")
+        } else {
+            String::new()
+        };
+        let (answer, _) = exchange(
+            d.port,
+            format!("HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{a}\r\n").as_bytes(),
+            Duration::from_secs(5),
+        );
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+        assert!(head.starts_with("HTTP/1.1 200"), "HEAD {path}: {answer:?}");
+        assert!(head.contains("Content-Length: "), "HEAD {path}: {head}");
+        assert!(body.is_empty(), "HEAD {path} has no body: {body:?}");
+    }
+    // A chunked webhook is de-chunked by the front door.
+    let body = json!({"message_id": "chunked-1", "sender_id": "u"}).to_string();
+    let (half, rest) = body.split_at(10);
+    let req = format!(
+        "POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOOK_SECRET}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{:x}\r\n{half}\r\n{:x};ext=1\r\n{rest}\r\n0\r\n\r\n",
+        half.len(),
+        rest.len()
+    );
+    assert_eq!(status_of(d, req.as_bytes()), "HTTP/1.1 202", "chunked webhook");
+}
+
+#[test]
+fn finding_7_malformed_heads_are_400_501_bearer_is_any_case_and_head_works() {
+    small_findings(&daemon("edge-7"));
+}
+
+/// A WebSocket upgrade over raw TCP; returns the stream after the 101.
+fn raw_upgrade(port: u16, authorization: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: {authorization}\r\n\r\n"
+    )
+    .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut byte).unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(
+        head.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo="),
+        "{head}"
+    );
+    s
+}
+
+/// A masked client frame.
+fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
+    assert!(payload.len() < 126);
+    let mask = [1u8, 2, 3, 4];
+    let mut out = vec![first, 0x80 | payload.len() as u8];
+    out.extend_from_slice(&mask);
+    out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    out
+}
+
+/// The close code and reason of the first Close frame the server sends.
+fn close_from_server(s: &mut TcpStream) -> Option<(u16, String)> {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    loop {
+        let mut h = [0u8; 2];
+        s.read_exact(&mut h).ok()?;
+        let len = (h[1] & 0x7f) as usize;
+        let len = match len {
+            126 => {
+                let mut l = [0u8; 2];
+                s.read_exact(&mut l).ok()?;
+                u16::from_be_bytes(l) as usize
+            }
+            127 => return None,
+            n => n,
+        };
+        let mut payload = vec![0u8; len];
+        s.read_exact(&mut payload).ok()?;
+        if h[0] & 0x0f == 0x8 {
+            let code = u16::from_be_bytes([payload[0], payload[1]]);
+            return Some((code, String::from_utf8_lossy(&payload[2..]).into_owned()));
+        }
+    }
+}
+
+#[test]
+fn finding_7_websocket_close_is_answered_and_errors_close_with_their_codes() {
+    let d = daemon("edge-7-ws");
+    let auth = format!("bearer {API_KEY}");
+    // A client's Close gets a Close back (RFC 6455 5.5.1).
+    let mut s = raw_upgrade(d.port, &auth);
+    s.write_all(&frame(0x88, &1000u16.to_be_bytes())).unwrap();
+    assert_eq!(close_from_server(&mut s).map(|c| c.0), Some(1000));
+    // A frame with a reserved bit set: 1002.
+    let mut s = raw_upgrade(d.port, &auth);
+    s.write_all(&frame(0xC1, b"{}")).unwrap();
+    assert_eq!(close_from_server(&mut s), Some((1002, "protocol error".into())));
+    // A text frame that is not UTF-8: 1007.
+    let mut s = raw_upgrade(d.port, &auth);
+    s.write_all(&frame(0x81, b"\xff\xfe")).unwrap();
+    assert_eq!(close_from_server(&mut s), Some((1007, "invalid UTF-8".into())));
+    alive(&d);
+}
+
+#[test]
+fn finding_7_refusals_are_counted_and_each_cause_logged_at_most_once_a_minute() {
+    let d = daemon("edge-7-log");
+    for i in 0..30 {
+        let (code, _) = http_post(
+            &d.url("/hooks/alerts"),
+            &[("Authorization", "Bearer wrong")],
+            &json!({"message_id": format!("w{i}"), "sender_id": "u"}).to_string(),
+        );
+        assert_eq!(code, 401);
+        assert_eq!(status_of(&d, b"GET / HTTP/1.1\r\n\r\n"), "HTTP/1.1 400");
+        assert_eq!(try_connect(d.port, Some("wrong"), Some(SUBPROTOCOL)).err(), Some(401));
+    }
+    assert_eq!(metric(&d, "imgate_http_refused_total{cause=\"unauthorized\"} "), 30);
+    assert_eq!(metric(&d, "imgate_http_refused_total{cause=\"bad_request\"} "), 30);
+    assert_eq!(metric(&d, "imgate_http_refused_total{cause=\"ws_refused\"} "), 30);
+    let log = d.log();
+    for cause in ["unauthorized", "bad_request", "ws_refused"] {
+        let lines = log.matches(&format!("front door: {cause}")).count();
+        assert_eq!(lines, 1, "{cause} logged {lines} times:\n{log}");
+    }
+}
+
+// ---------- the suite against one daemon ----------
+
+#[test]
+fn after_the_attacks_no_slot_is_held_and_memory_is_back_within_4_mib() {
+    let d = daemon("edge-all");
+    alive(&d);
+    let start = rss_kib(&d);
+    huge_content_lengths_are_413(&d);
+    http2_is_refused_without_holding_a_slot(&d);
+    floods_leave_memory_flat(&d);
+    small_findings(&d);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        metric(&d, "imgate_http_connections "),
+        1,
+        "only the request asking is connected"
+    );
+    let end = rss_kib(&d);
+    println!("RSS before the attacks {start} KiB, after {end} KiB");
+    assert!(end < start + 4096, "RSS went from {start} KiB to {end} KiB");
+}
