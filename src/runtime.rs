@@ -78,7 +78,7 @@ pub async fn until(deadline: Instant, done: impl Fn() -> bool) -> bool {
 /// Blocking jobs running at once at most; more wait in the queue.
 const MAX_THREADS: usize = 128;
 /// A pool thread with nothing to do for this long exits.
-const IDLE_EXIT: Duration = Duration::from_secs(10);
+const IDLE_EXIT: Duration = Duration::from_secs(2);
 
 type Job = Box<dyn FnOnce() + Send>;
 

@@ -207,3 +207,210 @@ fn bench_outbox_and_data_plane() {
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
+
+/// User plus system CPU of `pid` so far, in clock ticks (100 a second on Linux).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name may hold spaces: count fields after its closing parenthesis.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let get = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    get(11) + get(12)
+}
+
+/// What one load run measured.
+struct Load {
+    rate: f64,
+    requests: u64,
+    /// p50 and p99 when wrk measured them.
+    latency: Option<(String, String)>,
+}
+
+/// wrk's Lua script: POSTs of webhook bodies with an ID unique over threads and runs.
+const WRK_SCRIPT: &str = r#"
+local n = 0
+function setup(thread) thread:set("tid", n); n = n + 1 end
+function init(args) count = 0; prefix = args[1] or "w"; secret = args[2] or "" end
+function request()
+  count = count + 1
+  local body = string.format('{"message_id":"%s-%d-%d","sender_id":"bench","text":"hello"}', prefix, tid, count)
+  return wrk.format("POST", nil, {["Authorization"] = "Bearer " .. secret, ["Content-Type"] = "application/json"}, body)
+end
+"#;
+
+/// Runs wrk (when installed) against `url` for 5 s; `post` uses the webhook script with
+/// `args`, else a plain GET with `header`.
+fn wrk(url: &str, conns: usize, post: Option<(&str, &str)>, header: Option<&str>) -> Option<Load> {
+    let dir = temp_dir("wrk");
+    let script = dir.join("post.lua");
+    std::fs::write(&script, WRK_SCRIPT).ok()?;
+    let threads = conns.min(2).to_string();
+    let conns_s = conns.to_string();
+    let mut cmd = std::process::Command::new("wrk");
+    cmd.args(["-t", &threads, "-c", &conns_s, "-d", "5s", "--latency"]);
+    if let Some(h) = header {
+        cmd.args(["-H", h]);
+    }
+    if post.is_some() {
+        cmd.arg("-s").arg(&script);
+    }
+    cmd.arg(url);
+    if let Some((prefix, secret)) = post {
+        cmd.args(["--", prefix, secret]);
+    }
+    let out = cmd.output().ok().filter(|o| o.status.success())?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |key: &str| {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(key))
+            .map(|v| v.trim().to_string())
+    };
+    assert!(
+        field("Non-2xx or 3xx responses:").is_none(),
+        "errors under load:\n{text}"
+    );
+    let requests = text
+        .lines()
+        .find(|l| l.contains("requests in"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    Some(Load {
+        rate: field("Requests/sec:")?.parse().ok()?,
+        requests,
+        latency: Some((field("50%")?, field("99%")?)),
+    })
+}
+
+/// `conns` threads, each with its own keep-alive connection, make `per_conn` requests.
+fn drive(conns: usize, per_conn: usize, request: impl Fn(&ureq::Agent, usize, usize) + Sync) -> Load {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for c in 0..conns {
+            let request = &request;
+            s.spawn(move || {
+                let agent = load_agent();
+                for i in 0..per_conn {
+                    request(&agent, c, i);
+                }
+            });
+        }
+    });
+    Load {
+        rate: (conns * per_conn) as f64 / start.elapsed().as_secs_f64(),
+        requests: (conns * per_conn) as u64,
+        latency: None,
+    }
+}
+
+/// The HTTP edge, side by side in one run: tiny_http alone answering 202 (the ceiling of this
+/// machine's loopback and HTTP stack), then imgate's front door: `GET /health`, and durable
+/// webhook ingest at 1, 16 and 64 connections, with imgate's CPU per request and disk bytes
+/// written per message. The load comes from wrk when it is installed (`apt-get install wrk`),
+/// else from ureq threads in this process, which then share the two cores with the server.
+#[test]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture"]
+fn bench_http_edge() {
+    // The ceiling: tiny_http with 16 workers reading the same bodies and answering 202.
+    let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
+    let ceiling_url = format!(
+        "http://127.0.0.1:{}/hooks/alerts",
+        server.server_addr().to_ip().unwrap().port()
+    );
+    for _ in 0..16 {
+        let server = server.clone();
+        std::thread::spawn(move || {
+            while let Ok(mut req) = server.recv() {
+                let mut body = String::new();
+                let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let answer = json!({"status": "accepted", "message_id": v["message_id"]}).to_string();
+                let _ = req.respond(tiny_http::Response::from_string(answer).with_status_code(202));
+            }
+        });
+    }
+    let post = |url: &str, agent: &ureq::Agent, tag: &str, c: usize, i: usize| {
+        let body = json!({"message_id": format!("{tag}-{c}-{i}"), "sender_id": "bench", "text": "hello"});
+        let r = agent
+            .post(url)
+            .header("Authorization", &format!("Bearer {HOOK_SECRET}"))
+            .send(body.to_string())
+            .expect("POST");
+        assert_eq!(r.status().as_u16(), 202, "{url}");
+    };
+    let with_wrk = std::process::Command::new("wrk").arg("--version").output().is_ok();
+    println!(
+        "load generator: {}",
+        if with_wrk {
+            "wrk"
+        } else {
+            "ureq threads (install wrk for better figures)"
+        }
+    );
+    let load_post = |url: &str, conns: usize, per_conn: usize, tag: &str| match with_wrk {
+        true => wrk(url, conns, Some((tag, HOOK_SECRET)), None).expect("wrk runs"),
+        false => drive(conns, per_conn, |a, c, i| post(url, a, tag, c, i)),
+    };
+    let ceiling = load_post(&ceiling_url, 16, 1500, "ceiling");
+
+    let dir = temp_dir("bench-edge");
+    let queue =
+        "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 512MiB\nmax_bytes_total = 512MiB\n";
+    // 64 senders and the figures' own requests: more than the default 64 slots.
+    let config = config_text(free_port(), &dir, None, queue).replace("log_level = debug", "max_connections = 256");
+    let d = Daemon::start_logging(&dir, &config, "warn");
+    let pid = d.pid();
+    let mut rows: Vec<(String, Load, f64, Option<u64>)> =
+        vec![("tiny_http alone, 202 (ceiling)".into(), ceiling, 0.0, None)];
+    let health = d.url("/health");
+    let hooks = d.url("/hooks/alerts");
+    let bearer = format!("Authorization: Bearer {API_KEY}");
+    let mut measure = |name: &str, conns: usize, per_conn: usize, ingest: bool| {
+        let (t0, w0) = (cpu_ticks(pid), written(pid));
+        let load = if ingest {
+            load_post(&hooks, conns, per_conn, &format!("{}-{conns}", name.len()))
+        } else if with_wrk {
+            wrk(&health, conns, None, Some(&bearer)).expect("wrk runs")
+        } else {
+            drive(conns, per_conn, |a, _, _| {
+                let r = a
+                    .get(&health)
+                    .header("Authorization", &format!("Bearer {API_KEY}"))
+                    .call()
+                    .expect("GET");
+                assert_eq!(r.status().as_u16(), 200);
+            })
+        };
+        let n = load.requests.max(1) as f64;
+        let cpu_us = (cpu_ticks(pid) - t0) as f64 * 10_000.0 / n;
+        let bytes = ingest.then(|| (written(pid) - w0) / load.requests.max(1));
+        rows.push((name.to_string(), load, cpu_us, bytes));
+    };
+    measure("GET /health, 16 connections", 16, 1500, false);
+    measure("webhook ingest, 1 connection", 1, 2000, true);
+    measure("webhook ingest, 16 connections", 16, 1000, true);
+    measure("webhook ingest, 64 connections", 64, 400, true);
+    let (c, m) = commits(&d);
+    let ceiling = rows[0].1.rate;
+    println!(
+        "\n{:<32} {:>8} {:>9} {:>16} {:>10} {:>9}",
+        "HTTP edge", "req/s", "x ceiling", "p50 / p99", "CPU us/req", "bytes/msg"
+    );
+    for (name, load, cpu, bytes) in &rows {
+        let cpu = if *cpu > 0.0 { format!("{cpu:.0}") } else { "-".into() };
+        let bytes = bytes.map_or("-".to_string(), |b| b.to_string());
+        let lat = load
+            .latency
+            .as_ref()
+            .map_or("-".to_string(), |(a, b)| format!("{a} / {b}"));
+        println!(
+            "{name:<32} {:>8.0} {:>9.2} {lat:>16} {cpu:>10} {bytes:>9}",
+            load.rate,
+            load.rate / ceiling
+        );
+    }
+    println!(
+        "group commits {c}, messages {m} ({:.1} per commit)",
+        m as f64 / c.max(1) as f64
+    );
+}

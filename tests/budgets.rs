@@ -100,6 +100,21 @@ fn edge_budgets() {
         "peak RSS, one bound channel, idle 30 s (VmHWM)",
         hwm_kib(d.pid())
     );
+    // Then 30 s more: how often the idle daemon wakes (xAgent connected, keepalive pings).
+    let (before, from) = (wakeups(d.pid()), Instant::now());
+    while from.elapsed() < Duration::from_secs(30) {
+        x.recv_within(Duration::from_millis(500));
+    }
+    let per_second = (wakeups(d.pid()) - before) as f64 / from.elapsed().as_secs_f64();
+    println!(
+        "{:<52} {per_second:.2}",
+        "wake-ups a second, all threads, idle (budget 2)"
+    );
+    println!(
+        "{:<52} {}",
+        "threads, idle (budget 8)",
+        proc_field(d.pid(), "status", "Threads:")
+    );
     x.close();
     std::thread::sleep(Duration::from_millis(200));
 

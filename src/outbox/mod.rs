@@ -50,10 +50,8 @@ const REPLY_REFS: TableDefinition<&str, &str> = TableDefinition::new("reply_refs
 
 /// Most enqueues folded into one transaction.
 const MAX_GROUP: usize = 256;
-/// How long the committer may wait for more enqueues when concurrency is under way...
+/// The committer never waits longer than this for a group to fill.
 const LINGER: Duration = Duration::from_millis(4);
-/// ...as long as the next one follows within this gap.
-const ARRIVAL_GAP: Duration = Duration::from_micros(500);
 
 /// What is persisted per source besides the messages.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
@@ -259,22 +257,23 @@ impl Outbox {
         let thread = std::thread::Builder::new()
             .name("outbox-commit".into())
             .spawn(move || {
-                let mut last_group = 1usize;
+                let (mut last_group, mut last_commit) = (1usize, Duration::from_micros(500));
                 while let Ok(first) = rx.recv() {
                     let mut jobs = vec![first];
-                    let deadline = Instant::now() + LINGER;
+                    // Waiting pays only while the senders of the last group are still coming:
+                    // up to as many as last time, for at most half a commit. A lone sender
+                    // never waits.
+                    let deadline = Instant::now() + (last_commit / 2).min(LINGER);
                     while jobs.len() < MAX_GROUP {
                         match rx.try_recv() {
                             Ok(j) => jobs.push(j),
                             Err(mpsc::TryRecvError::Disconnected) => break,
                             Err(mpsc::TryRecvError::Empty) => {
-                                // A lone sender never waits. Under concurrency (the last group
-                                // had company) keep collecting while jobs keep arriving.
                                 let left = deadline.saturating_duration_since(Instant::now());
-                                if last_group < 2 || left.is_zero() {
+                                if jobs.len() >= last_group || left.is_zero() {
                                     break;
                                 }
-                                match rx.recv_timeout(left.min(ARRIVAL_GAP)) {
+                                match rx.recv_timeout(left) {
                                     Ok(j) => jobs.push(j),
                                     Err(_) => break,
                                 }
@@ -282,9 +281,11 @@ impl Outbox {
                         }
                     }
                     last_group = jobs.len();
+                    let started = Instant::now();
                     counted.0.fetch_add(1, AtomicOrdering::Relaxed);
                     counted.1.fetch_add(jobs.len(), AtomicOrdering::Relaxed);
                     commit_group(&group_shared, jobs);
+                    last_commit = started.elapsed();
                 }
             })
             .map_err(|e| StoreError::Internal(format!("cannot start the outbox committer: {e}")))?;

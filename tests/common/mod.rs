@@ -374,6 +374,25 @@ pub fn proc_field(pid: u32, file: &str, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Times all threads of `pid` went to sleep and were woken, so far (voluntary context switches).
+pub fn wakeups(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .map(|t| {
+                    let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+                    status
+                        .lines()
+                        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                        .unwrap_or(0)
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
 pub fn hwm_kib(pid: u32) -> u64 {
     proc_field(pid, "status", "VmHWM:")
 }
