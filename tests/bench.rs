@@ -1,7 +1,7 @@
 //! Throughput, latency, memory and disk figures of a release `imgate` over loopback.
 //! Prints figures; asserts nothing about speed.
 //!
-//!     cargo test --release --test bench -- --ignored --nocapture
+//!     cargo test --release --test bench -- --ignored --nocapture --test-threads=1
 
 mod common;
 
@@ -39,7 +39,7 @@ fn pending(d: &Daemon) -> u64 {
 }
 
 #[test]
-#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture"]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
 fn bench_outbox_and_data_plane() {
     let dir = temp_dir("bench");
     let queue =
@@ -309,7 +309,7 @@ fn drive(conns: usize, per_conn: usize, request: impl Fn(&ureq::Agent, usize, us
 /// written per message. The load comes from wrk when it is installed (`apt-get install wrk`),
 /// else from ureq threads in this process, which then share the two cores with the server.
 #[test]
-#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture"]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
 fn bench_http_edge() {
     // The ceiling: tiny_http with 16 workers reading the same bodies and answering 202.
     let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());

@@ -54,6 +54,8 @@ const SMALL_BODY: u64 = 64 * 1024;
 const UPLOADS_AT_ONCE: u64 = 2;
 /// Room for the multipart framing around an uploaded file.
 const MULTIPART_ROOM: u64 = 64 * 1024;
+/// tiny_http answers up to this size are read whole and written with their head at once.
+const INLINE_ANSWER: u64 = 64 * 1024;
 /// File descriptors kept for everything but client connections (the database, the internal
 /// hop, outbound calls, pollers).
 const RESERVED_FDS: u64 = 64;
@@ -245,10 +247,20 @@ impl FrontDoor {
                 if r.status == 401 {
                     stats::note(Cause::Unauthorized, &format!("{} {}", head.method, head.path));
                 }
+                let (status, headers) = (r.status, std::mem::take(&mut r.headers));
+                // A small answer goes out in one write with its head; a file streams through.
+                let body = if r.length() <= INLINE_ANSWER {
+                    match r.read_all(INLINE_ANSWER).await {
+                        Ok(bytes) => Body::Bytes(bytes),
+                        Err(_) => return Answer::error(502, "unavailable").closing(),
+                    }
+                } else {
+                    Body::Relay(Box::new(r))
+                };
                 Answer {
-                    status: r.status,
-                    headers: std::mem::take(&mut r.headers),
-                    body: Body::Relay(Box::new(r)),
+                    status,
+                    headers,
+                    body,
                     close: false,
                 }
             }

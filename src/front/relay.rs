@@ -4,8 +4,10 @@
 //! connection, with a deadline on every read and write; tiny_http never reads a client's bytes.
 //! Its answer's head is read and bounded here; its body (a file download) streams through.
 //!
-//! At most `CONCURRENT` exchanges run at once and at most `POOLED` idle connections are kept:
-//! tiny_http keeps a thread per open connection, so both bound its threads too.
+//! At most `CONCURRENT` exchanges run at once, each on one of at most as many pooled internal
+//! connections: tiny_http keeps a thread per open connection and four at least, so four
+//! connections kept open never make it start (or end) a thread. A small answer gives its
+//! turn back before it is written to the client; a file streaming to a client keeps it.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -17,9 +19,9 @@ use smol::lock::{Semaphore, SemaphoreGuardArc};
 use smol::net::unix::UnixStream;
 
 /// Exchanges with tiny_http at once; more wait (up to `WAIT`) for a turn.
-const CONCURRENT: usize = 8;
+const CONCURRENT: usize = 4;
 /// Idle internal connections kept for the next request.
-const POOLED: usize = 4;
+const POOLED: usize = CONCURRENT;
 /// How long a request waits for a turn before it is answered 503.
 const WAIT: Duration = Duration::from_secs(10);
 /// How long tiny_http may take to start its answer (a handler reading the store on a slow disk).
