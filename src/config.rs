@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::protocol::{Profile, PROFILE_V1, PROFILE_V2};
+
 /// The commented default config; `imgate init` writes it and `systemd/imgate.conf` is a copy.
 pub const TEMPLATE: &str = include_str!("../systemd/imgate.conf");
 
@@ -49,6 +51,8 @@ pub struct Xagent {
     pub dial_api_key: Option<Secret>,
     pub ca_file: Option<PathBuf>,
     pub lease: Duration,
+    /// The IM profile of this deployment; the Card declares exactly it.
+    pub profile: Profile,
 }
 
 #[derive(Clone)]
@@ -548,6 +552,9 @@ fn read_xagent(x: &mut Xagent, section: &Section, p: &mut Problems) {
     if let Some(d) = f.duration("lease") {
         x.lease = d;
     }
+    if let Some(p) = f.choice("profile", &[PROFILE_V1, PROFILE_V2]).and_then(Profile::parse) {
+        x.profile = p;
+    }
     f.finish();
 }
 
@@ -697,6 +704,7 @@ impl Config {
                 dial_api_key: None,
                 ca_file: None,
                 lease: Duration::from_secs(3600),
+                profile: Profile::V1,
             },
             queue: Queue {
                 ttl: Duration::from_secs(3600),
@@ -744,6 +752,7 @@ impl Config {
             self.xagent.dial.as_deref().unwrap_or("off")
         ));
         out.push_str(&format!("lease:             {}\n", fmt_duration(self.xagent.lease)));
+        out.push_str(&format!("profile:           {}\n", self.xagent.profile.as_str()));
         let q = &self.queue;
         out.push_str(&format!("queue ttl:         {}\n", fmt_duration(q.ttl)));
         out.push_str(&format!(

@@ -28,7 +28,7 @@ use crate::ids;
 use crate::json::{self, obj, s, Object, Value};
 use crate::outbox::StoredMessage;
 use crate::protocol::descriptor::{self, Target, ToolState};
-use crate::protocol::{code, version_at_least, Packet, CARD_ID, PROFILE, PROTOCOL_VERSION};
+use crate::protocol::{code, version_at_least, Packet, CARD_ID, PROTOCOL_VERSION};
 use crate::providers::inbound::{self, Inbound, Origin};
 use crate::providers::Failure;
 use crate::source::Source;
@@ -464,12 +464,14 @@ async fn hello(app: &Arc<App>, id: u64, state: &State, p: &Packet) -> Packet {
             .collect(),
         _ => return Packet::error_for(Some(p), code::INVALID_PACKET, "hello must list supported_profiles"),
     };
-    let enabled: Vec<String> = supported.into_iter().filter(|s| s == PROFILE).take(1).collect();
+    // The deployment speaks one profile (`[xagent] profile`): it is all hello can enable.
+    let chosen = app.config.xagent.profile.as_str();
+    let enabled: Vec<String> = supported.into_iter().filter(|s| s == chosen).take(1).collect();
     if enabled.is_empty() {
         return Packet::error_for(
             Some(p),
             "profile_not_supported",
-            format!("this connector serves only {PROFILE}, which hello did not list"),
+            format!("this connector is configured for {chosen} ([xagent] profile), which hello did not list in supported_profiles"),
         );
     }
     if let Some(prev) = json::get_str(pl, "connector_id").filter(|c| !c.is_empty() && *c != app.connector_id) {

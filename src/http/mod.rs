@@ -232,6 +232,7 @@ fn card_of(app: &App) -> Value {
     let p = &app.providers;
     card::card(
         app.config.server.api_key.is_some(),
+        app.config.xagent.profile,
         card::Parts {
             targets: p.all().iter().map(|p| p.target()).collect(),
             auth_flows: p.all().iter().flat_map(|p| p.auth_flows()).collect(),

@@ -1,6 +1,6 @@
 //! Connector Card, Skill and health object (common protocol section 4).
 
-use super::{CARD_ID, PROFILE, PROTOCOL_VERSION, SKILL_NAME, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use super::{Profile, CARD_ID, PROTOCOL_VERSION, SKILL_NAME, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::json::{arr, b, obj, s, strs, Value};
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -59,10 +59,10 @@ fn sent_schema() -> Value {
     ])
 }
 
-fn tool(id: &str, title: &str, description: &str, schema: Value) -> Value {
+fn tool(profile: Profile, id: &str, title: &str, description: &str, schema: Value) -> Value {
     obj([
         ("tool_id", s(id)),
-        ("profile", s(PROFILE)),
+        ("profile", s(profile.as_str())),
         ("title", s(title)),
         ("description", s(description)),
         ("related_skill_ids", strs([SKILL_NAME])),
@@ -72,15 +72,17 @@ fn tool(id: &str, title: &str, description: &str, schema: Value) -> Value {
 }
 
 /// The tool a Card declares under `id`.
-fn tool_entry(id: &str) -> Value {
+fn tool_entry(profile: Profile, id: &str) -> Value {
     match id {
         TOOL_SEND => tool(
+            profile,
             TOOL_SEND,
             "Send a Message",
             "Send text to the conversation bound to the current channel.",
             input_schema(&["text"], vec![("text", "Text to send.")]),
         ),
         TOOL_REPLY => tool(
+            profile,
             TOOL_REPLY,
             "Reply to a Message",
             "Reply to an inbound message, using the reply_ref that came with it.",
@@ -96,6 +98,7 @@ fn tool_entry(id: &str) -> Value {
             ),
         ),
         _ => tool(
+            profile,
             TOOL_FILE_SEND,
             "Send a File",
             "Send a file (photo or document) uploaded for the current channel, with an optional caption.",
@@ -118,8 +121,9 @@ pub struct Parts {
     pub tools: Vec<&'static str>,
 }
 
-/// The Connector Card. `api_key_required` reflects whether `[server] api_key` is set.
-pub fn card(api_key_required: bool, parts: Parts) -> Value {
+/// The Connector Card. `api_key_required` reflects whether `[server] api_key` is set; the Card
+/// declares exactly the deployment's `profile` (IM profile v1 section 3).
+pub fn card(api_key_required: bool, profile: Profile, parts: Parts) -> Value {
     obj([
         ("schema", s("xagent.connector/v1")),
         ("protocol_version", s(PROTOCOL_VERSION)),
@@ -143,10 +147,10 @@ pub fn card(api_key_required: bool, parts: Parts) -> Value {
                 ("user_channel_mode", s("multiple")),
                 ("target_types", strs(["im"])),
                 ("targets", arr(parts.targets)),
-                ("profiles", strs([PROFILE])),
+                ("profiles", strs([profile.as_str()])),
             ]),
         ),
-        ("tools", arr(parts.tools.iter().map(|t| tool_entry(t)))),
+        ("tools", arr(parts.tools.iter().map(|t| tool_entry(profile, t)))),
         ("auth_flows", arr(parts.auth_flows)),
         (
             "security",

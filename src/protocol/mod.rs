@@ -12,7 +12,35 @@ use crate::json::{self, Object, Value};
 pub const PACKET_SCHEMA: &str = "xagent.connector.packet/v1";
 pub const SUBPROTOCOL: &str = "xagent.connector.packet.v1";
 pub const PROTOCOL_VERSION: &str = "3.0";
-pub const PROFILE: &str = "xagent.im.v1";
+/// The profile every `message.push` names (IM profile v1).
+pub const PROFILE_V1: &str = "xagent.im.v1";
+pub const PROFILE_V2: &str = "xagent.im.v2";
+
+/// The IM profile a deployment speaks (`[xagent] profile`); the Card declares exactly it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Profile {
+    /// `message.push` behind a ping/pong barrier; the agent answers with tools.
+    V1,
+    /// `chat.message` both ways with acks, assistant deltas and activity.
+    V2,
+}
+
+impl Profile {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Profile::V1 => PROFILE_V1,
+            Profile::V2 => PROFILE_V2,
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Profile> {
+        match s {
+            PROFILE_V1 => Some(Profile::V1),
+            PROFILE_V2 => Some(Profile::V2),
+            _ => None,
+        }
+    }
+}
 pub const CARD_ID: &str = "im.imgate";
 pub const SKILL_NAME: &str = "connector-im-imgate";
 

@@ -4,7 +4,7 @@
 
 use crate::json::{self, arr, b, obj, opt_s, s, strs, Value};
 use crate::outbox::StoredMessage;
-use crate::protocol::{PROFILE, SKILL_NAME, TOOL_REPLY};
+use crate::protocol::{PROFILE_V1, SKILL_NAME, TOOL_REPLY};
 
 /// A validated inbound message; stored as is in the outbox and rendered at push time.
 #[derive(Debug, PartialEq, miniserde::Serialize, miniserde::Deserialize)]
@@ -78,7 +78,7 @@ pub fn render(origin: &Origin, m: &Inbound, stored: &StoredMessage) -> Value {
     });
     obj([
         ("provider", s(provider)),
-        ("profile", s(PROFILE)),
+        ("profile", s(PROFILE_V1)),
         ("event_kind", s("im.message.received")),
         ("message_id", s(&m.message_id)),
         ("source", s(label)),
