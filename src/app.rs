@@ -19,6 +19,8 @@ pub struct App {
     pub hub: Arc<Hub>,
     pub connector_id: String,
     pub tool_results: ToolResults,
+    /// IM profile v2: xAgent's completed messages and streams.
+    pub chats: crate::dataplane::chat::Chats,
     /// Set on SIGTERM: workers finish what they hold and exit.
     stopping: AtomicBool,
 }
@@ -60,7 +62,8 @@ impl App {
         });
         Ok(Arc::new(App {
             providers: Registry::start(&host)?,
-            tool_results: ToolResults::open(db)?,
+            tool_results: ToolResults::open(db.clone())?,
+            chats: crate::dataplane::chat::Chats::open(db)?,
             host,
             hub,
             connector_id,

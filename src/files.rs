@@ -45,6 +45,16 @@ pub struct FileRecord {
     pub expires_at: u64,
     /// `in`: from the provider, for xAgent to download; `out`: uploaded by xAgent to send.
     pub direction: String,
+    /// An `out` file whose ref was handed to a receiver that fetches it (a webhook's
+    /// `reply_url` under IM v2): downloadable by its ref from then on.
+    pub shared: Option<bool>,
+}
+
+impl FileRecord {
+    /// Whether `GET /files/refs/{ref}` serves it.
+    pub fn downloadable(&self) -> bool {
+        self.direction == "in" || self.shared == Some(true)
+    }
 }
 
 #[derive(Debug, PartialEq)]
@@ -77,6 +87,13 @@ pub fn kind_of(mime: &str) -> &'static str {
         "audio" => "audio",
         _ => "file",
     }
+}
+
+/// The ref of a cached file, from the path `Files::get` gave for it (its bytes are named by it).
+pub fn ref_of(path: &std::path::Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// A well-formed ref: `file_` and hex. Anything else names no file (and no path).
@@ -178,6 +195,7 @@ impl Files {
             byte_size: size,
             expires_at: now + self.limits.ttl.as_millis() as u64,
             direction: direction.to_string(),
+            shared: None,
         };
         let max_total = self.limits.max_bytes_total;
         let put = self.db.write(|txn| {
@@ -211,6 +229,19 @@ impl Files {
         Ok(rec
             .filter(|r| r.expires_at > ids::now_ms())
             .map(|r| (r, self.dir.join(file_ref))))
+    }
+
+    /// Makes a file downloadable by its ref (see `FileRecord::shared`).
+    pub fn share(&self, file_ref: &str) -> store::Result<()> {
+        self.db.write(|txn| {
+            let mut t = txn.open_table(FILES)?;
+            let rec = t.get(file_ref)?.map(|v| decode(v.value())).transpose()?;
+            if let Some(mut rec) = rec.filter(|r| r.shared != Some(true)) {
+                rec.shared = Some(true);
+                t.insert(file_ref, miniserde::json::to_string(&rec).as_str())?;
+            }
+            Ok(())
+        })
     }
 
     fn total_bytes(&self) -> store::Result<u64> {
@@ -368,6 +399,15 @@ mod tests {
             );
         }
         assert!(files.total_bytes().unwrap() <= 20_000);
+    }
+
+    #[test]
+    fn an_upload_becomes_downloadable_only_once_shared() {
+        let (files, _dir) = cache(1 << 20);
+        let (r, _) = files.store("s:x", "a.txt", "text/plain", b"x", "out").unwrap();
+        assert!(!files.get(&r).unwrap().unwrap().0.downloadable());
+        files.share(&r).unwrap();
+        assert!(files.get(&r).unwrap().unwrap().0.downloadable());
     }
 
     #[test]

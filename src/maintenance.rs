@@ -58,6 +58,9 @@ fn work(app: &Arc<App>, sweep: bool) -> (Duration, bool) {
         if let Err(e) = app.tool_results.sweep(now) {
             log::error!("data plane: tool result sweep failed: {e}");
         }
+        if let Err(e) = app.chats.sweep(now) {
+            log::error!("data plane: completed-message sweep failed: {e}");
+        }
         app.files.sweep(now);
     }
     (lease_left, app.db.needs_recovery())

@@ -42,6 +42,7 @@ fn check_prints_the_effective_policy_for_a_valid_file() {
     assert!(text.contains("cleanup_interval:  10m"), "clamped to ttl/2: {text}");
     assert!(text.contains("webhook door"));
     assert!(text.contains("listen:            127.0.0.1:8787"));
+    assert!(text.contains("profile:           xagent.im.v1"), "{text}");
 }
 
 #[test]

@@ -14,3 +14,4 @@ mod secrets;
 mod service;
 mod telegram;
 mod tls;
+mod v2;

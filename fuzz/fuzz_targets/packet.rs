@@ -1,5 +1,7 @@
-//! A WebSocket text frame from xAgent, as the packet engine decodes it.
+//! A WebSocket text frame from xAgent, as the packet engine decodes it, and the payloads of IM
+//! profile v2 as their readers take them.
 #![no_main]
+use imgate::dataplane::chat;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -8,6 +10,9 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(packet) = imgate::protocol::Packet::parse(text) {
             // Whatever decodes must encode again without a panic.
             let _ = packet.to_json();
+            let _ = chat::parse_message(&packet.payload);
+            let _ = chat::parse_delta(&packet.payload);
+            let _ = chat::parse_activity(&packet.payload);
         }
     }
 });

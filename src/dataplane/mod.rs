@@ -4,6 +4,9 @@
 //!
 //! Invariant: a channel is open on at most one session; the newest `channel.open` takes it over.
 
+pub mod chat;
+mod deliver_v1;
+mod deliver_v2;
 pub mod dial;
 pub mod session;
 pub mod tools;

@@ -1,12 +1,10 @@
 //! The packet engine: one WebSocket session, whoever dialled whom.
 //!
 //! Three tasks per session: the reader (this function's loop, answers requests), the writer
-//! (the only one touching the socket's send half) and the delivery loop (pushes the outbox and
-//! runs the `ping`/`pong` delivery barrier).
-//!
-//! Delivery boundary: messages pushed in a round stay pending until a `pong` answers the `ping`
-//! sent after them on this connection; only then are they removed, in one commit. If the session
-//! ends first they stay pending with `attempts + 1` and the next connection pushes them again.
+//! (the only one touching the socket's send half) and the delivery loop of the deployment's
+//! profile (`deliver_v1`: `message.push` behind a ping/pong barrier; `deliver_v2`:
+//! `chat.message` until its ack). Under v2, xAgent's own chat packets run per channel, in order,
+//! on a worker of their own (`chat`), so a slow target holds up only its channel.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,31 +24,27 @@ use crate::app::App;
 use crate::channels::ChannelRecord;
 use crate::ids;
 use crate::json::{self, obj, s, Object, Value};
-use crate::outbox::StoredMessage;
 use crate::protocol::descriptor::{self, Target, ToolState};
-use crate::protocol::{code, version_at_least, Packet, CARD_ID, PROTOCOL_VERSION};
-use crate::providers::inbound::{self, Inbound, Origin};
+use crate::protocol::{code, version_at_least, Packet, Profile, CARD_ID, PROTOCOL_VERSION};
 use crate::providers::Failure;
 use crate::source::Source;
 
-/// Pushes per channel per delivery round.
-const BATCH: usize = 64;
-/// A `ping` is sent at least this often, pushed or not, to notice dead peers.
-const KEEPALIVE: Duration = Duration::from_secs(30);
-/// How long a `pong` may take before the connection is considered dead.
-const BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
+/// Chat packets queued per channel at most; beyond it xAgent is told the channel is busy.
+const CHAT_QUEUE: usize = 64;
 
 /// Per-session state shared by the reader and the delivery loop.
 #[derive(Default)]
-struct State {
+pub(super) struct State {
     /// Profiles enabled by `connector.hello` (intersection with the Card); `None` before hello.
-    profiles: Mutex<Option<Vec<String>>>,
+    pub(super) profiles: Mutex<Option<Vec<String>>>,
     /// `ping` request IDs awaiting their `pong`.
-    barriers: Mutex<HashMap<String, smol::channel::Sender<()>>>,
-    /// Messages pushed but not yet past the boundary: (source, seqs).
-    in_flight: Mutex<Vec<(String, Vec<u64>)>>,
+    pub(super) barriers: Mutex<HashMap<String, smol::channel::Sender<()>>>,
+    /// Messages sent but not yet past the boundary (v1) or acked (v2): (source, seqs).
+    pub(super) in_flight: Mutex<Vec<(String, Vec<u64>)>>,
     /// Auth sessions of this connection: auth_session_id → (channel, flow_id, status, message).
     auth: Mutex<HashMap<String, AuthSession>>,
+    /// v2: xAgent's chat packets per channel, each queue run in order by its worker.
+    chat_workers: Mutex<HashMap<String, smol::channel::Sender<Packet>>>,
 }
 
 #[derive(Clone)]
@@ -61,7 +55,7 @@ struct AuthSession {
     message: String,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -123,14 +117,26 @@ where
             }
         }
     });
-    let delivery = crate::runtime::spawn(deliver_loop(
-        app.clone(),
-        id,
-        state.clone(),
-        out_tx.clone(),
-        wake_rx,
-        stop_tx.clone(),
-    ));
+    let (ack_tx, ack_rx) = smol::channel::bounded::<super::deliver_v2::Ack>(CHAT_QUEUE);
+    let delivery = match app.config.xagent.profile {
+        Profile::V1 => crate::runtime::spawn(super::deliver_v1::run(
+            app.clone(),
+            id,
+            state.clone(),
+            out_tx.clone(),
+            wake_rx,
+            stop_tx.clone(),
+        )),
+        Profile::V2 => crate::runtime::spawn(super::deliver_v2::run(
+            app.clone(),
+            id,
+            state.clone(),
+            out_tx.clone(),
+            wake_rx,
+            ack_rx,
+            stop_tx.clone(),
+        )),
+    };
 
     let (reason, close) = loop {
         // `Err`: the session was told to stop (shutdown, dead peer), with its reason.
@@ -144,7 +150,7 @@ where
             None => break ("peer closed the connection".to_string(), None),
             Some(Err(e)) => break (format!("read error: {e}"), closing_error(&e)),
             Some(Ok(Message::Text(text))) => {
-                let replies = handle(&app, id, &state, &out_tx, text.as_str()).await;
+                let replies = handle(&app, id, &state, &out_tx, &ack_tx, text.as_str()).await;
                 for p in replies {
                     if out_tx.send(Outgoing::Packet(p)).await.is_err() {
                         break;
@@ -171,6 +177,7 @@ where
     };
 
     delivery.cancel().await;
+    lock(&state.chat_workers).clear();
     if app.hub.unregister(id) {
         log::info!(
             "data plane: no xAgent connected; channels stay registered for the lease of {}",
@@ -201,138 +208,13 @@ where
     crate::runtime::released();
 }
 
-/// Pushes pending messages of every open bound channel, then runs the delivery barrier.
-async fn deliver_loop(
-    app: Arc<App>,
-    id: u64,
-    state: Arc<State>,
-    out: smol::channel::Sender<Outgoing>,
-    wake: smol::channel::Receiver<()>,
-    stop: smol::channel::Sender<String>,
-) {
-    let mut pushed_last_round = false;
-    loop {
-        // After a round that pushed, look again at once: more may be pending.
-        let mut woken = true;
-        if !pushed_last_round {
-            woken = async {
-                let _ = wake.recv().await;
-                true
-            }
-            .or(async {
-                smol::Timer::after(KEEPALIVE).await;
-                false
-            })
-            .await;
-            if woken && lock(&state.profiles).is_none() {
-                continue;
-            }
-        }
-        let hello_done = lock(&state.profiles).is_some();
-        let mut round: Vec<(String, Vec<u64>)> = Vec::new();
-        if hello_done {
-            let channels = app.hub.channels_of(id);
-            let batches = blocking(&app, move |app| {
-                let now = ids::now_ms();
-                let mut out = Vec::new();
-                for cch in channels {
-                    let rec = match app.channels.channel(&cch) {
-                        Ok(Some(rec)) => rec,
-                        Ok(None) => continue,
-                        Err(e) => {
-                            log::debug!("data plane: cannot read channel {cch}: {e}");
-                            continue;
-                        }
-                    };
-                    let Some(source) = rec.source() else { continue };
-                    match app.outbox.pending(source.as_str(), BATCH, now) {
-                        Ok(p) if !p.is_empty() => out.push((cch, source, p)),
-                        Ok(_) => {}
-                        Err(e) => log::error!("outbox: cannot read {source}: {e}"),
-                    }
-                }
-                out
-            })
-            .await;
-            for (cch, source, pending) in batches {
-                let mut seqs = Vec::with_capacity(pending.len());
-                for p in pending {
-                    let payload = render_push(&app, &source, &p.message);
-                    let packet = Packet::new("message.push").with_channel(&cch).with_payload(payload);
-                    if out.send(Outgoing::Packet(packet)).await.is_err() {
-                        return;
-                    }
-                    seqs.push(p.seq);
-                }
-                round.push((source.to_string(), seqs));
-            }
-        }
-        pushed_last_round = !round.is_empty();
-        if round.is_empty() && woken {
-            // Nothing to confirm and no keepalive due.
-            continue;
-        }
-        *lock(&state.in_flight) = round.clone();
-
-        // The barrier doubles as keepalive: one ping per round, answered by one pong.
-        let request_id = ids::short("req_");
-        let (tx, rx) = smol::channel::bounded::<()>(1);
-        lock(&state.barriers).insert(request_id.clone(), tx);
-        let mut ping = Packet::new("ping");
-        ping.request_id = Some(request_id.clone());
-        if out.send(Outgoing::Packet(ping)).await.is_err() {
-            return;
-        }
-        let answered = async { rx.recv().await.is_ok() }
-            .or(async {
-                smol::Timer::after(BARRIER_TIMEOUT).await;
-                false
-            })
-            .await;
-        lock(&state.barriers).remove(&request_id);
-        if !answered {
-            log::warn!("data plane: session {id}: no pong within {BARRIER_TIMEOUT:?}; closing the connection");
-            let _ = stop.try_send(format!("no pong within {BARRIER_TIMEOUT:?}"));
-            return;
-        }
-        if !round.is_empty() {
-            let n: usize = round.iter().map(|(_, s)| s.len()).sum();
-            let done = round.clone();
-            let recorded = blocking(&app, move |app| {
-                let mut all = true;
-                for (source, seqs) in done {
-                    match app.outbox.mark_delivered(&source, &seqs) {
-                        Ok(_) => {
-                            let source = Source::parse(&source);
-                            if let Some((p, src)) = source.as_ref().and_then(|s| Some((app.providers.of(s)?, s))) {
-                                p.delivered(src);
-                            }
-                        }
-                        Err(e) => {
-                            log::error!("outbox: cannot record delivery for {source}: {e}");
-                            all = false;
-                        }
-                    }
-                }
-                all
-            })
-            .await;
-            lock(&state.in_flight).clear();
-            if !recorded {
-                // The messages stay pending and will be pushed again; do not spin on a failing disk.
-                smol::Timer::after(Duration::from_secs(1)).await;
-            }
-            log::debug!("data plane: session {id}: {n} message(s) delivered");
-        }
-    }
-}
-
 /// Answers one incoming text frame; returns the packets to send back.
 async fn handle(
     app: &Arc<App>,
     id: u64,
     state: &Arc<State>,
     out: &smol::channel::Sender<Outgoing>,
+    acks: &smol::channel::Sender<super::deliver_v2::Ack>,
     text: &str,
 ) -> Vec<Packet> {
     let p = match Packet::parse(text) {
@@ -343,6 +225,7 @@ async fn handle(
         }
     };
     log::trace!("data plane: <- {}", p.kind);
+    let v2 = app.config.xagent.profile == Profile::V2 && lock(&state.profiles).is_some();
     match p.kind.as_str() {
         "connector.hello" => return vec![hello(app, id, state, &p).await],
         "ping" => return vec![Packet::answer(&p, "pong")],
@@ -356,6 +239,22 @@ async fn handle(
             let (c, m) = p.error.clone().unwrap_or_default();
             log::warn!("data plane: session {id}: peer reported error {c}: {m}");
             return vec![];
+        }
+        // IM v2's packets; under v1 they stay unsupported, before hello they wait for it.
+        "chat.message.ack" if v2 => {
+            match super::deliver_v2::Ack::of(&p) {
+                Some(a) => {
+                    let _ = acks.try_send(a);
+                }
+                None => log::debug!("data plane: session {id}: an ack without reply_to, channel or message_id"),
+            }
+            return vec![];
+        }
+        "chat.message" | "chat.message.delta" | "chat.activity" if v2 => {
+            return match open_channel_of(app, id, &p) {
+                Ok(cch) => chat_in_turn(app, state, out, cch, p),
+                Err(e) => vec![*e],
+            };
         }
         _ => {}
     }
@@ -405,6 +304,53 @@ async fn handle(
             code::UNSUPPORTED_PACKET,
             format!("packet type `{other}` is not supported by this connector"),
         )],
+    }
+}
+
+/// Queues a chat packet to its channel's worker, started on first use; the worker ends with the
+/// session. A full queue is answered at once: busy, try again.
+fn chat_in_turn(
+    app: &Arc<App>,
+    state: &Arc<State>,
+    out: &smol::channel::Sender<Outgoing>,
+    cch: String,
+    p: Packet,
+) -> Vec<Packet> {
+    let mut workers = lock(&state.chat_workers);
+    let queue = workers.entry(cch.clone()).or_insert_with(|| {
+        let (tx, rx) = smol::channel::bounded::<Packet>(CHAT_QUEUE);
+        let (app, out, cch) = (app.clone(), out.clone(), cch.clone());
+        crate::runtime::spawn(async move {
+            while let Ok(p) = rx.recv().await {
+                if let Some(reply) = super::chat::handle(&app, &cch, p).await {
+                    if out.send(Outgoing::Packet(reply)).await.is_err() {
+                        break;
+                    }
+                }
+            }
+            drop(app);
+            crate::runtime::released();
+        })
+        .detach();
+        tx
+    });
+    match queue.try_send(p) {
+        Ok(()) => vec![],
+        Err(e) => {
+            let p = e.into_inner();
+            if p.kind != "chat.message" {
+                return vec![];
+            }
+            let id = json::get_str(&p.payload, "message_id").unwrap_or_default().to_string();
+            let ack = Packet::answer(&p, "chat.message.ack").with_payload(obj([
+                ("message_id", s(id)),
+                ("status", s("rejected")),
+                ("code", s("busy")),
+                ("message", s("too many messages waiting on this channel; try again")),
+                ("retryable", json::b(true)),
+            ]));
+            vec![ack]
+        }
     }
 }
 
@@ -570,26 +516,6 @@ fn describe(app: &App, cch: &str, profiles: &[String]) -> Value {
         })
         .collect();
     descriptor::build(CARD_ID, &app.connector_id, cch, profiles, status, &target, &states)
-}
-
-/// The wire payload of a stored message: the provider names its origin, the profile renders.
-fn render_push(app: &App, source: &Source, stored: &StoredMessage) -> Value {
-    let Some(m) = Inbound::of(stored) else {
-        log::error!(
-            "outbox: stored message {} of {source} is unreadable",
-            stored.header.message_id
-        );
-        return obj([]);
-    };
-    let provider = app.providers.of(source);
-    let label = provider.map_or_else(|| source.key().to_string(), |p| p.label(source));
-    let origin = Origin {
-        provider: source.provider(),
-        label: &label,
-        tools: provider.map_or(&[], |p| p.tools()),
-        base: app.public_base(),
-    };
-    inbound::render(&origin, &m, stored)
 }
 
 async fn channel_open(app: &Arc<App>, id: u64, p: &Packet, profiles: &[String]) -> Packet {

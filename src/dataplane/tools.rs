@@ -143,8 +143,10 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
             Outbound {
                 text: json::get_str(args, "caption").unwrap_or(""),
                 reply_to: None,
-                file: Some(&file),
+                files: std::slice::from_ref(&file),
                 idempotency_key: &idempotency_key,
+                message_id: None,
+                streamed: None,
             }
         }
         _ => {
@@ -172,8 +174,10 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
             Outbound {
                 text: text(args)?,
                 reply_to: Some(reply_to.as_str()).filter(|r| !r.is_empty()),
-                file: None,
+                files: &[],
                 idempotency_key: &idempotency_key,
+                message_id: None,
+                streamed: None,
             }
         }
     };

@@ -145,7 +145,9 @@ fn read_body(req: &mut Request, limit: u64) -> Result<Vec<u8>, ()> {
 /// `GET /files/refs/{ref}`: the bytes of an inbound file; the unguessable ref is the credential.
 fn download(app: &App, req: Request, file_ref: &str) {
     let (rec, path) = match app.files.get(file_ref) {
-        Ok(Some(found)) if found.0.direction == "in" => found,
+        // Inbound media for xAgent, and files of xAgent's messages handed to a webhook's
+        // receiver (IM v2): the unguessable ref is the credential either way.
+        Ok(Some(found)) if found.0.downloadable() => found,
         Ok(_) => {
             let _ = req.respond(error(404, "not_found"));
             return;
@@ -246,7 +248,7 @@ fn handle(app: &App, mut req: Request) {
     let method = req.method().clone();
     let response = match (&method, path.as_str()) {
         (Method::Get, "/connector-card.json") => json_response(200, &card_of(app)),
-        (Method::Get, "/skill.md") => Response::from_data(card::SKILL.as_bytes().to_vec())
+        (Method::Get, "/skill.md") => Response::from_data(card::skill(app.config.xagent.profile).as_bytes().to_vec())
             .with_header(content_type("text/markdown; charset=utf-8")),
         (Method::Get, "/health") if authorized(app, &req) => json_response(200, &card::health()),
         (Method::Get, "/status") if authorized(app, &req) => match ops::status(app) {

@@ -63,6 +63,7 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
     Ok(obj([
         ("connector_id", s(&app.connector_id)),
         ("version", s(crate::protocol::card::VERSION)),
+        ("profile", s(app.config.xagent.profile.as_str())),
         ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
         ("outbox", obj([("pending_bytes", n(app.outbox.total_bytes()))])),
         (
@@ -89,8 +90,10 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
                     ("expired", n(c.stats.expired)),
                     ("evicted", n(c.stats.evicted)),
                     ("attempts", n(c.stats.attempts)),
+                    ("failed", n(c.stats.failed)),
                 ])
                 .with_null_default("last_error", opt_s(c.stats.last_error.clone()))
+                .with_null_default("last_failure", opt_s(c.stats.last_failure.clone()))
             })),
         ),
         (
@@ -166,13 +169,14 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
         "imgate_queue_cleanup_interval_seconds {}\n",
         q.cleanup_interval.as_secs()
     ));
-    let series: [Series; 6] = [
+    let series: [Series; 7] = [
         ("imgate_channel_pending", "gauge", |s| s.pending),
         ("imgate_channel_pending_bytes", "gauge", |s| s.pending_bytes),
         ("imgate_channel_delivered_total", "counter", |s| s.delivered),
         ("imgate_channel_expired_total", "counter", |s| s.expired),
         ("imgate_channel_evicted_total", "counter", |s| s.evicted),
         ("imgate_channel_attempts_total", "counter", |s| s.attempts),
+        ("imgate_channel_failed_total", "counter", |s| s.failed),
     ];
     for (name, kind, get) in series {
         out.push_str(&format!("# TYPE {name} {kind}\n"));

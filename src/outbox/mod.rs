@@ -61,6 +61,10 @@ struct Tally {
     evicted: u64,
     attempts: u64,
     last_error: Option<String>,
+    /// Messages xAgent refused for good (IM profile v2); optional, so older records still read.
+    failed: Option<u64>,
+    /// The last of them: `message_id: code: message`.
+    last_failure: Option<String>,
 }
 
 /// Per-source figures for `/status` and `/metrics`.
@@ -73,6 +77,9 @@ pub struct Counters {
     pub evicted: u64,
     pub attempts: u64,
     pub last_error: Option<String>,
+    /// Refused for good by xAgent (v2 `rejected`, not retryable): never retried.
+    pub failed: u64,
+    pub last_failure: Option<String>,
 }
 
 /// The capacity policy, from `[queue]`.
@@ -370,11 +377,21 @@ impl Outbox {
     /// The delivery boundary was reached for these messages: move them from the queue to the
     /// delivered log in one commit.
     pub fn mark_delivered(&self, source: &str, seqs: &[u64]) -> Result<u64> {
+        self.finish(source, seqs, None)
+    }
+
+    /// xAgent refused a message for good (v2 `rejected`, not retryable): it leaves the queue
+    /// like a delivered one (its ID stays a duplicate), counted `failed` with its reason.
+    pub fn mark_failed(&self, source: &str, seq: u64, code: &str, message: &str) -> Result<u64> {
+        self.finish(source, &[seq], Some((code, message)))
+    }
+
+    fn finish(&self, source: &str, seqs: &[u64], failure: Option<(&str, &str)>) -> Result<u64> {
         let cap = self.shared.policy.delivered_cap();
         self.shared.write(|txn, idx| {
             let mut messages = txn.open_table(MESSAGES)?;
             let mut delivered = txn.open_table(DELIVERED)?;
-            let mut n = 0;
+            let (mut n, mut last_id) = (0, String::new());
             for &seq in seqs {
                 let Some(v) = messages.remove((source, seq))? else {
                     continue;
@@ -382,6 +399,7 @@ impl Outbox {
                 let value = v.value().to_string();
                 drop(v);
                 let Some(h) = record::header(&value) else { continue };
+                last_id.clone_from(&h.message_id);
                 delivered.insert(
                     (source, seq),
                     record::delivered_entry(h.expires_at, h.reply_ref.as_deref(), &h.message_id).as_str(),
@@ -398,7 +416,13 @@ impl Outbox {
                     forget_delivered(txn, source, seq)?;
                 }
             }
-            tally(txn, source, |t| t.delivered += n)?;
+            tally(txn, source, |t| match failure {
+                None => t.delivered += n,
+                Some((code, message)) => {
+                    t.failed = Some(t.failed.unwrap_or(0) + n);
+                    t.last_failure = Some(format!("{last_id}: {code}: {message}"));
+                }
+            })?;
             Ok(n)
         })
     }
@@ -494,6 +518,8 @@ impl Outbox {
                     evicted: t.evicted,
                     attempts: t.attempts,
                     last_error: t.last_error,
+                    failed: t.failed.unwrap_or(0),
+                    last_failure: t.last_failure,
                     ..Default::default()
                 };
                 out.push((k.value().to_string(), c));
@@ -873,6 +899,26 @@ mod tests {
             (1, 1, Some("disconnected"))
         );
         assert_accounting(&s);
+    }
+
+    #[test]
+    fn a_message_refused_for_good_leaves_counted_failed_and_stays_a_duplicate() {
+        let s = store();
+        s.enqueue(msg("m1", 1000, 60_000)).unwrap();
+        s.enqueue(msg("m2", 1000, 60_000)).unwrap();
+        let p = s.pending("hook:a", 10, 1000).unwrap();
+        s.mark_failed("hook:a", p[0].seq, "invalid_content", "no").unwrap();
+        assert_eq!(ids_of(&s, "hook:a", 1000), ["m2"]);
+        let c = counters(&s, "hook:a");
+        assert_eq!((c.failed, c.delivered), (1, 0));
+        assert_eq!(c.last_failure.as_deref(), Some("m1: invalid_content: no"));
+        assert_eq!(s.enqueue(msg("m1", 2000, 60_000)).unwrap(), Enqueued::Duplicate);
+        assert_accounting(&s);
+        // Counters written before `failed` existed still read.
+        let old: Tally =
+            miniserde::json::from_str(r#"{"delivered":1,"expired":0,"evicted":0,"attempts":2,"last_error":null}"#)
+                .unwrap();
+        assert_eq!((old.failed, old.attempts), (None, 2));
     }
 
     #[test]

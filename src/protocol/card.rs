@@ -174,5 +174,15 @@ pub fn health() -> Value {
     ])
 }
 
-/// `GET /skill.md`: how the agent reads `message.push` and which tool answers.
+/// `GET /skill.md`: how the agent reads `message.push` and which tool answers (IM v1).
 pub const SKILL: &str = include_str!("skill.md");
+/// The same for IM v2: `chat.message` in, replies as messages.
+pub const SKILL_V2: &str = include_str!("skill_v2.md");
+
+/// The Skill of the deployment's profile.
+pub fn skill(profile: Profile) -> &'static str {
+    match profile {
+        Profile::V1 => SKILL,
+        Profile::V2 => SKILL_V2,
+    }
+}

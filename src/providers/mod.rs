@@ -69,24 +69,40 @@ impl Host {
     }
 }
 
-/// A failed tool call or binding: a stable code and a message without secrets.
+/// A failed tool call, binding or send: a stable code, a message without secrets, and whether
+/// the same request may work later (a network error, a rate limit, a busy disk).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Failure {
     pub code: &'static str,
     pub message: String,
+    pub retryable: bool,
 }
 
 impl Failure {
+    /// A failure the same request would meet again.
     pub fn new(code: &'static str, message: impl Into<String>) -> Failure {
         Failure {
             code,
             message: message.into(),
+            retryable: false,
+        }
+    }
+
+    /// A failure that may pass: worth trying again after a while.
+    pub fn temporary(code: &'static str, message: impl Into<String>) -> Failure {
+        Failure {
+            retryable: true,
+            ..Failure::new(code, message)
         }
     }
 
     /// The store could not answer: a storage failure, never "not found".
     pub fn storage(e: StoreError) -> Failure {
-        Failure::new(code::TOOL_INVOKE_FAILED, format!("storage error: {e}"))
+        let message = format!("storage error: {e}");
+        match e.is_outage() {
+            true => Failure::temporary(code::TOOL_INVOKE_FAILED, message),
+            false => Failure::new(code::TOOL_INVOKE_FAILED, message),
+        }
     }
 }
 
@@ -101,14 +117,37 @@ pub struct Description {
 
 /// One message to send to a bound conversation (a tool call, or xAgent's own message).
 pub struct Outbound<'a> {
-    /// The text; with a file, its caption (may be empty).
+    /// The text (may be empty with files); with the file tool, the file's caption.
     pub text: &'a str,
     /// The provider's ID of the message answered, from a `reply_ref`.
     pub reply_to: Option<&'a str>,
-    /// A file uploaded through `/files/uploads` for this channel, and where its bytes are.
-    pub file: Option<&'a (FileRecord, PathBuf)>,
+    /// Files uploaded through `/files/uploads` for this channel, and where their bytes are.
+    pub files: &'a [(FileRecord, PathBuf)],
     /// Names this send to the receiver, so a retried call can be recognised.
     pub idempotency_key: &'a str,
+    /// An assistant message of IM profile v2: its `message_id`.
+    pub message_id: Option<&'a str>,
+    /// What `stream` returned for this message, when its deltas were shown: the final replaces
+    /// them instead of arriving as a second message.
+    pub streamed: Option<&'a str>,
+}
+
+/// One text delta of an assistant message (IM profile v2 section 6).
+pub struct Delta<'a> {
+    pub message_id: &'a str,
+    pub sequence: u64,
+    /// This delta's text.
+    pub piece: &'a str,
+    /// Everything so far, this delta included.
+    pub text: &'a str,
+}
+
+/// What the agent is doing (IM profile v2 `chat.activity`), as a provider can show it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activity {
+    /// Thinking or running a tool: "typing", or its equivalent.
+    Busy,
+    Idle,
 }
 
 /// An HTTP request to a provider's own route, already framed and bounded by the front door.
@@ -211,8 +250,19 @@ pub trait Provider: Send + Sync {
     /// The name the agent is shown as the message's source (`Alerts`, `Telegram`).
     fn label(&self, source: &Source) -> String;
 
-    /// Sends to the conversation of `source`; the provider's ID of what it sent.
+    /// Sends to the conversation of `source`; the provider's ID of what it sent. Returns only
+    /// after the target took all of it (text and files).
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure>;
+
+    /// Shows an assistant message as it grows. `handle` is what the last call returned for the
+    /// same message (`None` the first time); `Ok(None)`: this conversation shows only finals.
+    fn stream(&self, _source: &Source, _delta: &Delta, _handle: Option<&str>) -> Result<Option<String>, Failure> {
+        Ok(None)
+    }
+
+    /// Shows what the agent is doing. Must return at once; showing it has its own deadline and
+    /// never affects a message.
+    fn activity(&self, _source: &Source, _activity: Activity) {}
 
     /// The routes it answers itself (ingest webhooks).
     fn routes(&self) -> &'static [Route] {

@@ -10,7 +10,9 @@ use std::time::Duration;
 use ring::hmac;
 
 use super::inbound::Inbound;
-use super::{Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply, Route};
+use super::{
+    Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply, Route,
+};
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::ids;
 use crate::json::{self, arr, b, obj, opt_s, s, Object, Value};
@@ -44,6 +46,8 @@ pub struct Endpoint {
     pub secret: Secret,
     pub reply_url: Option<String>,
     pub label: String,
+    /// IM profile v2: forward the agent's text deltas to `reply_url`, not only finals.
+    pub stream: bool,
 }
 
 /// Every configured endpoint, by name.
@@ -88,6 +92,7 @@ fn read(_: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn S
         }
         let secret = f.secret("secret");
         let reply_url = f.url("reply_url");
+        let stream = f.bool("stream").unwrap_or(false);
         let label = match f.raw("label") {
             Some((v, line)) if v.is_empty() => {
                 f.err_at(line, "label must not be empty");
@@ -103,6 +108,7 @@ fn read(_: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn S
                         secret,
                         reply_url,
                         label: label.unwrap_or_else(|| name.to_string()),
+                        stream,
                     },
                 );
             }
@@ -310,6 +316,60 @@ impl Webhooks {
     }
 }
 
+impl Webhooks {
+    /// POSTs a signed JSON body to the endpoint's `reply_url`; the receiver's `message_id`, if
+    /// its answer names one. A 429, a 5xx or no answer may pass (`retryable`), another status
+    /// will not.
+    fn post(&self, name: &str, body: &Value) -> Result<Option<String>, Failure> {
+        let hook = self
+            .endpoints()
+            .get(name)
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bound endpoint is no longer configured"))?;
+        let url = hook
+            .reply_url
+            .as_deref()
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "this endpoint has no reply_url configured"))?;
+        let body = json::to_string(body);
+        let signature = sign(hook.secret.expose(), body.as_bytes());
+        let result = self
+            .http
+            .post(url)
+            .header("Content-Type", "application/json")
+            .header("X-Imgate-Signature", &signature)
+            .send(body.as_bytes());
+        let mut resp = result.map_err(|e| {
+            // The configured URL may carry a credential of its own: never echo it.
+            let e = e.to_string().replace(url, "<reply_url>");
+            log::warn!("webhook {name}: reply_url unreachable: {e}");
+            Failure::temporary(
+                code::UPSTREAM_UNREACHABLE,
+                format!("reply_url could not be reached: {e}"),
+            )
+        })?;
+        let status = resp.status().as_u16();
+        if !(200..300).contains(&status) {
+            log::warn!("webhook {name}: reply_url answered HTTP {status}");
+            let message = format!("reply_url answered HTTP {status}");
+            return Err(match status {
+                429 | 500.. => Failure::temporary(code::UPSTREAM_REJECTED, message),
+                _ => Failure::new(code::UPSTREAM_REJECTED, message),
+            });
+        }
+        // The receiver may name the message it created.
+        let answer = resp
+            .body_mut()
+            .with_config()
+            .limit(64 * 1024)
+            .read_to_string()
+            .unwrap_or_default();
+        Ok(json::parse(&answer).ok().and_then(|v| {
+            json::as_object(&v)
+                .and_then(|o| json::get_str(o, "message_id"))
+                .map(str::to_string)
+        }))
+    }
+}
+
 fn flow() -> Value {
     obj([
         ("id", s(FLOW)),
@@ -438,60 +498,70 @@ impl Provider for Webhooks {
             .map_or_else(|| name.to_string(), |h| h.label.clone())
     }
 
-    /// POSTs the message to the endpoint's `reply_url`, signed with its secret.
+    /// POSTs the message to the endpoint's `reply_url`, signed with its secret: a tool call as
+    /// `{endpoint, text, reply_to_message_id?, idempotency_key}`, an assistant message of IM
+    /// profile v2 as `{type: "message", endpoint, message_id, text, files, idempotency_key}`
+    /// (each file with the `download_url` its receiver fetches it from).
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
         let name = source.key();
-        let hook = self
-            .endpoints()
-            .get(name)
-            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bound endpoint is no longer configured"))?;
-        let url = hook
-            .reply_url
-            .as_deref()
-            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "this endpoint has no reply_url configured"))?;
-        let body = json::to_string(&obj([
-            ("endpoint", s(name)),
-            ("text", s(out.text)),
-            ("reply_to_message_id", opt_s(out.reply_to)),
-            ("idempotency_key", s(out.idempotency_key)),
-        ]));
-        let signature = sign(hook.secret.expose(), body.as_bytes());
-        let result = self
-            .http
-            .post(url)
-            .header("Content-Type", "application/json")
-            .header("X-Imgate-Signature", &signature)
-            .send(body.as_bytes());
-        let mut resp = result.map_err(|e| {
-            // The configured URL may carry a credential of its own: never echo it.
-            let e = e.to_string().replace(url, "<reply_url>");
-            log::warn!("webhook {name}: reply_url unreachable: {e}");
-            Failure::new(
-                code::UPSTREAM_UNREACHABLE,
-                format!("reply_url could not be reached: {e}"),
-            )
-        })?;
-        let status = resp.status().as_u16();
-        if !(200..300).contains(&status) {
-            log::warn!("webhook {name}: reply_url answered HTTP {status}");
-            return Err(Failure::new(
-                code::UPSTREAM_REJECTED,
-                format!("reply_url answered HTTP {status}"),
-            ));
+        let body = match out.message_id {
+            None => obj([
+                ("endpoint", s(name)),
+                ("text", s(out.text)),
+                ("reply_to_message_id", opt_s(out.reply_to)),
+                ("idempotency_key", s(out.idempotency_key)),
+            ]),
+            Some(id) => {
+                let base = self.host.public_base();
+                // The receiver fetches the files by their refs: those become downloadable.
+                for (_, path) in out.files {
+                    self.host
+                        .files
+                        .share(&crate::files::ref_of(path))
+                        .map_err(Failure::storage)?;
+                }
+                let files = out.files.iter().map(|(f, path)| {
+                    let file_ref = crate::files::ref_of(path);
+                    obj([
+                        ("type", s(&f.kind)),
+                        ("download_url", s(format!("{base}/files/refs/{file_ref}"))),
+                        ("file_ref", s(file_ref)),
+                        ("filename", s(&f.filename)),
+                        ("mime_type", s(&f.mime_type)),
+                        ("byte_size", json::n(f.byte_size)),
+                        ("expires_at", json::n(f.expires_at)),
+                    ])
+                });
+                obj([
+                    ("type", s("message")),
+                    ("endpoint", s(name)),
+                    ("message_id", s(id)),
+                    ("text", s(out.text)),
+                    ("files", arr(files)),
+                    ("idempotency_key", s(out.idempotency_key)),
+                ])
+            }
+        };
+        let remote = self.post(name, &body)?;
+        Ok(remote.unwrap_or_else(|| out.idempotency_key.to_string()))
+    }
+
+    /// With `stream = true`: each delta is POSTed as `{type: "delta", endpoint, message_id,
+    /// sequence, text}` (the delta's own text); otherwise only the final goes out.
+    fn stream(&self, source: &Source, delta: &Delta, _handle: Option<&str>) -> Result<Option<String>, Failure> {
+        let name = source.key();
+        if !self.endpoints().get(name).is_some_and(|h| h.stream) {
+            return Ok(None);
         }
-        // The receiver may name the message it created; otherwise the idempotency key names it.
-        let answer = resp
-            .body_mut()
-            .with_config()
-            .limit(64 * 1024)
-            .read_to_string()
-            .unwrap_or_default();
-        let remote_id = json::parse(&answer).ok().and_then(|v| {
-            json::as_object(&v)
-                .and_then(|o| json::get_str(o, "message_id"))
-                .map(str::to_string)
-        });
-        Ok(remote_id.unwrap_or_else(|| out.idempotency_key.to_string()))
+        let body = obj([
+            ("type", s("delta")),
+            ("endpoint", s(name)),
+            ("message_id", s(delta.message_id)),
+            ("sequence", json::n(delta.sequence)),
+            ("text", s(delta.piece)),
+        ]);
+        self.post(name, &body)?;
+        Ok(Some("streamed".into()))
     }
 
     fn routes(&self) -> &'static [Route] {
@@ -560,6 +630,7 @@ mod tests {
             secret: crate::config::Secret::new("k"),
             reply_url: None,
             label: "x".into(),
+            stream: false,
         };
         let sig = sign("k", b"body");
         assert!(authorized(&hook, None, Some(&sig), b"body"));

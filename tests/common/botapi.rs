@@ -28,6 +28,8 @@ struct State {
     stalls: HashMap<String, Vec<Duration>>,
     /// Methods in the order their calls arrived (before any stall).
     arrived: Vec<String>,
+    /// (chat id, message id) → text of every message the bots sent, as edited since.
+    texts: HashMap<(i64, u64), String>,
     /// file_path → bytes, served at `/file/bot<token>/<file_path>`; file_id → file_path.
     files: HashMap<String, Vec<u8>>,
     file_ids: HashMap<String, String>,
@@ -257,6 +259,11 @@ impl BotApi {
             .unwrap_or(0)
     }
 
+    /// The current text of a message a bot sent.
+    pub fn text_of(&self, chat_id: i64, message_id: u64) -> Option<String> {
+        self.state.0.lock().unwrap().texts.get(&(chat_id, message_id)).cloned()
+    }
+
     /// Waits until `n` calls of `method` have arrived, answered or still stalled.
     pub fn wait_arrived(&self, method: &str, n: usize, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
@@ -379,7 +386,26 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &str) -> (u16, 
             }
             s.next_message_id += 1;
             let id = s.next_message_id;
+            let text = params["text"].as_str().unwrap_or_default().to_string();
+            s.texts.insert((chat_id, id), text);
             ok(json!({"message_id": id, "chat": {"id": chat_id}, "date": 1, "text": params["text"]}))
+        }
+        "editMessageText" => {
+            let chat_id = params["chat_id"].as_i64().unwrap_or(0);
+            let id = params["message_id"].as_u64().unwrap_or(0);
+            let text = params["text"].as_str().unwrap_or_default().to_string();
+            match s.texts.get_mut(&(chat_id, id)) {
+                None => error(400, "Bad Request: message to edit not found", None),
+                Some(old) if *old == text => error(
+                    400,
+                    "Bad Request: message is not modified: specified new message content and reply markup are exactly the same as a current content and reply markup of the message",
+                    None,
+                ),
+                Some(old) => {
+                    *old = text;
+                    ok(json!({"message_id": id, "chat": {"id": chat_id}, "date": 1, "text": params["text"]}))
+                }
+            }
         }
         "sendChatAction" | "setWebhook" => ok(json!(true)),
         "getFile" => match params["file_id"].as_str().and_then(|id| s.file_ids.get(id).cloned()) {

@@ -693,6 +693,67 @@ impl Sim {
         let _ = self.ws.close(None);
         let _ = self.ws.flush();
     }
+
+    // ---------- IM profile v2 (written from the v2 document, sections 5 to 8) ----------
+
+    /// The next `chat.message` from imgate (user input under v2).
+    pub fn next_chat(&mut self, timeout: Duration) -> Option<Value> {
+        self.next_of("chat.message", timeout)
+    }
+
+    /// Acknowledges a `chat.message` imgate sent: `reply_to` its packet, same channel and
+    /// `message_id` (section 7).
+    pub fn ack_chat(&mut self, msg: &Value, status: &str, code: Option<&str>, retryable: bool) {
+        let mut payload = json!({"message_id": msg["payload"]["message_id"], "status": status});
+        if status == "rejected" {
+            payload["code"] = json!(code.unwrap_or("rejected"));
+            payload["message"] = json!("refused by the simulator");
+            payload["retryable"] = json!(retryable);
+        }
+        let ack = json!({
+            "schema": "xagent.connector.packet/v1",
+            "packet_id": self.next_id("pkt"),
+            "reply_to": msg["packet_id"],
+            "connector_channel_id": msg["connector_channel_id"],
+            "type": "chat.message.ack",
+            "time": 1_790_000_000_000u64,
+            "payload": payload,
+        });
+        self.send_raw(&ack.to_string());
+    }
+
+    /// Sends an assistant message (`text`, `files` of `{type, file_ref}`) and waits for its ack.
+    pub fn say(&mut self, cch: &str, message_id: &str, text: &str, files: Value) -> Value {
+        let mut payload = json!({"message_id": message_id, "created_at": 1_790_000_000_000u64});
+        if !text.is_empty() {
+            payload["text"] = json!(text);
+        }
+        if files.as_array().is_some_and(|f| !f.is_empty()) {
+            payload["files"] = files;
+        }
+        let (packet_id, request_id) = self.send("chat.message", Some(cch), payload);
+        let ack = self.answer_within(&request_id, Duration::from_secs(30));
+        assert_eq!(ack["type"], "chat.message.ack", "{ack}");
+        assert_eq!(ack["reply_to"], json!(packet_id), "the ack answers the message: {ack}");
+        assert_eq!(ack["connector_channel_id"], json!(cch));
+        assert_eq!(ack["payload"]["message_id"], json!(message_id));
+        ack
+    }
+
+    /// Sends one text delta of an assistant message; returns its request ID.
+    pub fn delta(&mut self, cch: &str, message_id: &str, sequence: u64, text: &str) -> String {
+        let payload = json!({"message_id": message_id, "sequence": sequence, "text": text});
+        self.send("chat.message.delta", Some(cch), payload).1
+    }
+
+    /// Sends an activity snapshot (`thinking`, `tool` with a name, `idle`).
+    pub fn activity(&mut self, cch: &str, status: &str, tool_name: Option<&str>) {
+        let mut payload = json!({"status": status});
+        if let Some(t) = tool_name {
+            payload["tool_name"] = json!(t);
+        }
+        self.send("chat.activity", Some(cch), payload);
+    }
 }
 
 /// A raw upgrade attempt: `Err` carries the HTTP status imgate answered.

@@ -8,7 +8,7 @@
 pub mod api;
 pub mod poll;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
@@ -21,7 +21,10 @@ use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
 use super::inbound;
-use super::{Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply, Route};
+use super::{
+    Activity, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply,
+    Route,
+};
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::json::{self, arr, b, obj, s, Object, Value};
 use crate::protocol::code;
@@ -41,6 +44,13 @@ const MAX_TEXT: usize = 4096;
 const TOOL_DEADLINE: Duration = Duration::from_secs(20);
 /// A typing indicator that Telegram does not take within this is dropped.
 const TYPING_DEADLINE: Duration = Duration::from_secs(5);
+/// Telegram shows "typing" for 5 s: while the agent is busy it is sent again this often...
+const TYPING_EVERY: Duration = Duration::from_secs(4);
+/// ...for at most this long without news (a lost `idle` must not type forever).
+const TYPING_LIMIT: Duration = Duration::from_secs(60);
+/// A streamed message is edited at most this often (Telegram's limits are about one edit a
+/// second per chat); the final edit always goes out.
+const EDIT_EVERY: Duration = Duration::from_secs(1);
 
 pub const REGISTRATION: Registration = Registration {
     reader: Reader {
@@ -114,7 +124,8 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         api: Api::new(&settings.api_base),
         settings,
         pollers: poll::Pollers::default(),
-        typing: Mutex::new(HashSet::new()),
+        typing: Mutex::new(HashMap::new()),
+        edits: Mutex::new(HashMap::new()),
         unbound_updates: AtomicU64::new(0),
     });
     if tg.webhook_bot().is_some() {
@@ -154,8 +165,10 @@ pub struct Telegram {
     /// One client for every Bot API call, so connections are reused.
     api: Api,
     pollers: poll::Pollers,
-    /// Chats with a typing indicator on its way: at most one each.
-    typing: Mutex<HashSet<i64>>,
+    /// Chats showing "typing": the loop that refreshes it, at most one each.
+    typing: Mutex<HashMap<i64, Arc<Typing>>>,
+    /// Streamed messages (`chat:message`) and when each was last edited.
+    edits: Mutex<HashMap<String, Instant>>,
     /// Updates from chats no channel is bound to (counted, logged at debug, not stored).
     unbound_updates: AtomicU64,
 }
@@ -164,12 +177,33 @@ fn redact_id(id: i64) -> String {
     inbound::redact(&id.to_string())
 }
 
+/// A Bot API error as a failure: unreachable, rate limits and server errors may pass.
 fn failure(e: &ApiError) -> Failure {
-    if e.code == 0 {
-        Failure::new(code::UPSTREAM_UNREACHABLE, e.to_string())
+    let code = if e.code == 0 {
+        code::UPSTREAM_UNREACHABLE
     } else {
-        Failure::new(code::UPSTREAM_REJECTED, e.to_string())
+        code::UPSTREAM_REJECTED
+    };
+    match e.temporary() {
+        true => Failure::temporary(code, e.to_string()),
+        false => Failure::new(code, e.to_string()),
     }
+}
+
+/// "typing" kept up in one chat while the agent is busy.
+struct Typing {
+    until: Mutex<Instant>,
+    stop: poll::Stop,
+}
+
+/// The first `MAX_TEXT` characters: what a streamed message can show.
+fn shown(text: &str) -> &str {
+    text.char_indices().nth(MAX_TEXT).map_or(text, |(i, _)| &text[..i])
+}
+
+/// Telegram's answer to an edit that changes nothing; not a failure.
+fn unchanged(e: &ApiError) -> bool {
+    e.code == 400 && e.description.contains("not modified")
 }
 
 /// Splits text at Telegram's limit, preferring line breaks, never inside a character.
@@ -479,6 +513,76 @@ impl Telegram {
     }
 }
 
+impl Telegram {
+    fn edited(&self, handle: &str) {
+        let mut edits = self.edits.lock().unwrap_or_else(|e| e.into_inner());
+        // Streams that ended long ago need no throttle any more.
+        edits.retain(|_, t| t.elapsed() < TYPING_LIMIT);
+        edits.insert(handle.to_string(), Instant::now());
+    }
+
+    /// Replaces the text of a message the bot sent (`chat:message` handle).
+    fn edit(&self, info: &ChatInfo, token: &str, handle: &str, text: &str) -> Result<(), Failure> {
+        let id = handle
+            .rsplit(':')
+            .next()
+            .and_then(|m| m.parse::<u64>().ok())
+            .unwrap_or(0);
+        let params = obj([
+            ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
+            ("message_id", json::n(id)),
+            ("text", s(text)),
+        ]);
+        let deadline = Instant::now() + TOOL_DEADLINE;
+        match with_retry("editMessageText", deadline, |left| {
+            self.api.call_within(token, "editMessageText", &params, left)
+        }) {
+            Ok(_) => {}
+            Err(e) if unchanged(&e) => {}
+            Err(e) => return Err(failure(&e)),
+        }
+        self.edited(handle);
+        Ok(())
+    }
+
+    /// The final text of a streamed message: its first part replaces what the stream showed,
+    /// any further parts follow as messages of their own.
+    fn finish_stream(&self, info: &ChatInfo, token: &str, handle: &str, text: &str) -> Result<String, Failure> {
+        let mut parts = split_text(text).into_iter();
+        let first = parts.next().unwrap_or_default();
+        if !first.is_empty() {
+            self.edit(info, token, handle, &first)?;
+        }
+        self.edits.lock().unwrap_or_else(|e| e.into_inner()).remove(handle);
+        let mut last = handle.to_string();
+        for part in parts {
+            last = self.send_text(info, token, &part, None)?;
+        }
+        Ok(last)
+    }
+
+    /// Sends "typing" now and, while `t.until` lies ahead and nobody stopped it, every 4 s.
+    fn keep_typing(&self, info: &ChatInfo, token: &str, t: &Typing) {
+        let params = obj([
+            ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
+            ("action", s("typing")),
+        ]);
+        loop {
+            if let Err(e) = self.api.call_within(token, "sendChatAction", &params, TYPING_DEADLINE) {
+                log::debug!("telegram: typing indicator failed: {e}");
+            }
+            let until = *t.until.lock().unwrap_or_else(|e| e.into_inner());
+            if Instant::now() + TYPING_EVERY > until || t.stop.pause(TYPING_EVERY) {
+                break;
+            }
+        }
+        let mut typing = self.typing.lock().unwrap_or_else(|e| e.into_inner());
+        if typing.get(&info.chat_id).is_some_and(|cur| std::ptr::eq(&**cur, t)) {
+            typing.remove(&info.chat_id);
+        }
+    }
+}
+
 fn flow(default_bot: bool) -> Value {
     obj([
         ("id", s(FLOW)),
@@ -656,11 +760,70 @@ impl Provider for Telegram {
         "Telegram".into()
     }
 
+    /// Text (split at 4,096 characters, the first part replying when asked), then each file as
+    /// a photo or a document. A tool's file takes the text as its caption; a streamed assistant
+    /// message has its shown text replaced by the final one (never a second message).
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
         let (info, token) = self.route(source)?;
-        match out.file {
-            Some(file) => self.send_file(&info, &token, file, out.text),
-            None => self.send_text(&info, &token, out.text, out.reply_to),
+        let chat = &info;
+        let mut last = String::new();
+        let tool_file = out.message_id.is_none() && out.files.len() == 1;
+        if let Some(handle) = out.streamed {
+            last = self.finish_stream(chat, &token, handle, out.text)?;
+        } else if !out.text.is_empty() && !tool_file {
+            last = self.send_text(chat, &token, out.text, out.reply_to)?;
+        }
+        for file in out.files {
+            let caption = if tool_file { out.text } else { "" };
+            last = self.send_file(chat, &token, file, caption)?;
+        }
+        Ok(last)
+    }
+
+    /// The first delta sends a message, later ones edit it (at most one edit a second).
+    fn stream(&self, source: &Source, delta: &Delta, handle: Option<&str>) -> Result<Option<String>, Failure> {
+        let (info, token) = self.route(source)?;
+        let text = shown(delta.text);
+        let Some(handle) = handle else {
+            let id = self.send_text(&info, &token, text, None)?;
+            self.edited(&id);
+            return Ok(Some(id));
+        };
+        let due = self
+            .edits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(handle)
+            .is_none_or(|t| t.elapsed() >= EDIT_EVERY);
+        if due {
+            self.edit(&info, &token, handle, text)?;
+        }
+        Ok(Some(handle.to_string()))
+    }
+
+    /// Busy: "typing", sent again every 4 s for up to a minute without news. Idle: stopped.
+    fn activity(&self, source: &Source, activity: Activity) {
+        let Some(me) = self.me.upgrade() else { return };
+        let Ok((info, token)) = self.route(source) else { return };
+        let mut typing = self.typing.lock().unwrap_or_else(|e| e.into_inner());
+        match activity {
+            Activity::Idle => {
+                if let Some(t) = typing.remove(&info.chat_id) {
+                    t.stop.stop();
+                }
+            }
+            Activity::Busy => {
+                if let Some(t) = typing.get(&info.chat_id) {
+                    *t.until.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now() + TYPING_LIMIT;
+                    return;
+                }
+                let t = Arc::new(Typing {
+                    until: Mutex::new(Instant::now() + TYPING_LIMIT),
+                    stop: poll::Stop::default(),
+                });
+                typing.insert(info.chat_id, t.clone());
+                crate::runtime::spawn_blocking(move || me.keep_typing(&info, &token, &t));
+            }
         }
     }
 
@@ -694,27 +857,26 @@ impl Provider for Telegram {
         self.forget_unused_tokens(&chats);
     }
 
-    /// Shows "typing" in the chat after a delivery: on a blocking thread with its own deadline,
-    /// at most one per chat at a time, so a stalled Bot API never holds up delivery.
+    /// Shows "typing" in the chat after a delivery (IM profile v1): once, on a blocking thread
+    /// with its own deadline, unless it is shown already, so a stalled Bot API never holds up
+    /// delivery.
     fn delivered(&self, source: &Source) {
         let Some(me) = self.me.upgrade() else { return };
         let source = source.clone();
         crate::runtime::spawn_blocking(move || {
             let Ok((info, token)) = me.route(&source) else { return };
-            if !me.typing.lock().unwrap_or_else(|e| e.into_inner()).insert(info.chat_id) {
-                return;
+            let t = Arc::new(Typing {
+                until: Mutex::new(Instant::now()),
+                stop: poll::Stop::default(),
+            });
+            {
+                let mut typing = me.typing.lock().unwrap_or_else(|e| e.into_inner());
+                if typing.contains_key(&info.chat_id) {
+                    return;
+                }
+                typing.insert(info.chat_id, t.clone());
             }
-            let params = obj([
-                ("chat_id", Value::Number(json::Number::I64(info.chat_id))),
-                ("action", s("typing")),
-            ]);
-            if let Err(e) = me.api.call_within(&token, "sendChatAction", &params, TYPING_DEADLINE) {
-                log::debug!("telegram: typing indicator failed: {e}");
-            }
-            me.typing
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&info.chat_id);
+            me.keep_typing(&info, &token, &t);
         });
     }
 

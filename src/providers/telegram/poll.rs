@@ -26,7 +26,7 @@ pub(super) struct Stop {
 }
 
 impl Stop {
-    fn stop(&self) {
+    pub(super) fn stop(&self) {
         *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
         self.wake.notify_all();
     }
@@ -36,7 +36,7 @@ impl Stop {
     }
 
     /// Sleeps for `wait` unless stopped first; true when stopped.
-    fn pause(&self, wait: Duration) -> bool {
+    pub(super) fn pause(&self, wait: Duration) -> bool {
         let g = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
         let (g, _) = self
             .wake
