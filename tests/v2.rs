@@ -174,6 +174,7 @@ fn a_final_rejection_is_kept_failed_visible_and_never_retried() {
             .any(|l| l.starts_with("imgate_channel_failed_total{") && l.ends_with(" 1")),
         "{metrics}"
     );
+    assert!(metrics.contains("code=\"invalid_content\"} 1"), "{metrics}");
     // The sender's retry of f1 is a duplicate: it was accepted once.
     let (code, _) = d.post_hook("alerts", &json!({"message_id": "f1", "sender_id": "u1"}));
     assert_eq!(code, 200);

@@ -193,5 +193,17 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
             get(&snap.unbound)
         ));
     }
+    // The code of each channel's last message xAgent refused for good (IM v2); the message
+    // itself is in /status.
+    out.push_str("# TYPE imgate_channel_last_failure gauge\n");
+    for c in &snap.channels {
+        let code = c.stats.last_failure.as_deref().and_then(|f| f.split(": ").nth(1));
+        if let Some(code) = code.filter(|c| c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')) {
+            out.push_str(&format!(
+                "imgate_channel_last_failure{{channel=\"{}\",provider=\"{}\",code=\"{code}\"}} 1\n",
+                c.cch, c.provider
+            ));
+        }
+    }
     Ok(out)
 }
