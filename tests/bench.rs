@@ -414,3 +414,130 @@ fn bench_http_edge() {
         m as f64 / c.max(1) as f64
     );
 }
+
+/// An LD_PRELOAD shim that makes every `fsync` and `fdatasync` of the process take at least
+/// `IMGATE_FSYNC_DELAY_US` (an SD card's latency), or none at all with `IMGATE_FSYNC_SKIP`
+/// (the ceiling without durability). Built with the system's C compiler.
+const FSYNC_SHIM: &str = r#"
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <time.h>
+static int pause_or_skip(void) {
+    if (getenv("IMGATE_FSYNC_SKIP")) return 1;
+    const char *v = getenv("IMGATE_FSYNC_DELAY_US");
+    long us = v ? atol(v) : 0;
+    if (us > 0) { struct timespec t = { us / 1000000, (us % 1000000) * 1000 }; nanosleep(&t, 0); }
+    return 0;
+}
+int fdatasync(int fd) {
+    static int (*real)(int);
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
+    return pause_or_skip() ? 0 : real(fd);
+}
+int fsync(int fd) {
+    static int (*real)(int);
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+    return pause_or_skip() ? 0 : real(fd);
+}
+"#;
+
+fn build_shim() -> Option<std::path::PathBuf> {
+    let dir = temp_dir("fsync-shim");
+    let src = dir.join("shim.c");
+    std::fs::write(&src, FSYNC_SHIM).ok()?;
+    let out = dir.join("fsync_shim.so");
+    let ok = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .arg("-ldl")
+        .status()
+        .ok()?
+        .success();
+    ok.then_some(out)
+}
+
+/// Accepted and delivered: `senders` POST `per_sender` messages each while a simulated xAgent
+/// takes them; disk bytes written by imgate per message.
+fn bytes_per_delivered(d: &Daemon, senders: usize, per_sender: usize, tag: &str) -> u64 {
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    let before = written(d.pid());
+    let total = senders * per_sender;
+    let receiver = std::thread::spawn(move || {
+        let mut got = 0;
+        while got < total {
+            match x.next_push(Duration::from_secs(10)) {
+                Some(_) => got += 1,
+                None => break,
+            }
+        }
+        // Let the last barrier and its commit pass.
+        x.recv_within(Duration::from_millis(300));
+        got
+    });
+    post_load(d, senders, per_sender, "hello", tag);
+    let got = receiver.join().unwrap();
+    assert_eq!(got, total, "every message was delivered");
+    std::thread::sleep(Duration::from_millis(300));
+    (written(d.pid()) - before) / total as u64
+}
+
+/// The write path under a model of an SD card's fsync latency: ingest at 1, 16 and 64
+/// connections with no fsync at all (the ceiling), the real disk, and fsync delayed 2, 10 and
+/// 20 ms; then disk bytes written per accepted-and-delivered message at 1 and 16 senders.
+#[test]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
+fn bench_disk_latency() {
+    let Some(shim) = build_shim() else {
+        println!("no C compiler: the disk-latency model is skipped");
+        return;
+    };
+    let with_wrk = std::process::Command::new("wrk").arg("--version").output().is_ok();
+    if !with_wrk {
+        println!("wrk is not installed: the disk-latency model is skipped (apt-get install wrk)");
+        return;
+    }
+    let queue = "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 1GiB\nmax_bytes_total = 1GiB\n";
+    let shim = shim.to_string_lossy().into_owned();
+    println!(
+        "\n{:<22} {:>22} {:>22} {:>22}",
+        "fsync model", "1 connection", "16 connections", "64 connections"
+    );
+    for (name, env) in [
+        ("none (ceiling)", vec![("IMGATE_FSYNC_SKIP", "1")]),
+        ("this disk", vec![]),
+        ("2 ms", vec![("IMGATE_FSYNC_DELAY_US", "2000")]),
+        ("10 ms", vec![("IMGATE_FSYNC_DELAY_US", "10000")]),
+        ("20 ms", vec![("IMGATE_FSYNC_DELAY_US", "20000")]),
+    ] {
+        let dir = temp_dir("bench-disk");
+        let config = config_text(free_port(), &dir, None, queue).replace("log_level = debug", "max_connections = 256");
+        let mut env = env;
+        env.push(("LD_PRELOAD", &shim));
+        let d = Daemon::start_env(&dir, &config, "warn", &env);
+        let mut cells = Vec::new();
+        for conns in [1, 16, 64] {
+            let load = wrk(
+                &d.url("/hooks/alerts"),
+                conns,
+                Some((&format!("{}-{conns}", name.len()), HOOK_SECRET)),
+                None,
+            )
+            .expect("wrk runs");
+            let (p50, p99) = load.latency.unwrap_or_default();
+            cells.push(format!("{:.0}/s {p50}/{p99}", load.rate));
+        }
+        println!("{name:<22} {:>22} {:>22} {:>22}", cells[0], cells[1], cells[2]);
+    }
+    println!("(req/s, then p50/p99 latency)");
+
+    let dir = temp_dir("bench-bytes");
+    let d = Daemon::start_logging(&dir, &config_text(free_port(), &dir, None, queue), "warn");
+    let one = bytes_per_delivered(&d, 1, 1000, "b1");
+    let sixteen = bytes_per_delivered(&d, 16, 250, "b16");
+    println!("disk bytes written per accepted-and-delivered message: 1 sender {one}, 16 senders {sixteen}");
+}
