@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::ext4::Ext4;
 use common::*;
 use serde_json::json;
 
@@ -41,94 +42,6 @@ impl Tmpfs {
 impl Drop for Tmpfs {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
-/// An ext4 image on a loop device, mounted with `errors=remount-ro` (what Debian's installer
-/// writes into fstab); unmounted and detached when dropped.
-struct Ext4 {
-    dev: String,
-    mnt: PathBuf,
-}
-
-fn run(cmd: &str, args: &[&str]) -> std::process::Output {
-    Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd}: {e}"))
-}
-
-impl Ext4 {
-    fn mount(image: &Path, mnt: &Path) -> Ext4 {
-        std::fs::write(image, b"").unwrap();
-        let image = image.to_str().unwrap();
-        assert!(run("truncate", &["-s", "64M", image]).status.success());
-        let mkfs = run("mkfs.ext4", &["-q", "-F", image]);
-        assert!(mkfs.status.success(), "mkfs.ext4: {mkfs:?}");
-        let losetup = run("losetup", &["-f", "--show", image]);
-        assert!(losetup.status.success(), "a loop device needs root: {losetup:?}");
-        let dev = String::from_utf8(losetup.stdout).unwrap().trim().to_string();
-        std::fs::create_dir_all(mnt).unwrap();
-        let fs = Ext4 {
-            dev,
-            mnt: mnt.to_path_buf(),
-        };
-        fs.mount_again();
-        fs
-    }
-
-    fn mount_again(&self) {
-        let m = run(
-            "mount",
-            &["-o", "errors=remount-ro", &self.dev, self.mnt.to_str().unwrap()],
-        );
-        assert!(m.status.success(), "mount: {m:?}");
-    }
-
-    /// What the kernel does when ext4 meets an error: abort the journal and remount read-only.
-    fn fail(&self) {
-        let name = self.dev.trim_start_matches("/dev/");
-        std::fs::write(format!("/sys/fs/ext4/{name}/trigger_fs_error"), "imgate fault test\n").unwrap();
-    }
-
-    /// What an operator does: unmount (once imgate has let go of the file), fsck, mount again.
-    fn repair(&self, pid: u32) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let umount = run("umount", &[self.mnt.to_str().unwrap()]);
-            if umount.status.success() {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "cannot unmount the read-only disk: {umount:?}; imgate holds {:?}",
-                self.open_by(pid)
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        let fsck = run("e2fsck", &["-fy", &self.dev]);
-        assert!(
-            fsck.status.code().is_some_and(|c| c < 4),
-            "e2fsck could not repair: {fsck:?}"
-        );
-        self.mount_again();
-    }
-
-    /// The files under the mount point that process `pid` holds open.
-    fn open_by(&self, pid: u32) -> Vec<PathBuf> {
-        std::fs::read_dir(format!("/proc/{pid}/fd"))
-            .into_iter()
-            .flatten()
-            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-            .filter(|p| p.starts_with(&self.mnt))
-            .collect()
-    }
-}
-
-impl Drop for Ext4 {
-    fn drop(&mut self) {
-        let _ = run("umount", &["-l", self.mnt.to_str().unwrap()]);
-        let _ = run("losetup", &["-d", &self.dev]);
     }
 }
 

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod botapi;
+pub mod ext4;
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
@@ -168,6 +169,12 @@ impl Daemon {
         let old = log.lock().unwrap().clone();
         d.log.lock().unwrap().insert_str(0, &old);
         d
+    }
+
+    /// Like `restart`, with `env` instead of the environment it was started with.
+    pub fn restart_env(mut self, env: &[(&str, &str)]) -> Daemon {
+        self.env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.restart()
     }
 
     fn spawn(
