@@ -5,6 +5,7 @@ pub mod app;
 pub mod channels;
 pub mod config;
 pub mod dataplane;
+pub mod faults;
 pub mod files;
 pub mod front;
 pub mod http;

@@ -63,7 +63,7 @@ fn work(app: &Arc<App>, sweep: bool) -> (Duration, bool) {
         }
         app.files.sweep(now);
     }
-    (lease_left, app.db.needs_recovery())
+    (lease_left, app.outbox.needs_recovery())
 }
 
 /// Common protocol 8.2: one continuous offline `lease` unregisters the `connector_id`'s

@@ -168,6 +168,16 @@ impl Db {
         self.trouble.1.clone()
     }
 
+    /// Wakes whoever waits on `trouble` (a failure outside the database needs repair too).
+    pub fn report_trouble(&self) {
+        let _ = self.trouble.0.try_send(());
+    }
+
+    /// The directory the database lives in (`state_dir`).
+    pub fn dir(&self) -> &Path {
+        self.path.parent().unwrap_or(Path::new("."))
+    }
+
     /// Runs `f` in a read transaction.
     pub fn read<T>(&self, f: impl FnOnce(&ReadTransaction) -> Result<T>) -> Result<T> {
         let run = || -> Result<T> {
@@ -180,12 +190,24 @@ impl Db {
     /// Runs `f` in a write transaction committed with fsync (`Durability::Immediate`); an `Err`
     /// from `f` aborts it. Nobody may be told of a change before this returns `Ok`.
     pub fn write<T>(&self, f: impl FnOnce(&WriteTransaction) -> Result<T>) -> Result<T> {
+        self.write_as(|txn| Ok((f(txn)?, Durability::Immediate)))
+    }
+
+    /// Like `write`, but `f` chooses the commit's durability. Only the outbox uses
+    /// `Durability::None`, for changes its own log has made durable (outbox/durable.rs).
+    pub fn write_as<T>(&self, f: impl FnOnce(&WriteTransaction) -> Result<(T, Durability)>) -> Result<T> {
         // A commit waits for fsync: on the executor it would stall every session and client.
         debug_assert!(!crate::runtime::on_executor(), "a commit on the async executor thread");
         let run = || -> Result<T> {
             let mut txn = self.handle()?.begin_write()?;
-            txn.set_durability(Durability::Immediate)?;
-            let v = f(&txn)?;
+            let (v, durability) = f(&txn)?;
+            // Durable commits are few (the outbox's checkpoints, bindings, tool results), so
+            // each can afford to save redb's allocator state: a start after a crash then skips
+            // the walk over the whole file (measured: 290 ms → 160 ms with a 50 MiB backlog).
+            if matches!(durability, Durability::Immediate) {
+                txn.set_quick_repair(true);
+            }
+            txn.set_durability(durability)?;
             txn.commit()?;
             Ok(v)
         };

@@ -112,7 +112,7 @@ fn edge_budgets() {
     );
     println!(
         "{:<52} {}",
-        "threads, idle (budget 8)",
+        "threads, idle (9 expected: ARCHITECTURE.md)",
         proc_field(d.pid(), "status", "Threads:")
     );
     x.close();

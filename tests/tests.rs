@@ -15,3 +15,4 @@ mod service;
 mod telegram;
 mod tls;
 mod v2;
+mod wal;

@@ -60,12 +60,20 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
 pub fn status(app: &App) -> Result<Value, StoreError> {
     let snap = snapshot(app)?;
     let q = &app.config.queue;
+    let log = app.outbox.log_report();
     Ok(obj([
         ("connector_id", s(&app.connector_id)),
         ("version", s(crate::protocol::card::VERSION)),
         ("profile", s(app.config.xagent.profile.as_str())),
         ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
-        ("outbox", obj([("pending_bytes", n(app.outbox.total_bytes()))])),
+        (
+            "outbox",
+            obj([
+                ("pending_bytes", n(app.outbox.total_bytes())),
+                ("log_replayed", n(log.replayed)),
+                ("log_unreadable", n(log.unreadable)),
+            ]),
+        ),
         (
             "policy",
             obj([
@@ -154,6 +162,13 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     out.push_str(&format!("imgate_outbox_commits_total {commits}\n"));
     out.push_str("# TYPE imgate_outbox_committed_messages_total counter\n");
     out.push_str(&format!("imgate_outbox_committed_messages_total {grouped}\n"));
+    let log = app.outbox.log_report();
+    out.push_str("# TYPE imgate_outbox_checkpoints_total counter\n");
+    out.push_str(&format!("imgate_outbox_checkpoints_total {}\n", log.checkpoints));
+    out.push_str("# TYPE imgate_outbox_log_replayed_total counter\n");
+    out.push_str(&format!("imgate_outbox_log_replayed_total {}\n", log.replayed));
+    out.push_str("# TYPE imgate_outbox_log_unreadable_total counter\n");
+    out.push_str(&format!("imgate_outbox_log_unreadable_total {}\n", log.unreadable));
     out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");
     out.push_str(&format!("imgate_queue_ttl_seconds {}\n", q.ttl.as_secs()));
     out.push_str(&format!(

@@ -1,17 +1,20 @@
 //! The durable outbox: per-source FIFO of accepted inbound messages with TTL, caps, dedupe and
 //! counters (IM profile v1 sections 7 and 8). It owns its tables (`messages`, `delivered`,
-//! `counters`, `reply_refs`), its capacity policy and the committer thread.
+//! `counters`, `reply_refs`, in `tx.rs`), its capacity policy, its write-ahead log
+//! (`wal.rs`, `durable.rs`) and the committer thread.
 //!
 //! A *source* is where messages come from (`webhook:NAME`); the channel bound to a source
 //! receives its queue, so per-source is per-channel. Messages accepted before any binding wait
 //! here under the same TTL and caps.
 //!
 //! Invariants:
-//! - A message is accepted (and its sender told so) only after the commit that stores it.
-//!   Enqueues from every thread and task go through one committer thread that groups whatever
-//!   is waiting into one transaction (group commit): one fsync for many senders. A sender waits
-//!   on its `Ticket`, blocking (`wait`) or as a future (`outcome`), so a waiting sender costs no
-//!   thread on the async side.
+//! - A message is accepted (and its sender told so) only once the log record that stores it is
+//!   on the disk. Enqueues from every thread and task go through one committer thread that
+//!   groups whatever is waiting into one transaction and one log append (group commit): one
+//!   `fdatasync` for many senders. A sender waits on its `Ticket`, blocking (`wait`) or as a
+//!   future (`outcome`), so a waiting sender costs no thread on the async side.
+//! - Every change to the outbox's tables goes through `Shared::write` (durable.rs), which logs
+//!   it; the committer also runs the checkpoints that recycle the log.
 //! - `expires_at = accepted_at + ttl` is written once, at acceptance, and never changed.
 //! - A message leaves the queue in exactly three ways, each counted and logged: delivered (the
 //!   profile's delivery boundary was reached), expired, or evicted (`capacity_exceeded`).
@@ -24,32 +27,31 @@
 //!   delivered IDs are kept in `DELIVERED`, written in sequence at delivery, so the state is
 //!   bounded on disk and in memory and survives restarts.
 
+mod durable;
 mod index;
 mod record;
+mod tx;
+pub mod wal;
 
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::{ReadTransaction, ReadableTable, TableDefinition, WriteTransaction};
+use redb::ReadableTable;
 
+pub use self::durable::LogReport;
+use self::durable::Shared;
 use self::index::{Index, Place};
 pub use self::record::{Header, StoredMessage};
+use self::tx::{Tx, COUNTERS, MESSAGES, REPLY_REFS};
 use crate::config::Overflow;
 use crate::store::{self, Db, Result, StoreError};
 
-/// `(source, seq)` → record (`record.rs`). `seq` grows per source: key order is acceptance order.
-const MESSAGES: TableDefinition<(&str, u64), &str> = TableDefinition::new("messages");
-/// `(source, seq)` → `"expires_at reply_ref message_id"` of delivered messages, for dedupe.
-const DELIVERED: TableDefinition<(&str, u64), &str> = TableDefinition::new("delivered");
-/// source → `Tally` JSON.
-const COUNTERS: TableDefinition<&str, &str> = TableDefinition::new("counters");
-/// reply_ref token → `ReplyRef` JSON; a reference leaves with its message or its dedupe entry.
-const REPLY_REFS: TableDefinition<&str, &str> = TableDefinition::new("reply_refs");
-
 /// Most enqueues folded into one transaction.
 const MAX_GROUP: usize = 256;
+/// A group stops growing at this many payload bytes, so its log record stays well inside the log.
+const MAX_GROUP_BYTES: usize = (wal::LOG_BYTES / 8) as usize;
 /// The committer never waits longer than this for a group to fill.
 const LINGER: Duration = Duration::from_millis(4);
 
@@ -143,6 +145,17 @@ struct Job {
     done: smol::channel::Sender<Result<Enqueued>>,
 }
 
+/// What the committer thread is told. Nearly every item is a job, so the small variants'
+/// wasted space costs nothing that boxing each job would not cost more.
+#[allow(clippy::large_enum_variant)]
+enum Work {
+    Enqueue(Job),
+    /// The log got its first record since a checkpoint, or is full enough for one.
+    Wake,
+    /// Checkpoint and exit (the outbox is being dropped).
+    Stop,
+}
+
 /// The answer to one enqueue, once its group has committed.
 pub struct Ticket(std::result::Result<smol::channel::Receiver<Result<Enqueued>>, StoreError>);
 
@@ -166,139 +179,160 @@ impl Ticket {
 /// session holding its channel).
 type AcceptHook = Box<dyn Fn(&str) + Send + Sync>;
 
-/// The database and the in-memory index, shared with the committer thread.
-struct Shared {
-    db: Arc<Db>,
-    index: Mutex<Index>,
-    policy: Policy,
-    on_accept: OnceLock<AcceptHook>,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Index> {
-        self.index.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Runs `f` in one write transaction with the index locked; on any failure the index is
-    /// rebuilt from what the database really holds.
-    fn write<T>(&self, f: impl FnOnce(&WriteTransaction, &mut Index) -> Result<T>) -> Result<T> {
-        let mut idx = self.lock();
-        let result = self.db.write(|txn| f(txn, &mut idx));
-        if result.is_err() {
-            // After an I/O error (disk full, read-only) the file must be reopened first.
-            self.db.recover();
-            match self.db.read(load_index) {
-                Ok(fresh) => *idx = fresh,
-                // Rebuilt on the next failure or reopen; the outage itself is logged once.
-                Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
-            }
-        }
-        result
-    }
-}
-
 pub struct Outbox {
     shared: Arc<Shared>,
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Option<std::thread::JoinHandle<()>>,
     /// Group commits made and messages they carried, for `/metrics`.
     stats: Arc<(AtomicUsize, AtomicUsize)>,
 }
 
-/// Dropping the outbox stops the committer and waits for it, so the database can close.
+/// Dropping the outbox stops the committer, which checkpoints, and waits for it, so the
+/// database closes with the log applied.
 impl Drop for Outbox {
     fn drop(&mut self) {
-        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let _ = self.shared.work.send(Work::Stop);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-/// Builds the index from the tables (startup, and after a failed commit).
-fn load_index(txn: &ReadTransaction) -> Result<Index> {
-    let mut idx = Index::default();
-    for row in txn.open_table(MESSAGES)?.iter()? {
-        let (k, v) = row?;
-        let (src, seq) = k.value();
-        let value = v.value();
-        match record::header(value) {
-            Some(h) => {
-                let hash = idx.hash(&h.message_id);
-                idx.source(src)
-                    .add_pending(seq, hash, h.expires_at, record::bytes(src, value));
+/// How long, and for how many senders, the committer waits before it commits a group.
+///
+/// Waiting pays only while senders are still arriving, one after the other, as the answers to
+/// the last group go out: each one caught saves an fsync and a log page. So the committer waits
+/// for as many as the last group had, for at most one commit's time; and once that many are
+/// in, it waits on only while the next one comes within twice the gap between the ones it
+/// caught. Senders already queued are taken without waiting; a lone sender never waits.
+struct Batcher {
+    /// The last group's size.
+    target: usize,
+    last_commit: Duration,
+}
+
+impl Batcher {
+    fn new() -> Batcher {
+        Batcher {
+            target: 1,
+            last_commit: Duration::from_micros(500),
+        }
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.last_commit.min(LINGER)
+    }
+}
+
+/// One group being gathered: when it must be committed, and how arrivals have been spaced.
+struct Gathering {
+    started: Instant,
+    deadline: Instant,
+    caught: u32,
+    last_arrival: Instant,
+}
+
+impl Gathering {
+    /// How long to wait for the next sender with `size` in the group; zero: commit now.
+    fn wait(&self, size: usize, target: usize) -> Duration {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if size < target {
+            return left;
+        }
+        if self.caught == 0 {
+            return Duration::ZERO;
+        }
+        let gap = self.last_arrival.duration_since(self.started) / self.caught;
+        (2 * gap).saturating_sub(self.last_arrival.elapsed()).min(left)
+    }
+}
+
+/// The committer: gathers a group, commits it, and checkpoints when one is due.
+fn run_committer(shared: &Shared, rx: &mpsc::Receiver<Work>, counted: &(AtomicUsize, AtomicUsize)) {
+    let mut batch = Batcher::new();
+    loop {
+        // Asleep until work arrives, or until the log's oldest record needs a checkpoint.
+        let next = match shared.checkpoint_due() {
+            None => rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected),
+            Some(wait) => rx.recv_timeout(wait),
+        };
+        let first = match next {
+            Ok(Work::Enqueue(job)) => job,
+            Ok(Work::Wake) | Err(mpsc::RecvTimeoutError::Timeout) => {
+                if shared.checkpoint_due() == Some(Duration::ZERO) {
+                    shared.checkpoint();
+                }
+                continue;
             }
-            None => log::error!("outbox: unreadable record {src}/{seq} left in place"),
+            Ok(Work::Stop) | Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let mut jobs = vec![first];
+        let mut bytes = jobs[0].message.payload.len();
+        let mut stop = false;
+        let now = Instant::now();
+        let mut g = Gathering {
+            started: now,
+            deadline: batch.deadline(),
+            caught: 0,
+            last_arrival: now,
+        };
+        while jobs.len() < MAX_GROUP && bytes < MAX_GROUP_BYTES && !stop {
+            let (next, waited) = match rx.try_recv() {
+                Ok(w) => (Ok(w), false),
+                Err(mpsc::TryRecvError::Disconnected) => break,
+                Err(mpsc::TryRecvError::Empty) => {
+                    let wait = g.wait(jobs.len(), batch.target);
+                    if wait.is_zero() {
+                        break;
+                    }
+                    (rx.recv_timeout(wait), true)
+                }
+            };
+            match next {
+                Ok(Work::Enqueue(j)) => {
+                    bytes += j.message.payload.len();
+                    jobs.push(j);
+                    if waited {
+                        g.caught += 1;
+                        g.last_arrival = Instant::now();
+                    }
+                }
+                Ok(Work::Wake) => {}
+                Ok(Work::Stop) => stop = true,
+                Err(_) => break,
+            }
+        }
+        batch.target = jobs.len();
+        let started = Instant::now();
+        counted.0.fetch_add(1, AtomicOrdering::Relaxed);
+        counted.1.fetch_add(jobs.len(), AtomicOrdering::Relaxed);
+        commit_group(shared, jobs);
+        batch.last_commit = started.elapsed();
+        if stop {
+            break;
+        }
+        if shared.checkpoint_due() == Some(Duration::ZERO) {
+            shared.checkpoint();
         }
     }
-    for row in txn.open_table(DELIVERED)?.iter()? {
-        let (k, v) = row?;
-        let (src, seq) = k.value();
-        if let Some((exp, _, id)) = record::parse_delivered(v.value()) {
-            let hash = idx.hash(id);
-            idx.source(src).load_delivered(seq, hash, exp);
-        }
-    }
-    Ok(idx)
+    // Clean shutdown: the log is applied to redb durably, so the next start replays nothing.
+    shared.checkpoint();
 }
 
 impl Outbox {
-    /// Creates the tables, loads the index and starts the committer thread.
+    /// Creates the tables, replays the log of the last run, loads the index and starts the
+    /// committer thread.
     pub fn open(db: Arc<Db>, policy: Policy) -> Result<Outbox> {
-        db.write(|txn| {
-            txn.open_table(MESSAGES)?;
-            txn.open_table(DELIVERED)?;
-            txn.open_table(COUNTERS)?;
-            txn.open_table(REPLY_REFS)?;
-            Ok(())
-        })?;
-        let shared = Arc::new(Shared {
-            index: Mutex::new(db.read(load_index)?),
-            db,
-            policy,
-            on_accept: OnceLock::new(),
-        });
-        let (tx, rx) = mpsc::channel::<Job>();
+        db.write(durable::create_tables)?;
+        let (work, rx) = mpsc::channel::<Work>();
+        let shared = Arc::new(Shared::open(db, policy, work)?);
         let stats = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
         let (counted, group_shared) = (stats.clone(), shared.clone());
         let thread = std::thread::Builder::new()
             .name("outbox-commit".into())
-            .spawn(move || {
-                let (mut last_group, mut last_commit) = (1usize, Duration::from_micros(500));
-                while let Ok(first) = rx.recv() {
-                    let mut jobs = vec![first];
-                    // Waiting pays only while the senders of the last group are still coming:
-                    // up to as many as last time, for at most half a commit. A lone sender
-                    // never waits.
-                    let deadline = Instant::now() + (last_commit / 2).min(LINGER);
-                    while jobs.len() < MAX_GROUP {
-                        match rx.try_recv() {
-                            Ok(j) => jobs.push(j),
-                            Err(mpsc::TryRecvError::Disconnected) => break,
-                            Err(mpsc::TryRecvError::Empty) => {
-                                let left = deadline.saturating_duration_since(Instant::now());
-                                if jobs.len() >= last_group || left.is_zero() {
-                                    break;
-                                }
-                                match rx.recv_timeout(left) {
-                                    Ok(j) => jobs.push(j),
-                                    Err(_) => break,
-                                }
-                            }
-                        }
-                    }
-                    last_group = jobs.len();
-                    let started = Instant::now();
-                    counted.0.fetch_add(1, AtomicOrdering::Relaxed);
-                    counted.1.fetch_add(jobs.len(), AtomicOrdering::Relaxed);
-                    commit_group(&group_shared, jobs);
-                    last_commit = started.elapsed();
-                }
-            })
+            .spawn(move || run_committer(&group_shared, &rx, &counted))
             .map_err(|e| StoreError::Internal(format!("cannot start the outbox committer: {e}")))?;
         Ok(Outbox {
             shared,
-            tx: Mutex::new(Some(tx)),
             thread: Some(thread),
             stats,
         })
@@ -313,16 +347,15 @@ impl Outbox {
         self.shared.policy
     }
 
-    /// After a disk that was full or read-only: reopens the file if an I/O error asked for it,
-    /// and rebuilds the index from what the reopened file holds.
+    /// After a disk that was full, read-only or failing: reopens the database if an I/O error
+    /// asked for it and replays the log into it, or starts a failed log again.
     pub fn recover(&self) {
-        if self.shared.db.recover() {
-            let mut idx = self.shared.lock();
-            match self.shared.db.read(load_index) {
-                Ok(fresh) => *idx = fresh,
-                Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
-            }
-        }
+        self.shared.recover();
+    }
+
+    /// Whether `recover` still has work to do (maintenance then calls it every second).
+    pub fn needs_recovery(&self) -> bool {
+        self.shared.needs_recovery()
     }
 
     /// `(group commits, messages carried)` since start.
@@ -333,17 +366,21 @@ impl Outbox {
         )
     }
 
+    /// Replays, checkpoints and unreadable log records since start.
+    pub fn log_report(&self) -> LogReport {
+        self.shared.report()
+    }
+
     /// Hands a message to the committer; the ticket tells when (and how) it was committed.
     pub fn submit(&self, message: NewMessage) -> Ticket {
         let (done, result) = smol::channel::bounded(1);
-        let sender = self.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match sender.map(|s| s.send(Job { message, done }).is_ok()) {
-            Some(true) => Ticket(Ok(result)),
-            _ => Ticket(Err(stopped())),
+        match self.shared.work.send(Work::Enqueue(Job { message, done })) {
+            Ok(()) => Ticket(Ok(result)),
+            Err(_) => Ticket(Err(stopped())),
         }
     }
 
-    /// Accepts a message durably (returns after the commit), answers `Duplicate`, or
+    /// Accepts a message durably (returns once it is on the disk), answers `Duplicate`, or
     /// `CapacityExceeded` with nothing stored.
     pub fn enqueue(&self, message: NewMessage) -> Result<Enqueued> {
         self.submit(message).wait()
@@ -388,35 +425,31 @@ impl Outbox {
 
     fn finish(&self, source: &str, seqs: &[u64], failure: Option<(&str, &str)>) -> Result<u64> {
         let cap = self.shared.policy.delivered_cap();
-        self.shared.write(|txn, idx| {
-            let mut messages = txn.open_table(MESSAGES)?;
-            let mut delivered = txn.open_table(DELIVERED)?;
+        self.shared.write(false, |tx, idx| {
             let (mut n, mut last_id) = (0, String::new());
             for &seq in seqs {
-                let Some(v) = messages.remove((source, seq))? else {
+                let Some(value) = tx.remove_message(source, seq)? else {
                     continue;
                 };
-                let value = v.value().to_string();
-                drop(v);
                 let Some(h) = record::header(&value) else { continue };
                 last_id.clone_from(&h.message_id);
-                delivered.insert(
-                    (source, seq),
-                    record::delivered_entry(h.expires_at, h.reply_ref.as_deref(), &h.message_id).as_str(),
+                tx.put_delivered(
+                    source,
+                    seq,
+                    &record::delivered_entry(h.expires_at, h.reply_ref.as_deref(), &h.message_id),
                 )?;
                 let hash = idx.hash(&h.message_id);
                 idx.source(source)
                     .deliver(seq, hash, h.expires_at, record::bytes(source, &value));
                 n += 1;
             }
-            drop(delivered);
             let si = idx.source(source);
             while si.delivered_len() > cap {
                 if let Some(seq) = si.pop_delivered() {
-                    forget_delivered(txn, source, seq)?;
+                    forget_delivered(tx, source, seq)?;
                 }
             }
-            tally(txn, source, |t| match failure {
+            tally(tx, source, |t| match failure {
                 None => t.delivered += n,
                 Some((code, message)) => {
                     t.failed = Some(t.failed.unwrap_or(0) + n);
@@ -429,22 +462,21 @@ impl Outbox {
 
     /// The connection failed before the boundary: the messages stay pending, `attempts + 1`.
     pub fn mark_attempt_failed(&self, source: &str, seqs: &[u64], error: &str) -> Result<()> {
-        self.shared.write(|txn, idx| {
-            let mut messages = txn.open_table(MESSAGES)?;
+        self.shared.write(false, |tx, idx| {
             let (mut n, mut delta) = (0u64, 0i64);
             for &seq in seqs {
-                let old = messages.get((source, seq))?.map(|v| v.value().to_string());
+                let old = tx.messages.get((source, seq))?.map(|v| v.value().to_string());
                 let Some(mut m) = old.as_deref().and_then(record::decode) else {
                     continue;
                 };
                 m.header.attempts += 1;
                 let new = record::encode(&m.header, &m.payload);
                 delta += new.len() as i64 - old.map_or(0, |o| o.len()) as i64;
-                messages.insert((source, seq), new.as_str())?;
+                tx.put_message(source, seq, &new)?;
                 n += 1;
             }
             idx.source(source).adjust_bytes(delta);
-            tally(txn, source, |t| {
+            tally(tx, source, |t| {
                 t.attempts += n;
                 t.last_error = Some(error.to_string());
             })
@@ -458,16 +490,16 @@ impl Outbox {
     /// before an older one, after the TTL was lowered, is skipped by every read and removed
     /// once it reaches the head.)
     pub fn sweep_expired(&self, now: u64) -> Result<u64> {
-        self.shared.write(|txn, idx| {
+        self.shared.write(false, |tx, idx| {
             let sources: Vec<String> = idx.sources.keys().cloned().collect();
             let mut n = 0;
             for src in &sources {
-                n += expire_head(txn, idx, src, now)?;
+                n += expire_head(tx, idx, src, now)?;
             }
             for (src, si) in idx.sources.iter_mut() {
                 while si.oldest_delivered_expiry().is_some_and(|exp| exp <= now) {
                     if let Some(seq) = si.pop_delivered() {
-                        forget_delivered(txn, src, seq)?;
+                        forget_delivered(tx, src, seq)?;
                     }
                 }
             }
@@ -478,14 +510,18 @@ impl Outbox {
     /// Drops reply references past their expiry that nothing removed with their message;
     /// returns how many went.
     pub fn sweep_reply_refs(&self, now: u64) -> Result<u64> {
-        self.shared.db.write(|txn| {
-            let mut n = 0;
-            txn.open_table(REPLY_REFS)?.retain(|_, v| {
-                let keep = miniserde::json::from_str::<ReplyRef>(v).is_ok_and(|r| r.expires_at > now);
-                n += u64::from(!keep);
-                keep
-            })?;
-            Ok(n)
+        self.shared.write(false, |tx, _| {
+            let mut gone = Vec::new();
+            for row in tx.reply_refs.iter()? {
+                let (k, v) = row?;
+                if !miniserde::json::from_str::<ReplyRef>(v.value()).is_ok_and(|r| r.expires_at > now) {
+                    gone.push(k.value().to_string());
+                }
+            }
+            for token in &gone {
+                tx.remove_reply_ref(token)?;
+            }
+            Ok(gone.len() as u64)
         })
     }
 
@@ -502,7 +538,7 @@ impl Outbox {
 
     /// Counts messages that expired before acceptance (a provider's backlog older than the TTL).
     pub fn record_expired(&self, source: &str, n: u64) -> Result<()> {
-        self.shared.write(|txn, _| tally(txn, source, |t| t.expired += n))
+        self.shared.write(false, |tx, _| tally(tx, source, |t| t.expired += n))
     }
 
     /// Figures of every source that has any.
@@ -526,8 +562,8 @@ impl Outbox {
             }
             Ok(out)
         })?;
-        let idx = self.shared.lock();
-        for (src, si) in &idx.sources {
+        let st = self.shared.lock();
+        for (src, si) in &st.index.sources {
             let i = match out.iter().position(|(s, _)| s == src) {
                 Some(i) => i,
                 None => {
@@ -543,18 +579,29 @@ impl Outbox {
 
     /// Bytes held by the outbox over all sources.
     pub fn total_bytes(&self) -> u64 {
-        self.shared.lock().total_bytes()
+        self.shared.lock().index.total_bytes()
     }
 }
 
-/// One transaction for a group of enqueues; every job learns the commit's outcome, then the
-/// hook hears of each source that got a message.
+/// Reads the bytes of an outbox log as a replay does, applying nothing: what the scan found,
+/// and how many of its records hold changes that parse (the fuzz target's entry point).
+pub fn read_log(bytes: &[u8]) -> (wal::Scanned, u64) {
+    let mut parsed = 0;
+    let scanned = wal::scan(&mut &bytes[..], wal::LOG_BYTES, |_, payload| {
+        parsed += u64::from(tx::parse(payload).is_ok());
+        Ok::<_, ()>(())
+    });
+    (scanned.unwrap_or_default(), parsed)
+}
+
+/// One transaction and one synced log append for a group of enqueues; every job learns the
+/// outcome, then the hook hears of each source that got a message.
 fn commit_group(shared: &Shared, jobs: Vec<Job>) {
     let policy = shared.policy;
-    let result = shared.write(|txn, idx| {
+    let result = shared.write(true, |tx, idx| {
         let mut outcomes = Vec::with_capacity(jobs.len());
         for job in &jobs {
-            outcomes.push(enqueue_in(txn, idx, &job.message, policy)?);
+            outcomes.push(enqueue_in(tx, idx, &job.message, policy)?);
         }
         Ok(outcomes)
     });
@@ -583,24 +630,29 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
 }
 
 /// The enqueue rules of one message inside a (group) transaction.
-fn enqueue_in(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
-    let outcome = enqueue_message(txn, idx, m, policy)?;
+fn enqueue_in(tx: &mut Tx, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
+    let outcome = enqueue_message(tx, idx, m, policy)?;
     if let Some((key, value)) = &m.cursor {
         if outcome != Enqueued::CapacityExceeded {
-            let current = store::parse_u64(key, store::meta_in(txn, key)?)?.unwrap_or(0);
+            let current = store::parse_u64(key, tx.meta(key)?)?.unwrap_or(0);
             if *value > current {
-                store::set_meta(txn, key, Some(&value.to_string()))?;
+                tx.set_meta(key, &value.to_string())?;
             }
         }
     }
     Ok(outcome)
 }
 
-fn enqueue_message(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
+/// A capacity warning for `src`.
+fn caps_warning(_idx: &mut Index, src: &str, line: impl FnOnce() -> String) {
+    log::warn!("outbox: {src}: {}", line());
+}
+
+fn enqueue_message(tx: &mut Tx, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
     let (src, now) = (m.source.as_str(), m.accepted_at);
     let hash = idx.hash(&m.message_id);
     if let Some(place) = idx.source(src).lookup(hash, now) {
-        if stored_id(txn, src, place)?.as_deref() == Some(m.message_id.as_str()) {
+        if stored_id(tx, src, place)?.as_deref() == Some(m.message_id.as_str()) {
             return Ok(Enqueued::Duplicate);
         }
         log::warn!(
@@ -610,7 +662,7 @@ fn enqueue_message(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, poli
     }
     // Expiry at enqueue: this source's expired head goes first (FIFO with one TTL means the
     // expired messages are the oldest ones).
-    expire_head(txn, idx, src, now)?;
+    expire_head(tx, idx, src, now)?;
 
     let header = Header {
         message_id: m.message_id.clone(),
@@ -622,10 +674,12 @@ fn enqueue_message(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, poli
     let value = record::encode(&header, &m.payload);
     let size = record::bytes(src, &value);
     if size > policy.max_bytes_per_channel || size > policy.max_bytes_total {
-        log::warn!(
-            "outbox: {src}: message {} of {size} bytes can never fit the caps; refused",
-            m.message_id
-        );
+        caps_warning(idx, src, || {
+            format!(
+                "message {} of {size} bytes can never fit the caps; refused",
+                m.message_id
+            )
+        });
         return Ok(Enqueued::CapacityExceeded);
     }
     let fits = |idx: &mut Index| {
@@ -637,49 +691,54 @@ fn enqueue_message(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, poli
     };
     if !fits(idx) && idx.total_bytes() + size > policy.max_bytes_total {
         // Over the global cap: first reclaim expired messages everywhere.
-        expire_all(txn, idx, now)?;
+        expire_all(tx, idx, now)?;
     }
     let mut evicted = 0;
     if !fits(idx) {
         if policy.overflow == Overflow::RejectNew {
-            log::warn!(
-                "outbox: {src}: caps full, overflow = reject_new: message {} refused",
-                m.message_id
-            );
+            caps_warning(idx, src, || {
+                format!("caps full, overflow = reject_new: message {} refused", m.message_id)
+            });
             return Ok(Enqueued::CapacityExceeded);
         }
         // drop_oldest: evict this source's oldest pending messages until the new one fits.
         while !fits(idx) {
-            let head = txn
-                .open_table(MESSAGES)?
+            let head = tx
+                .messages
                 .range((src, 0)..=(src, u64::MAX))?
                 .next()
                 .transpose()?
                 .map(|(k, v)| (k.value().1, v.value().to_string()));
             let Some((seq, old)) = head else { break };
-            remove_message(txn, idx, src, seq, &old)?;
+            remove_message(tx, idx, src, seq, &old)?;
             evicted += 1;
         }
         if evicted > 0 {
-            tally(txn, src, |t| t.evicted += evicted)?;
-            log::warn!("outbox: {src}: evicted {evicted} oldest pending message(s): capacity_exceeded");
+            tally(tx, src, |t| t.evicted += evicted)?;
+            caps_warning(idx, src, || {
+                format!(
+                    "evicted {evicted} oldest pending message(s) for message {}: capacity_exceeded",
+                    m.message_id
+                )
+            });
         }
         if !fits(idx) {
             // This source is empty and the others fill the global cap.
-            log::warn!(
-                "outbox: {src}: max_bytes_total reached by other channels: message {} refused",
-                m.message_id
-            );
+            caps_warning(idx, src, || {
+                format!(
+                    "max_bytes_total reached by other channels: message {} refused",
+                    m.message_id
+                )
+            });
             return Ok(Enqueued::CapacityExceeded);
         }
     }
 
     let si = idx.source(src);
     let seq = si.next_seq;
-    txn.open_table(MESSAGES)?.insert((src, seq), value.as_str())?;
+    tx.put_message(src, seq, &value)?;
     if let Some((token, r)) = &m.reply_ref {
-        txn.open_table(REPLY_REFS)?
-            .insert(token.as_str(), miniserde::json::to_string(r).as_str())?;
+        tx.put_reply_ref(token, &miniserde::json::to_string(r))?;
     }
     si.add_pending(seq, hash, m.expires_at, size);
     Ok(Enqueued::Accepted {
@@ -689,11 +748,11 @@ fn enqueue_message(txn: &WriteTransaction, idx: &mut Index, m: &NewMessage, poli
 }
 
 /// Removes one pending message that leaves undelivered, with its reply reference.
-fn remove_message(txn: &WriteTransaction, idx: &mut Index, src: &str, seq: u64, value: &str) -> Result<()> {
-    txn.open_table(MESSAGES)?.remove((src, seq))?;
+fn remove_message(tx: &mut Tx, idx: &mut Index, src: &str, seq: u64, value: &str) -> Result<()> {
+    tx.remove_message(src, seq)?;
     let header = record::header(value);
     if let Some(t) = header.as_ref().and_then(|h| h.reply_ref.as_deref()) {
-        txn.open_table(REPLY_REFS)?.remove(t)?;
+        tx.remove_reply_ref(t)?;
     }
     let hash = idx.hash(&header.map(|h| h.message_id).unwrap_or_default());
     idx.source(src).drop_pending(seq, hash, record::bytes(src, value));
@@ -702,93 +761,90 @@ fn remove_message(txn: &WriteTransaction, idx: &mut Index, src: &str, seq: u64, 
 
 /// Removes a delivered-log entry and the reply reference it carried: both end together, so
 /// reply references are bounded like the log.
-fn forget_delivered(txn: &WriteTransaction, src: &str, seq: u64) -> Result<()> {
-    let entry = txn
-        .open_table(DELIVERED)?
-        .remove((src, seq))?
-        .map(|v| v.value().to_string());
+fn forget_delivered(tx: &mut Tx, src: &str, seq: u64) -> Result<()> {
+    let entry = tx.remove_delivered(src, seq)?;
     if let Some(token) = entry
         .as_deref()
         .and_then(record::parse_delivered)
         .and_then(|(_, t, _)| t)
     {
-        txn.open_table(REPLY_REFS)?.remove(token)?;
+        tx.remove_reply_ref(token)?;
     }
     Ok(())
 }
 
 /// The message ID stored at `place`, to confirm an index hit.
-fn stored_id(txn: &WriteTransaction, src: &str, place: Place) -> Result<Option<String>> {
+fn stored_id(tx: &Tx, src: &str, place: Place) -> Result<Option<String>> {
     Ok(match place {
-        Place::Pending(seq) => txn
-            .open_table(MESSAGES)?
+        Place::Pending(seq) => tx
+            .messages
             .get((src, seq))?
             .and_then(|v| record::header(v.value()))
             .map(|h| h.message_id),
-        Place::Delivered(seq) => txn
-            .open_table(DELIVERED)?
+        Place::Delivered(seq) => tx
+            .delivered
             .get((src, seq))?
             .and_then(|v| record::parse_delivered(v.value()).map(|(_, _, id)| id.to_string())),
     })
 }
 
 /// Removes the expired messages at the head of one source.
-fn expire_head(txn: &WriteTransaction, idx: &mut Index, src: &str, now: u64) -> Result<u64> {
+fn expire_head(tx: &mut Tx, idx: &mut Index, src: &str, now: u64) -> Result<u64> {
     let mut gone = Vec::new();
-    for row in txn.open_table(MESSAGES)?.range((src, 0)..=(src, u64::MAX))? {
+    for row in tx.messages.range((src, 0)..=(src, u64::MAX))? {
         let (k, v) = row?;
         match record::header(v.value()) {
             Some(h) if h.expires_at <= now => gone.push((src.to_string(), k.value().1, v.value().to_string())),
             _ => break,
         }
     }
-    remove_expired(txn, idx, gone)
+    remove_expired(tx, idx, gone)
 }
 
 /// Removes every expired message of every source.
-fn expire_all(txn: &WriteTransaction, idx: &mut Index, now: u64) -> Result<u64> {
+fn expire_all(tx: &mut Tx, idx: &mut Index, now: u64) -> Result<u64> {
     let mut gone = Vec::new();
-    for row in txn.open_table(MESSAGES)?.iter()? {
+    for row in tx.messages.iter()? {
         let (k, v) = row?;
         let (src, seq) = k.value();
         if record::header(v.value()).is_some_and(|h| h.expires_at <= now) {
             gone.push((src.to_string(), seq, v.value().to_string()));
         }
     }
-    remove_expired(txn, idx, gone)
+    remove_expired(tx, idx, gone)
 }
 
 /// Removes expired messages, given as `(source, seq, value)` grouped by source.
-fn remove_expired(txn: &WriteTransaction, idx: &mut Index, gone: Vec<(String, u64, String)>) -> Result<u64> {
+fn remove_expired(tx: &mut Tx, idx: &mut Index, gone: Vec<(String, u64, String)>) -> Result<u64> {
     let total = gone.len() as u64;
     let mut i = 0;
     while i < gone.len() {
         let src = gone[i].0.clone();
         let mut n = 0;
         while i < gone.len() && gone[i].0 == src {
-            remove_message(txn, idx, &src, gone[i].1, &gone[i].2)?;
+            remove_message(tx, idx, &src, gone[i].1, &gone[i].2)?;
             n += 1;
             i += 1;
         }
-        tally(txn, &src, |t| t.expired += n)?;
+        tally(tx, &src, |t| t.expired += n)?;
         log::warn!("outbox: {src}: {n} message(s) expired undelivered");
     }
     Ok(total)
 }
 
-fn tally(txn: &WriteTransaction, src: &str, f: impl FnOnce(&mut Tally)) -> Result<()> {
-    let mut t = txn.open_table(COUNTERS)?;
-    let mut c: Tally = t
+fn tally(tx: &mut Tx, src: &str, f: impl FnOnce(&mut Tally)) -> Result<()> {
+    let mut c: Tally = tx
+        .counters
         .get(src)?
         .and_then(|v| miniserde::json::from_str(v.value()).ok())
         .unwrap_or_default();
     f(&mut c);
-    t.insert(src, miniserde::json::to_string(&c).as_str())?;
-    Ok(())
+    tx.put_counter(src, &miniserde::json::to_string(&c))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::tx::DELIVERED;
     use super::*;
     use redb::ReadableTableMetadata;
 
@@ -1138,6 +1194,143 @@ mod tests {
         let kept = s.shared.db.read(|txn| Ok(txn.open_table(DELIVERED)?.len()?));
         assert_eq!(kept.unwrap(), 1000);
         assert_accounting(&s);
+    }
+
+    /// What a process crash at this moment leaves behind: the files as the page cache holds
+    /// them (no outbox write runs while they are copied). `cut` truncates the log copy.
+    fn crash_copy(s: &Outbox, dir: &std::path::Path, cut: Option<u64>) -> Outbox {
+        let to = std::env::temp_dir().join(format!("imgate-crash-{}", crate::ids::random_hex(4)));
+        std::fs::create_dir_all(&to).unwrap();
+        {
+            let _no_writes = s.shared.lock();
+            for f in ["imgate.redb", "outbox.log"] {
+                std::fs::copy(dir.join(f), to.join(f)).unwrap();
+            }
+        }
+        if let Some(len) = cut {
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(to.join("outbox.log"))
+                .unwrap();
+            f.set_len(len).unwrap();
+        }
+        Outbox::open(Db::open(&to).unwrap(), s.policy()).unwrap()
+    }
+
+    /// Fifty accepts (one log record each), two deliveries and a failed attempt, nothing
+    /// checkpointed since the start.
+    fn logged_history() -> (Outbox, std::path::PathBuf) {
+        let (db, dir) = store::temp_db("crash");
+        let s = Outbox::open(db, ROOMY).unwrap();
+        s.shared.hold_checkpoints();
+        for i in 0..50 {
+            assert!(accepted(s.enqueue(msg(&format!("m{i:02}"), 1000, 60_000))));
+        }
+        let p = s.pending("hook:a", 3, 1000).unwrap();
+        s.mark_delivered("hook:a", &[p[0].seq, p[1].seq]).unwrap();
+        s.mark_attempt_failed("hook:a", &[p[2].seq], "disconnected").unwrap();
+        (s, dir)
+    }
+
+    #[test]
+    fn after_a_crash_the_log_restores_every_accept_delivery_and_count() {
+        let (s, dir) = logged_history();
+        let r = crash_copy(&s, &dir, None);
+        r.shared.hold_checkpoints();
+        assert_eq!(r.log_report().replayed, 52, "every record came back from the log");
+        assert_eq!(r.log_report().unreadable, 0);
+        assert_eq!(ids_of(&r, "hook:a", 1000), ids_of(&s, "hook:a", 1000));
+        assert_eq!(counters(&r, "hook:a"), counters(&s, "hook:a"));
+        assert_eq!(r.pending("hook:a", 1, 1000).unwrap()[0].message.header.attempts, 1);
+        assert_eq!(
+            r.enqueue(msg("m00", 2000, 60_000)).unwrap(),
+            Enqueued::Duplicate,
+            "delivered"
+        );
+        assert_eq!(
+            r.enqueue(msg("m49", 2000, 60_000)).unwrap(),
+            Enqueued::Duplicate,
+            "pending"
+        );
+        assert!(r.reply_ref("rr_m01").unwrap().is_some());
+        assert_accounting(&r);
+        assert!(accepted(r.enqueue(msg("m50", 2000, 60_000))));
+        // The replay was a checkpoint: a second crash replays only what came after it.
+        let dir_r = r.shared.db.dir().to_path_buf();
+        let again = crash_copy(&r, &dir_r, None);
+        assert_eq!(again.log_report().replayed, 1, "only the accept made since");
+        assert_eq!(ids_of(&again, "hook:a", 1000), ids_of(&r, "hook:a", 1000));
+    }
+
+    #[test]
+    fn a_torn_log_keeps_exactly_the_whole_records_before_the_tear() {
+        let (s, dir) = logged_history();
+        let live = ids_of(&s, "hook:a", 1000);
+        let full = s.shared.lock().log_used();
+        let mut last_kept = 0;
+        for cut in [0, 1, 15, 16, 17, full / 3, full / 2, full - 5, full - 1] {
+            let r = crash_copy(&s, &dir, Some(cut));
+            let ids = ids_of(&r, "hook:a", 1000);
+            let report = r.log_report();
+            // Accepts are the first 50 records, then the delivery of m00 and m01: what survives
+            // is the accepts before the cut, without the two once their delivery survived too.
+            let all: Vec<String> = (0..50).map(|i| format!("m{i:02}")).collect();
+            let start = all.iter().position(|id| Some(id) == ids.first()).unwrap_or(0);
+            assert!(start == 0 || start == 2, "cut at {cut}: {ids:?}");
+            assert_eq!(ids[..], all[start..start + ids.len()], "cut at {cut}");
+            assert!(start + ids.len() >= last_kept, "cut at {cut}");
+            last_kept = start + ids.len();
+            assert_eq!(report.unreadable, u64::from(cut != 0), "cut at {cut}: {report:?}");
+            assert_accounting(&r);
+        }
+        assert_eq!(last_kept, 50, "a cut in the last record loses that record only");
+        let r = crash_copy(&s, &dir, Some(full));
+        assert_eq!(ids_of(&r, "hook:a", 1000), live);
+        assert_eq!(r.log_report().unreadable, 0);
+    }
+
+    #[test]
+    fn a_corrupt_record_stops_the_replay_there_and_is_counted() {
+        let (s, dir) = logged_history();
+        let r = {
+            let to = std::env::temp_dir().join(format!("imgate-flip-{}", crate::ids::random_hex(4)));
+            std::fs::create_dir_all(&to).unwrap();
+            let _no_writes = s.shared.lock();
+            std::fs::copy(dir.join("imgate.redb"), to.join("imgate.redb")).unwrap();
+            let mut log = std::fs::read(dir.join("outbox.log")).unwrap();
+            log[2000] ^= 0x40;
+            std::fs::write(to.join("outbox.log"), log).unwrap();
+            drop(_no_writes);
+            Outbox::open(Db::open(&to).unwrap(), ROOMY).unwrap()
+        };
+        let ids = ids_of(&r, "hook:a", 1000);
+        assert!(!ids.is_empty() && ids.len() < 50, "{} kept", ids.len());
+        assert_eq!(r.log_report().unreadable, 1);
+        assert!(accepted(r.enqueue(msg("new", 2000, 60_000))), "the outbox works on");
+        assert_accounting(&r);
+    }
+
+    #[test]
+    fn a_change_too_large_for_the_log_is_committed_durably_instead() {
+        let big = Policy {
+            max_bytes_per_channel: 8 << 20,
+            max_bytes_total: 8 << 20,
+            ..ROOMY
+        };
+        let (db, dir) = store::temp_db("big");
+        let s = Outbox::open(db, big).unwrap();
+        s.shared.hold_checkpoints();
+        let mut m = msg("huge", 1000, 60_000);
+        m.payload = "x".repeat(wal::LOG_BYTES as usize + 1);
+        let before = s.log_report().checkpoints;
+        assert!(accepted(s.enqueue(m)));
+        assert_eq!(s.log_report().checkpoints, before + 1, "the commit was the checkpoint");
+        assert!(
+            accepted(s.enqueue(msg("small", 1000, 60_000))),
+            "the log takes the next one"
+        );
+        let r = crash_copy(&s, &dir, None);
+        assert_eq!(ids_of(&r, "hook:a", 1000), ["huge", "small"]);
     }
 
     #[test]
