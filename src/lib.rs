@@ -15,6 +15,7 @@ pub mod maintenance;
 pub mod outbox;
 pub mod protocol;
 pub mod providers;
+pub mod quiet;
 pub mod runtime;
 pub mod service;
 pub mod source;

@@ -112,7 +112,14 @@ fn reject_new_answers_503_at_the_message_cap_and_stores_nothing() {
     assert_eq!(post(&d, "r1").0, 202);
     assert_eq!(post(&d, "r2").0, 202);
     assert_eq!(post(&d, "r3"), (503, json!({"error": "capacity_exceeded"})));
+    assert_eq!(post(&d, "r4").0, 503);
     assert_eq!(get_json(&d.url("/status"))["unbound"]["pending"], 2);
+    assert_eq!(
+        d.log().matches("reject_new").count(),
+        1,
+        "refusals at the senders' rate are one line a minute: {}",
+        d.log()
+    );
     let mut x = d.xagent();
     bind(&mut x);
     assert_eq!(pushed_ids(&mut x, Duration::from_secs(2)), ["r1", "r2"]);
@@ -173,7 +180,12 @@ fn drop_oldest_evicts_the_oldest_pending_and_counts_it() {
         (Some(3), Some(2)),
         "{s}"
     );
-    assert!(d.log().contains("capacity_exceeded"), "eviction is logged");
+    assert_eq!(
+        d.log().matches("capacity_exceeded").count(),
+        1,
+        "a burst of evictions is one line a minute: {}",
+        d.log()
+    );
     x.open(Some(&cch));
     assert_eq!(pushed_ids(&mut x, Duration::from_secs(2)), ["d2", "d3", "d4"]);
     let (code, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);

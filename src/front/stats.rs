@@ -2,9 +2,9 @@
 //! cause with the count since the last line: a scanner on the LAN must not fill an SD card
 //! with log lines, and the operator still sees that it happened.
 
+use crate::quiet::Quiet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Cause {
@@ -60,12 +60,9 @@ impl Cause {
     }
 }
 
-/// A cause is logged at most this often.
-const LOG_EVERY: Duration = Duration::from_secs(60);
-
 static COUNTS: [AtomicU64; CAUSES.len()] = [const { AtomicU64::new(0) }; CAUSES.len()];
 /// Per cause: when it was last logged and how many happened since.
-static LOGGED: Mutex<[(Option<Instant>, u64); CAUSES.len()]> = Mutex::new([(None, 0); CAUSES.len()]);
+static LOGGED: Mutex<[Quiet; CAUSES.len()]> = Mutex::new([Quiet::new(); CAUSES.len()]);
 /// Connections open now (each holds a slot of `max_connections`).
 pub static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
 
@@ -73,19 +70,10 @@ pub static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
 pub fn note(cause: Cause, detail: &str) {
     let i = cause.index();
     COUNTS[i].fetch_add(1, Ordering::Relaxed);
-    let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
-    let (last, since) = &mut logged[i];
-    if last.is_some_and(|t| t.elapsed() < LOG_EVERY) {
-        *since += 1;
-        return;
-    }
-    let more = match *since {
-        0 => String::new(),
-        n => format!(" ({n} more since the last line)"),
+    let more = match LOGGED.lock().unwrap_or_else(|e| e.into_inner())[i].admit() {
+        Some(more) => more,
+        None => return,
     };
-    *last = Some(Instant::now());
-    *since = 0;
-    drop(logged);
     match cause {
         Cause::TooManyConnections | Cause::AcceptFailed | Cause::Busy => {
             log::warn!("front door: {}: {detail}{more}", cause.label())

@@ -14,6 +14,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
 
+use crate::quiet::Quiet;
+
 /// Where a known ID's message is: still queued, or in the delivered log.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Place {
@@ -43,6 +45,8 @@ pub struct SourceIndex {
     delivered: VecDeque<(u64, u64, u64)>,
     /// The next `seq` to assign.
     pub next_seq: u64,
+    /// The source's capacity warnings (a full queue refuses or evicts at the senders' rate).
+    pub caps_log: Quiet,
 }
 
 impl Index {

@@ -643,9 +643,13 @@ fn enqueue_in(tx: &mut Tx, idx: &mut Index, m: &NewMessage, policy: Policy) -> R
     Ok(outcome)
 }
 
-/// A capacity warning for `src`.
-fn caps_warning(_idx: &mut Index, src: &str, line: impl FnOnce() -> String) {
-    log::warn!("outbox: {src}: {}", line());
+/// A full queue refuses or evicts at the senders' rate: one line a minute per source, with
+/// the count of the others (evictions are counted in `/status`; each refusal is the sender's
+/// answer).
+fn caps_warning(idx: &mut Index, src: &str, line: impl FnOnce() -> String) {
+    if let Some(more) = idx.source(src).caps_log.admit() {
+        log::warn!("outbox: {src}: {}{more}", line());
+    }
 }
 
 fn enqueue_message(tx: &mut Tx, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
