@@ -12,6 +12,7 @@
 //!   channel, `STREAMS_TOTAL` in all, `STREAM_TEXT` bytes each. A restart forgets them: the
 //!   final then arrives as a message of its own, still once.
 
+use super::blocking;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -421,11 +422,6 @@ fn ack(p: &Packet, message_id: &str, outcome: &Outcome) -> Packet {
 }
 
 /// Runs blocking work for one chat packet off the executor.
-async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
-    let app = app.clone();
-    crate::runtime::unblock(move || f(&app)).await
-}
-
 /// One chat packet of channel `cch`, in its turn; the packet to send back, if any.
 pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
     let cch = cch.to_string();

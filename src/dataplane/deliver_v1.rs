@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use smol::future::FutureExt;
 
+use super::blocking;
 use super::session::{lock, State};
 use super::Outgoing;
 use crate::app::App;
@@ -25,11 +26,6 @@ const BATCH: usize = 64;
 const KEEPALIVE: Duration = Duration::from_secs(30);
 /// How long a `pong` may take before the connection is considered dead.
 const BARRIER_TIMEOUT: Duration = Duration::from_secs(20);
-
-async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
-    let app = app.clone();
-    crate::runtime::unblock(move || f(&app)).await
-}
 
 /// Pushes pending messages of every open bound channel, then runs the delivery barrier.
 pub(super) async fn run(

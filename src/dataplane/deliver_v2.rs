@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use smol::future::FutureExt;
 
+use super::blocking;
 use super::session::{lock, State};
 use super::Outgoing;
 use crate::app::App;
@@ -138,11 +139,6 @@ pub(super) fn chat_message(app: &App, stored: &crate::outbox::StoredMessage) -> 
         ("files", if files.is_empty() { Value::Null } else { arr(files) }),
         ("created_at", json::n(m.event_time.unwrap_or(h.accepted_at))),
     ])
-}
-
-async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
-    let app = app.clone();
-    crate::runtime::unblock(move || f(&app)).await
 }
 
 /// Delivers the outbox of every channel open on session `id` until the session ends.

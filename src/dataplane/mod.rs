@@ -22,8 +22,9 @@ pub fn ws_config() -> async_tungstenite::tungstenite::protocol::WebSocketConfig 
 }
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
+use crate::app::App;
 use crate::channels::Channels;
 use crate::protocol::Packet;
 
@@ -160,4 +161,11 @@ impl Hub {
             None => false,
         }
     }
+}
+
+/// Runs `f` with the app on the blocking pool: the data plane's store reads and commits never
+/// run on the executor.
+async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
+    let app = app.clone();
+    crate::runtime::unblock(move || f(&app)).await
 }

@@ -19,7 +19,7 @@ use smol::future::FutureExt;
 use smol::io::{AsyncRead, AsyncWrite};
 use smol::stream::StreamExt;
 
-use super::{Outgoing, SessionLink};
+use super::{blocking, Outgoing, SessionLink};
 use crate::app::App;
 use crate::channels::ChannelRecord;
 use crate::ids;
@@ -60,11 +60,6 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Runs blocking store or network work off the async threads.
-async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
-    let app = app.clone();
-    crate::runtime::unblock(move || f(&app)).await
-}
-
 fn close_frame(code: CloseCode, reason: impl Into<String>) -> CloseFrame {
     CloseFrame {
         code,
