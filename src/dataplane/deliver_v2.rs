@@ -121,18 +121,10 @@ pub(super) fn chat_message(app: &App, stored: &crate::outbox::StoredMessage) -> 
             .unwrap_or_else(|| crate::providers::inbound::redact(&m.sender_id));
         text = format!("{sender}: {text}");
     }
-    let files = files.iter().map(|f| {
-        obj([
-            ("type", s(&f.kind)),
-            ("file_ref", s(&f.file_ref)),
-            ("filename", s(&f.filename)),
-            ("mime_type", s(&f.mime_type)),
-            ("byte_size", json::n(f.byte_size)),
-            ("expires_at", json::n(f.expires_at)),
-            ("download_url", s(format!("{base}/files/refs/{}", f.file_ref))),
-        ])
-    });
-    let files: Vec<Value> = files.collect();
+    let files: Vec<Value> = files
+        .iter()
+        .map(|f| crate::providers::inbound::file_json(f, base))
+        .collect();
     obj([
         ("message_id", s(&h.message_id)),
         ("text", if text.is_empty() { Value::Null } else { s(text) }),

@@ -112,7 +112,8 @@ pub fn render(origin: &Origin, m: &Inbound, stored: &StoredMessage) -> Value {
     ])
 }
 
-fn file_json(f: &FileItem, base: &str) -> Value {
+/// One file as both profiles show it: the file cache's reference and where to download it.
+pub fn file_json(f: &FileItem, base: &str) -> Value {
     obj([
         ("type", s(&f.kind)),
         ("file_ref", s(&f.file_ref)),
