@@ -136,19 +136,20 @@ impl Daemon {
 
     /// Like `start_logging` with extra environment variables (systemd's, for example).
     pub fn start_env(dir: &Path, config: &str, rust_log: &str, env: &[(&str, &str)]) -> Daemon {
-        let path = dir.join("imgate.conf");
-        std::fs::write(&path, config).unwrap();
-        let port = config
-            .lines()
-            .find_map(|l| l.trim().strip_prefix("listen = 127.0.0.1:"))
-            .and_then(|p| p.trim().parse().ok())
-            .expect("test configs listen on 127.0.0.1:PORT");
+        let (path, port) = Self::write_config(dir, config);
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         Self::spawn(dir, path, port, rust_log, env, Vec::new())
     }
 
     /// Like `start`, run under `wrapper` (a command that ends by running its arguments).
     pub fn start_wrapped(dir: &Path, config: &str, wrapper: &[&str]) -> Daemon {
+        let (path, port) = Self::write_config(dir, config);
+        let wrapper = wrapper.iter().map(|w| w.to_string()).collect();
+        Self::spawn(dir, path, port, "debug", Vec::new(), wrapper)
+    }
+
+    /// Writes `config` to `dir/imgate.conf`; its path and the port it listens on.
+    fn write_config(dir: &Path, config: &str) -> (PathBuf, u16) {
         let path = dir.join("imgate.conf");
         std::fs::write(&path, config).unwrap();
         let port = config
@@ -156,8 +157,7 @@ impl Daemon {
             .find_map(|l| l.trim().strip_prefix("listen = 127.0.0.1:"))
             .and_then(|p| p.trim().parse().ok())
             .expect("test configs listen on 127.0.0.1:PORT");
-        let wrapper = wrapper.iter().map(|w| w.to_string()).collect();
-        Self::spawn(dir, path, port, "debug", Vec::new(), wrapper)
+        (path, port)
     }
 
     /// Starts again on the same config and state (after `kill`).
