@@ -56,7 +56,9 @@ pub(super) async fn run(
         }
         let hello_done = lock(&state.profiles).is_some();
         let mut round: Vec<(String, Vec<u64>)> = Vec::new();
-        if hello_done {
+        // A keepalive round with nothing pending anywhere only pings: no read, so an idle
+        // appliance starts no pool thread every 30 s.
+        if hello_done && (woken || app.outbox.total_bytes() > 0) {
             let channels = app.hub.channels_of(id);
             let batches = blocking(&app, move |app| {
                 let now = ids::now_ms();

@@ -23,6 +23,7 @@
 //!   `recover` repairs both: it never accepts a message it could not make durable.
 
 use std::io::BufReader;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -88,6 +89,9 @@ pub(super) struct Shared {
     pub on_accept: OnceLock<AcceptHook>,
     /// The committer's queue: told when the log gets its first record since a checkpoint.
     pub work: mpsc::Sender<Work>,
+    /// The index's pending bytes after the last change, readable without the lock (which a
+    /// commit holds through its fsync), so the executor may ask.
+    pending_bytes: AtomicU64,
 }
 
 impl Shared {
@@ -109,6 +113,7 @@ impl Shared {
             policy,
             on_accept: OnceLock::new(),
             work,
+            pending_bytes: AtomicU64::new(0),
         };
         shared.replay(&mut shared.lock())?;
         Ok(shared)
@@ -126,6 +131,15 @@ impl Shared {
 
     pub fn report(&self) -> LogReport {
         self.lock().report
+    }
+
+    /// Bytes of pending messages in all sources, as of the last change.
+    pub fn pending_bytes(&self) -> u64 {
+        self.pending_bytes.load(Ordering::Relaxed)
+    }
+
+    fn publish(&self, st: &State) {
+        self.pending_bytes.store(st.index.total_bytes(), Ordering::Relaxed);
     }
 
     /// Runs `f` in one transaction with the index, logs what it changed (synced to the disk
@@ -196,6 +210,7 @@ impl Shared {
                 }
             }
         }
+        self.publish(st);
         result
     }
 
@@ -360,6 +375,7 @@ impl Shared {
         st.log_broken = false;
         self.restart_log(st);
         st.index = self.db.read(load_index)?;
+        self.publish(st);
         Ok(())
     }
 }

@@ -577,9 +577,10 @@ impl Outbox {
         Ok(out)
     }
 
-    /// Bytes held by the outbox over all sources.
+    /// Bytes of pending messages over all sources, as of the last change; takes no lock, so
+    /// the executor may ask.
     pub fn total_bytes(&self) -> u64 {
-        self.shared.lock().index.total_bytes()
+        self.shared.pending_bytes()
     }
 }
 
