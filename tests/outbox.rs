@@ -96,6 +96,24 @@ fn a_message_that_expires_while_unbound_is_not_delivered_on_binding() {
 }
 
 #[test]
+fn expiries_at_the_senders_pace_are_one_line_a_minute_and_all_counted() {
+    // Nobody reads the queue: each new message finds the one before it expired.
+    let d = start("expire-quiet", "ttl = 1s\ncleanup_interval = 1h\n");
+    for i in 0..3 {
+        assert_eq!(post(&d, &format!("q{i}")).0, 202);
+        std::thread::sleep(Duration::from_millis(1100));
+    }
+    assert_eq!(post(&d, "q3").0, 202);
+    assert_eq!(get_json(&d.url("/status"))["unbound"]["expired"], 3);
+    assert_eq!(
+        d.log().matches("expired undelivered").count(),
+        1,
+        "one line for three expiries: {}",
+        d.log()
+    );
+}
+
+#[test]
 fn periodic_maintenance_expires_undelivered_messages_within_the_cleanup_interval() {
     let d = start("expire-sweep", "ttl = 2s\ncleanup_interval = 1s\n");
     assert_eq!(post(&d, "s1").0, 202);

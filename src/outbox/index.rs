@@ -47,6 +47,8 @@ pub struct SourceIndex {
     pub next_seq: u64,
     /// The source's capacity warnings (a full queue refuses or evicts at the senders' rate).
     pub caps_log: Quiet,
+    /// Its expiry warnings (each enqueue may expire the head of a queue nobody reads).
+    pub expiry_log: Quiet,
 }
 
 impl Index {

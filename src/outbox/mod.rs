@@ -832,7 +832,9 @@ fn remove_expired(tx: &mut Tx, idx: &mut Index, gone: Vec<(String, u64, String)>
             i += 1;
         }
         tally(tx, &src, |t| t.expired += n)?;
-        log::warn!("outbox: {src}: {n} message(s) expired undelivered");
+        if let Some(more) = idx.source(&src).expiry_log.admit() {
+            log::warn!("outbox: {src}: {n} message(s) expired undelivered{more}");
+        }
     }
     Ok(total)
 }
