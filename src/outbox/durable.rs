@@ -18,7 +18,8 @@
 //!   committed durably instead of logged).
 //! - Replay (at start, and after redb was reopened, which drops non-durable commits) reads the
 //!   log from offset 0, applies the records past `outbox_log_applied` in one transaction that
-//!   is itself a checkpoint, and stops at the first unreadable record, counted and logged once.
+//!   is itself a checkpoint (none when there are none, as after a clean stop), and stops at the
+//!   first unreadable record, counted and logged once.
 //! - While the log or the database needs repair, the outbox refuses writes (`503`), and
 //!   `recover` repairs both: it never accepts a message it could not make durable.
 
@@ -353,10 +354,15 @@ impl Shared {
             };
             drop(tx);
             let last = next - 1;
-            store::set_meta(txn, APPLIED_KEY, Some(&last.to_string()))?;
             let unreadable = found
                 .unreadable
                 .map(|u| format!("the record at offset {} is unreadable ({})", u.offset, u.why));
+            // Nothing past what redb holds durably (a start after a clean stop): no commit to
+            // sync, and the log may start again all the same.
+            if applied_now == 0 {
+                return Ok(((0, last, stopped.or(unreadable)), Durability::None));
+            }
+            store::set_meta(txn, APPLIED_KEY, Some(&last.to_string()))?;
             Ok(((applied_now, last, stopped.or(unreadable)), Durability::Immediate))
         })?;
         crate::faults::crash_at("outbox-replayed");
