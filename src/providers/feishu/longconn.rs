@@ -87,12 +87,25 @@ impl ClientConfig {
 }
 
 /// Where to connect, from the endpoint answer.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct Endpoint {
+    /// A credential: its query carries the connection's access key. Never logged (`Debug`
+    /// shows only scheme, host and path).
     pub url: String,
     /// The `service_id` of the URL's query, sent in every ping's `service` field.
     pub service_id: i32,
     pub config: ClientConfig,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let without_query = self.url.split(['?', '#']).next().unwrap_or_default();
+        f.debug_struct("Endpoint")
+            .field("url", &format_args!("{without_query}?…"))
+            .field("service_id", &self.service_id)
+            .field("config", &self.config)
+            .finish()
+    }
 }
 
 /// Why the endpoint request did not give an address.
@@ -306,6 +319,11 @@ mod tests {
         let body = r#"{"code":0,"msg":"ok","data":{"URL":"wss://msg.example/ws/v2?fpid=1&device_id=d9&service_id=321&access_key=k","ClientConfig":{"PingInterval":1,"ReconnectCount":-1,"ReconnectInterval":30,"ReconnectNonce":99999}}}"#;
         let e = read_endpoint(body, ClientConfig::default()).unwrap();
         assert_eq!(e.service_id, 321);
+        let shown = format!("{e:?}");
+        assert!(
+            !shown.contains("access_key") && shown.contains("wss://msg.example/ws/v2"),
+            "{shown}"
+        );
         assert!(e.url.starts_with("wss://msg.example/ws/v2?"));
         assert_eq!(
             e.config,
