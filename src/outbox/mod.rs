@@ -1270,6 +1270,34 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_is_due_when_the_oldest_record_is_30_s_old_or_the_log_holds_512_kib() {
+        let (db, _dir) = store::temp_db("due");
+        let s = Outbox::open(db, ROOMY).unwrap();
+        assert_eq!(s.shared.checkpoint_due(), None, "an empty log needs no checkpoint");
+        assert!(accepted(s.enqueue(msg("a", 1000, 60_000))));
+        let due = s.shared.checkpoint_due().expect("a record arms the timer");
+        assert!(
+            due > Duration::from_secs(25) && due <= Duration::from_secs(30),
+            "{due:?}"
+        );
+        // 8 KB messages: the committer checkpoints by itself once 512 KiB are logged.
+        let before = s.log_report().checkpoints;
+        let mut sent = 0;
+        while s.log_report().checkpoints == before && sent < 200 {
+            sent += 1;
+            let big = NewMessage {
+                payload: "x".repeat(8000),
+                ..msg(&format!("b{sent}"), 1000, 60_000)
+            };
+            assert!(accepted(s.enqueue(big)));
+            // The checkpoint runs on the committer thread, after the group that filled the log.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!((60..=70).contains(&sent), "checkpointed after {sent} messages of 8 KB");
+        assert_eq!(s.shared.checkpoint_due(), None, "the log is empty again");
+    }
+
+    #[test]
     fn a_torn_log_keeps_exactly_the_whole_records_before_the_tear() {
         let (s, dir) = logged_history();
         let live = ids_of(&s, "hook:a", 1000);
