@@ -22,3 +22,4 @@ pub mod source;
 pub mod store;
 #[cfg(test)]
 mod testutil;
+pub mod wsclient;

@@ -29,32 +29,6 @@ fn bind(x: &mut Sim, cch: &str, token: &str, chat: &str) -> Value {
     )
 }
 
-/// `POST /files/uploads` of one file for `channel` with Bearer `key`: (status, JSON answer).
-fn upload(d: &Daemon, channel: &str, key: &str, filename: &str, mime: &str, bytes: &[u8]) -> (u16, Value) {
-    let boundary = "XyZb0undary";
-    let mut body = format!(
-        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: {mime}\r\n\r\n"
-    )
-    .into_bytes();
-    body.extend_from_slice(bytes);
-    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-    let mut r = load_agent()
-        .post(&d.url("/files/uploads"))
-        .header("Authorization", &format!("Bearer {key}"))
-        .header("X-XAgent-Connector-Channel-ID", channel)
-        .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
-        .send(&body[..])
-        .unwrap();
-    let status = r.status().as_u16();
-    let text = r.body_mut().read_to_string().unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
-}
-
-/// `upload` with the right key.
-fn upload_as(d: &Daemon, channel: &str, filename: &str, mime: &str, bytes: &[u8]) -> (u16, Value) {
-    upload(d, channel, API_KEY, filename, mime, bytes)
-}
-
 /// The group chat of `bound_two`.
 const GROUP: i64 = -100200;
 

@@ -8,6 +8,7 @@ mod cli;
 mod crash;
 mod dataplane;
 mod edge;
+mod feishu;
 mod limits;
 mod outbox;
 mod secrets;

@@ -32,6 +32,20 @@ pub struct FileItem {
     pub expires_at: u64,
 }
 
+impl FileItem {
+    /// A file just stored in the cache, as a message lists it.
+    pub fn cached(file_ref: String, rec: crate::files::FileRecord) -> FileItem {
+        FileItem {
+            file_ref,
+            kind: rec.kind,
+            filename: rec.filename,
+            mime_type: rec.mime_type,
+            byte_size: rec.byte_size,
+            expires_at: rec.expires_at,
+        }
+    }
+}
+
 impl Inbound {
     /// The event a stored message carries; `None` for a record this build cannot read.
     pub fn of(stored: &StoredMessage) -> Option<Inbound> {

@@ -12,11 +12,13 @@
 
 pub mod feishu;
 pub mod inbound;
+pub mod keyfiles;
 pub mod telegram;
 pub mod webhook;
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::channels::Channels;
 use crate::config::{self, Config};
@@ -29,7 +31,7 @@ use crate::source::Source;
 use crate::store::{self, Db, StoreError};
 
 /// Every provider imgate knows, in Card order. Adding a provider: its folder and one line here.
-pub const REGISTRATIONS: &[Registration] = &[webhook::REGISTRATION, telegram::REGISTRATION];
+pub const REGISTRATIONS: &[Registration] = &[webhook::REGISTRATION, telegram::REGISTRATION, feishu::REGISTRATION];
 
 /// One provider's entry: how it reads the config, how it starts.
 pub struct Registration {
@@ -364,5 +366,78 @@ impl Registry {
         for p in &self.providers {
             p.stop();
         }
+    }
+}
+
+/// An error of a provider's API that may pass if the call is made again.
+pub trait Transient: std::fmt::Display {
+    /// Unreachable, rate limited or a server error.
+    fn temporary(&self) -> bool;
+    /// How long the server asked to wait before the next call, if it said.
+    fn retry_after(&self) -> Option<Duration>;
+}
+
+/// Runs `attempt` (one API call, given the time left) until it succeeds, fails for good, or
+/// `deadline` passes: rate limits and server errors are retried with backoff, and no attempt may
+/// outlive the deadline, so a tool answers in time even when the IM system stalls.
+pub fn with_retry<T, E: Transient>(
+    what: &str,
+    deadline: Instant,
+    mut attempt: impl FnMut(Duration) -> Result<T, E>,
+) -> Result<T, E> {
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match attempt(left.max(Duration::from_millis(1))) {
+            Err(e) if e.temporary() => {
+                let wait = e.retry_after().unwrap_or(backoff);
+                if Instant::now() + wait >= deadline {
+                    return Err(e);
+                }
+                log::info!("{what}: {e}; retrying in {wait:?}");
+                std::thread::sleep(wait);
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Splits text into parts of at most `max_chars` characters, preferring line breaks, never
+/// inside a character.
+pub fn split_text(text: &str, max_chars: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    // One scan per part: the byte offset of character `max_chars` exists only while too long.
+    while let Some((cut, _)) = rest.char_indices().nth(max_chars) {
+        let at = rest[..cut].rfind('\n').filter(|&i| i > cut / 2).map_or(cut, |i| i + 1);
+        out.push(rest[..at].to_string());
+        rest = &rest[at..];
+    }
+    if !rest.is_empty() || out.is_empty() {
+        out.push(rest.to_string());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_text_is_split_at_the_limit_without_breaking_characters() {
+        let text = "é".repeat(5000);
+        let parts = split_text(&text, 4096);
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].chars().count(), 4096);
+        assert_eq!(parts.concat(), text);
+        let lines = format!("{}\n{}", "a".repeat(3000), "b".repeat(3000));
+        let parts = split_text(&lines, 4096);
+        assert_eq!(
+            parts[0],
+            format!("{}\n", "a".repeat(3000)),
+            "a line break is the preferred cut"
+        );
+        assert_eq!(split_text("hi", 4096), ["hi"]);
     }
 }

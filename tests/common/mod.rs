@@ -5,6 +5,7 @@
 
 pub mod botapi;
 pub mod ext4;
+pub mod feishu;
 
 use std::io::{BufRead, BufReader};
 use std::net::{TcpListener, TcpStream};
@@ -824,4 +825,30 @@ pub fn accept_dial(listener: &TcpListener) -> (Sim, Option<String>) {
     let ws = tungstenite::accept_hdr(stream, callback).expect("imgate completes the dial handshake");
     let auth = auth.lock().unwrap().clone();
     (Sim::from_ws(ws), auth)
+}
+
+/// `POST /files/uploads` of one file for `channel` with Bearer `key`: (status, JSON answer).
+pub fn upload(d: &Daemon, channel: &str, key: &str, filename: &str, mime: &str, bytes: &[u8]) -> (u16, Value) {
+    let boundary = "XyZb0undary";
+    let mut body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: {mime}\r\n\r\n"
+    )
+    .into_bytes();
+    body.extend_from_slice(bytes);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    let mut r = load_agent()
+        .post(&d.url("/files/uploads"))
+        .header("Authorization", &format!("Bearer {key}"))
+        .header("X-XAgent-Connector-Channel-ID", channel)
+        .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
+        .send(&body[..])
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.body_mut().read_to_string().unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// `upload` with the right key.
+pub fn upload_as(d: &Daemon, channel: &str, filename: &str, mime: &str, bytes: &[u8]) -> (u16, Value) {
+    upload(d, channel, API_KEY, filename, mime, bytes)
 }

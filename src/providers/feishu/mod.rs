@@ -1,9 +1,836 @@
-//! Feishu / Lark (its international edition): events over the long connection the app opens
-//! itself, so imgate works behind NAT.
+//! Feishu / Lark (its international edition): a self-built app's bot in a chat. Events come
+//! over the long connection the app opens itself (`conn`), so imgate works behind NAT with no
+//! public URL; the tools answer through the Open Platform's message APIs (`api`).
 //!
-//! So far the long connection's frame codec (`frame`) and its protocol without I/O
-//! (`longconn`); the provider (config, binding, the connection task, events into the outbox,
-//! the tools) is still to come.
+//! Source key: `{app_id}:{chat_id}`. A binding stores what it knows of the chat in its own
+//! table (`feishu_chats`); an app secret given in the auth form is kept in
+//! `state_dir/feishu/{app_id}.secret` (mode 0600), never in the database, a packet or a log
+//! line. The device's default app (`[feishu] app_id` / `app_secret`) is used when the form
+//! leaves them empty.
+//!
+//! An event is answered on the long connection only after its commit (`accept`): Feishu
+//! delivers again whatever was not answered, and the outbox's message-ID dedupe makes the
+//! second delivery a duplicate.
 
+pub mod api;
+pub mod conn;
+pub mod event;
 pub mod frame;
 pub mod longconn;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use miniserde::{Deserialize, Serialize};
+use redb::TableDefinition;
+
+use self::api::{Api, ApiError, AppCreds};
+use super::inbound::{self, FileItem};
+use super::keyfiles::KeyFiles;
+use super::{split_text, with_retry, Description, Failure, Host, Outbound, Provider, Registration, Transient};
+use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
+use crate::files::FileRecord;
+use crate::ids;
+use crate::json::{self, arr, b, obj, s, Object, Value};
+use crate::outbox::{Enqueued, NewMessage, ReplyRef};
+use crate::protocol::code;
+use crate::protocol::descriptor::{Target, ToolState};
+use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use crate::quiet::Quiet;
+use crate::source::Source;
+use crate::store::{self, StoreError};
+
+const NAME: &str = "feishu";
+/// source → `ChatInfo` JSON.
+const FS_CHATS: TableDefinition<&str, &str> = TableDefinition::new("feishu_chats");
+const FLOW: &str = "feishu_app_binding";
+const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
+/// A text message is split at this many characters (Feishu takes request bodies up to 150 KB).
+const MAX_TEXT: usize = 20_000;
+/// Feishu's limit for an image upload; larger images go as files.
+const MAX_IMAGE: u64 = 10 << 20;
+/// A tool call retries rate limits and 5xx answers for at most this long.
+const TOOL_DEADLINE: Duration = Duration::from_secs(20);
+/// A message's file is fetched for at most this long before the message goes on with a note.
+const FETCH_DEADLINE: Duration = Duration::from_secs(20);
+/// Message IDs of recently stored events: a redelivery is answered without fetching its file
+/// again (the outbox's dedupe is what makes it a duplicate; this only saves the download).
+const RECENT: usize = 256;
+
+pub const REGISTRATION: Registration = Registration {
+    reader: Reader {
+        provider: NAME,
+        section: "feishu",
+        secrets: &["app_secret"],
+        read,
+    },
+    start,
+};
+
+/// `[feishu]`.
+#[derive(Clone)]
+pub struct FeishuSettings {
+    /// `feishu` (open.feishu.cn) or `lark` (open.larksuite.com).
+    pub domain: &'static str,
+    pub api_base: String,
+    pub app_id: Option<String>,
+    pub app_secret: Option<Secret>,
+}
+
+impl Settings for FeishuSettings {
+    fn summary(&self) -> String {
+        let set = if self.app_secret.is_some() { "set" } else { "not set" };
+        format!(
+            "feishu:            domain {}, app_id {}, app_secret {set}, api_base {}\n",
+            self.domain,
+            self.app_id.as_deref().unwrap_or("not set"),
+            self.api_base
+        )
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// An app ID or a chat/message/file key: it goes into file names and URL paths, so only
+/// letters, digits, `_` and `-`.
+fn safe_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+    let section = sections.first()?;
+    let mut f = Fields::new(section, p, &["app_secret"]);
+    let domain = f.choice("domain", &["feishu", "lark"]).unwrap_or("feishu");
+    let default_base = match domain {
+        "lark" => "https://open.larksuite.com",
+        _ => "https://open.feishu.cn",
+    };
+    let settings = FeishuSettings {
+        domain,
+        api_base: f.url("api_base").unwrap_or_else(|| default_base.into()),
+        app_id: f.text("app_id").filter(|a| !a.is_empty()),
+        app_secret: f.secret("app_secret"),
+    };
+    if settings.app_id.as_deref().is_some_and(|a| !safe_id(a)) {
+        f.err("[feishu] app_id: letters, digits, `_` and `-` only (it looks like cli_a1b2c3...)");
+    }
+    if settings.app_id.is_some() != settings.app_secret.is_some() {
+        f.err("[feishu] app_id and app_secret (or app_secret_file) go together: set both or neither");
+    }
+    f.finish();
+    Some(Arc::new(settings))
+}
+
+fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
+    let Some(settings) = host.config.provider::<FeishuSettings>(NAME).cloned() else {
+        return Ok(None);
+    };
+    host.db.write(|txn| {
+        txn.open_table(FS_CHATS)?;
+        Ok(())
+    })?;
+    Ok(Some(Arc::new_cyclic(|me| Feishu {
+        me: me.clone(),
+        host: host.clone(),
+        api: Api::new(&settings.api_base),
+        settings,
+        conns: conn::Connections::default(),
+        recent: Mutex::new(VecDeque::new()),
+        unbound_events: AtomicU64::new(0),
+        unreadable_events: AtomicU64::new(0),
+        unreadable_log: Mutex::new(Quiet::new()),
+    })))
+}
+
+/// What a binding knows about its app and chat.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct ChatInfo {
+    pub app_id: String,
+    pub chat_id: String,
+    pub chat_name: String,
+    /// `p2p` or `group`.
+    pub chat_type: String,
+    /// The secret is in `state_dir/feishu/{app_id}.secret` (else the configured default).
+    pub own_secret: bool,
+}
+
+pub fn source_of(app_id: &str, chat_id: &str) -> Source {
+    Source::new(NAME, &format!("{app_id}:{chat_id}"))
+}
+
+pub struct Feishu {
+    me: Weak<Feishu>,
+    host: Arc<Host>,
+    settings: FeishuSettings,
+    api: Api,
+    conns: conn::Connections,
+    recent: Mutex<VecDeque<String>>,
+    /// Events from chats no channel is bound to (counted, not stored).
+    unbound_events: AtomicU64,
+    /// Event payloads that could not be read (answered, so Feishu does not send them again).
+    unreadable_events: AtomicU64,
+    unreadable_log: Mutex<Quiet>,
+}
+
+/// An Open Platform error as a failure: unreachable, rate limits and server errors may pass.
+fn failure(e: &ApiError) -> Failure {
+    let code = if e.status == 0 {
+        code::UPSTREAM_UNREACHABLE
+    } else {
+        code::UPSTREAM_REJECTED
+    };
+    match e.temporary() {
+        true => Failure::temporary(code, e.to_string()),
+        false => Failure::new(code, e.to_string()),
+    }
+}
+
+/// A name Feishu will not dedupe against another message: at most 50 characters.
+fn send_uuid(idempotency_key: &str, part: usize) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{idempotency_key}:{part}").as_bytes());
+    ids::hex(&digest.as_ref()[..16])
+}
+
+impl Feishu {
+    fn label_text(&self) -> &'static str {
+        match self.settings.domain {
+            "lark" => "Lark",
+            _ => "Feishu",
+        }
+    }
+
+    fn secret_files(&self) -> KeyFiles {
+        KeyFiles {
+            dir: self.host.config.server.state_dir.join("feishu"),
+            prefix: "",
+            suffix: ".secret",
+        }
+    }
+
+    /// The credentials that speak for `app_id`: its own secret file, else the device default.
+    fn creds_of(&self, app_id: &str) -> Option<AppCreds> {
+        let secret = match self.secret_files().read(app_id) {
+            Some(own) => Secret::new(own),
+            None if self.settings.app_id.as_deref() == Some(app_id) => self.settings.app_secret.clone()?,
+            None => return None,
+        };
+        Some(AppCreds {
+            app_id: app_id.to_string(),
+            secret,
+        })
+    }
+
+    fn chat_info(&self, source: &str) -> Result<Option<ChatInfo>, StoreError> {
+        self.host.db.read(|txn| {
+            let Some(v) = txn.open_table(FS_CHATS)?.get(source)? else {
+                return Ok(None);
+            };
+            let info = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("feishu chat"))?;
+            Ok(Some(info))
+        })
+    }
+
+    /// The binding of a source and the credentials it sends with.
+    fn route(&self, source: &Source) -> Result<(ChatInfo, AppCreds), Failure> {
+        let info = self
+            .chat_info(source.as_str())
+            .map_err(Failure::storage)?
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the Feishu binding is gone"))?;
+        let creds = self
+            .creds_of(&info.app_id)
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the app secret is no longer available"))?;
+        Ok((info, creds))
+    }
+
+    /// Handles one event of `app_id`'s long connection (on a blocking thread): true when it
+    /// may be answered as done (stored, a duplicate, or nothing imgate stores), false to have
+    /// Feishu deliver it again (the store failed or the queue is full).
+    fn accept(&self, app_id: &str, payload: &[u8]) -> bool {
+        let ev = match event::read(payload) {
+            Ok(ev) => ev,
+            Err(why) => {
+                self.unreadable_events.fetch_add(1, Ordering::Relaxed);
+                let admitted = self.unreadable_log.lock().unwrap_or_else(|e| e.into_inner()).admit();
+                if let Some(more) = admitted {
+                    log::warn!("feishu: app {app_id}: an event was dropped: {why}{more}");
+                }
+                return true;
+            }
+        };
+        let Some(message) = ev.message else {
+            log::debug!(
+                "feishu: app {app_id}: event {} not stored (imgate stores messages only)",
+                ev.event_type
+            );
+            return true;
+        };
+        let source = source_of(app_id, &message.chat_id);
+        let mut inbound = message.inbound;
+        if self.was_stored(&inbound.message_id) {
+            return true;
+        }
+        match self.host.channels.bound_channel(source.as_str()) {
+            Ok(Some(_)) => {}
+            Ok(None) => {
+                self.unbound_events.fetch_add(1, Ordering::Relaxed);
+                log::debug!("feishu: app {app_id}: a message from a chat no channel is bound to");
+                return true;
+            }
+            Err(e) => {
+                log::debug!("feishu: {source}: cannot read the binding: {e}");
+                return false;
+            }
+        }
+        let now = ids::now_ms();
+        let ttl = self.host.ttl_ms();
+        if inbound.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
+            // Delivered again after a long outage: older than the TTL, never pushed.
+            if let Err(e) = self.host.outbox.record_expired(source.as_str(), 1) {
+                log::error!("feishu: {e}");
+            }
+            return true;
+        }
+        if let Some(res) = &message.resource {
+            // Fetched now: the resource API needs the app's token, our file cache does not.
+            match self.fetch(app_id, &inbound.message_id, res, &source) {
+                Ok(item) => inbound.files = Some(vec![item]),
+                Err(why) => {
+                    log::warn!("feishu: {source}: {} not cached: {why}", res.kind);
+                    inbound.text = format!("{} [{} not available: {why}]", inbound.text, res.kind)
+                        .trim()
+                        .to_string();
+                }
+            }
+        }
+        crate::faults::crash_at("feishu-before-commit");
+        let expires_at = now + ttl;
+        let message_id = inbound.message_id.clone();
+        let new = NewMessage {
+            source: source.to_string(),
+            message_id: message_id.clone(),
+            payload: miniserde::json::to_string(&inbound),
+            reply_ref: Some((
+                ids::token("rr_"),
+                ReplyRef {
+                    source: source.to_string(),
+                    message_id: message_id.clone(),
+                    expires_at,
+                },
+            )),
+            accepted_at: now,
+            expires_at,
+            cursor: None,
+        };
+        match self.host.outbox.enqueue(new) {
+            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
+                self.stored(message_id);
+                true
+            }
+            Ok(Enqueued::CapacityExceeded) => {
+                log::warn!("feishu: {source}: queue full; Feishu will deliver the message again");
+                false
+            }
+            Err(e) => {
+                log::debug!("feishu: {source}: cannot store a message: {e}");
+                false
+            }
+        }
+    }
+
+    fn was_stored(&self, message_id: &str) -> bool {
+        self.recent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|m| m == message_id)
+    }
+
+    fn stored(&self, message_id: String) {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() >= RECENT {
+            recent.pop_front();
+        }
+        recent.push_back(message_id);
+    }
+
+    /// A message's file, through the message-resource API, into the file cache.
+    fn fetch(
+        &self,
+        app_id: &str,
+        message_id: &str,
+        res: &event::Resource,
+        source: &Source,
+    ) -> Result<FileItem, String> {
+        if !safe_id(message_id) {
+            return Err("the message ID cannot be used in a request".into());
+        }
+        let creds = self.creds_of(app_id).ok_or("the app secret is no longer available")?;
+        let limit = self.host.config.files.max_file_bytes;
+        let path = format!(
+            "/open-apis/im/v1/messages/{message_id}/resources/{}?type={}",
+            res.file_key, res.api_type
+        );
+        let deadline = Instant::now() + FETCH_DEADLINE;
+        let got = with_retry("feishu: message resource", deadline, |left| {
+            self.api.download(&creds, &path, limit, left)
+        })
+        .map_err(|e| e.to_string())?;
+        // The server's type wins when it names one (an image may be a JPEG, not a PNG).
+        let mime = got
+            .content_type
+            .as_deref()
+            .map(|c| c.split(';').next().unwrap_or_default().trim())
+            .filter(|c| c.contains('/') && !c.starts_with("application/octet-stream"))
+            .unwrap_or(res.mime_type);
+        let (file_ref, rec) = self
+            .host
+            .files
+            .store(source.as_str(), &res.filename, mime, &got.bytes, "in")
+            .map_err(|e| e.to_string())?;
+        Ok(FileItem::cached(file_ref, rec))
+    }
+
+    /// Sends one message (`msg_type` with its JSON `content`), as a reply when asked.
+    fn post_message(
+        &self,
+        to: &Sending,
+        msg_type: &str,
+        content: &Value,
+        reply_to: Option<&str>,
+        uuid: String,
+    ) -> Result<String, Failure> {
+        let content = json::to_string(content);
+        let (path, body) = match reply_to {
+            Some(m) => (
+                format!("/open-apis/im/v1/messages/{m}/reply"),
+                obj([("msg_type", s(msg_type)), ("content", s(content)), ("uuid", s(uuid))]),
+            ),
+            None => (
+                "/open-apis/im/v1/messages?receive_id_type=chat_id".to_string(),
+                obj([
+                    ("receive_id", s(&to.info.chat_id)),
+                    ("msg_type", s(msg_type)),
+                    ("content", s(content)),
+                    ("uuid", s(uuid)),
+                ]),
+            ),
+        };
+        let sent = with_retry("feishu: send", to.deadline, |left| {
+            self.api.call(to.creds, "POST", &path, Some(&body), left)
+        })
+        .map_err(|e| failure(&e))?;
+        Ok(json::as_object(&sent)
+            .and_then(|o| json::get_str(o, "message_id"))
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// Uploads a file for this channel (an image, else a file) and sends it.
+    fn send_file(
+        &self,
+        to: &Sending,
+        file: &(FileRecord, std::path::PathBuf),
+        uuid: String,
+    ) -> Result<String, Failure> {
+        let (rec, path) = file;
+        let bytes = std::fs::read(path)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot read the file: {e}")))?;
+        let image = rec.kind == "image" && rec.byte_size <= MAX_IMAGE;
+        let (api_path, fields, part, key, msg_type) = if image {
+            (
+                "/open-apis/im/v1/images",
+                vec![("image_type", "message")],
+                "image",
+                "image_key",
+                "image",
+            )
+        } else {
+            let file_type = file_type_of(&rec.filename);
+            let fields = vec![("file_type", file_type), ("file_name", rec.filename.as_str())];
+            ("/open-apis/im/v1/files", fields, "file", "file_key", "file")
+        };
+        let (boundary, body) = multipart(&fields, part, &rec.filename, &rec.mime_type, &bytes);
+        let uploaded = with_retry("feishu: upload", to.deadline, |left| {
+            self.api.upload(to.creds, api_path, &boundary, &body, left)
+        })
+        .map_err(|e| failure(&e))?;
+        let file_key = json::as_object(&uploaded)
+            .and_then(|o| json::get_str(o, key))
+            .filter(|k| !k.is_empty())
+            .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, format!("the upload answer has no {key}")))?
+            .to_string();
+        self.post_message(to, msg_type, &obj([(key, s(file_key))]), None, uuid)
+    }
+
+    /// The app IDs of the bound Feishu chats, and what the bindings know.
+    fn bound_chats(&self, bound: &[Source]) -> Vec<ChatInfo> {
+        bound
+            .iter()
+            .filter(|s| s.provider() == NAME)
+            .filter_map(|s| match self.chat_info(s.as_str()) {
+                Ok(info) => info,
+                Err(e) => {
+                    log::error!("feishu: cannot read the binding of {s}: {e}");
+                    None
+                }
+            })
+            .collect()
+    }
+}
+
+/// One tool call's sends: to which chat, as which app, until when.
+struct Sending<'a> {
+    info: &'a ChatInfo,
+    creds: &'a AppCreds,
+    deadline: Instant,
+}
+
+/// The upload API's `file_type` for a file name.
+fn file_type_of(filename: &str) -> &'static str {
+    let ext = filename
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "opus" => "opus",
+        "mp4" => "mp4",
+        "pdf" => "pdf",
+        "doc" | "docx" => "doc",
+        "xls" | "xlsx" => "xls",
+        "ppt" | "pptx" => "ppt",
+        _ => "stream",
+    }
+}
+
+/// A multipart/form-data body: text fields, then the file as `part`.
+fn multipart(fields: &[(&str, &str)], part: &str, filename: &str, mime: &str, bytes: &[u8]) -> (String, Vec<u8>) {
+    let boundary = format!("imgate{}", ids::random_hex(12));
+    let mut body = Vec::with_capacity(bytes.len() + 512);
+    for (name, value) in fields {
+        body.extend_from_slice(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").as_bytes(),
+        );
+    }
+    // The name is ours (checked at upload), but a quote would still end the header value.
+    let filename = filename.replace(['"', '\r', '\n'], "_");
+    body.extend_from_slice(
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"{part}\"; filename=\"{filename}\"\r\nContent-Type: {mime}\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    body.extend_from_slice(bytes);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    (boundary, body)
+}
+
+/// What the binding checks met, as the reason the form shows.
+fn chat_failure(e: &ApiError) -> Failure {
+    let refused = |why: &str| Failure::new(code::CONNECTION_NOT_AUTHENTICATED, why.to_string());
+    match e.code {
+        232011 | 230002 => refused("the app's bot is not in this chat: add the bot to the chat, then bind again"),
+        232006 | 232001 => refused("Feishu does not know this chat ID (it looks like oc_...)"),
+        232025 | 230006 => refused("the app has no bot: enable the bot ability in the developer console and publish the app"),
+        232034 => refused("the app is not installed or not enabled in this tenant"),
+        99991672 | 99991679 => Failure::new(
+            code::CONNECTION_NOT_AUTHENTICATED,
+            format!("the app lacks a permission scope the chat check needs ({}): add im:chat:readonly and im:message, then publish", e.msg),
+        ),
+        _ => failure(e),
+    }
+}
+
+fn flow(default_app: bool) -> Value {
+    let field = |name: &str, label: &str, input_type: &str, secret: bool, required: bool, help: &str| {
+        let mut o = vec![
+            ("name", s(name)),
+            ("label", s(label)),
+            ("input_type", s(input_type)),
+            ("required", b(required)),
+            ("help_text", s(help)),
+        ];
+        if secret {
+            o.push(("secret", b(true)));
+        }
+        obj(o)
+    };
+    let app_help = if default_app {
+        "Leave empty to use the device's app, or enter another self-built app's App ID."
+    } else {
+        "The App ID of a self-built app with the bot ability (Credentials & Basic Info)."
+    };
+    obj([
+        ("id", s(FLOW)),
+        ("target_type", s("im")),
+        ("type", s("form")),
+        ("title", s("Bind a Feishu / Lark chat")),
+        ("description", s("Bind this channel to one chat of a self-built app's bot; events arrive over the app's long connection.")),
+        (
+            "fields",
+            arr([
+                field("app_id", "App ID", "text", false, !default_app, app_help),
+                field(
+                    "app_secret",
+                    "App Secret",
+                    "password",
+                    true,
+                    !default_app,
+                    "The app's App Secret (needed with another app's App ID).",
+                ),
+                field(
+                    "chat_id",
+                    "Chat ID",
+                    "text",
+                    false,
+                    true,
+                    "Add the bot to the chat, then enter the chat's ID (oc_...).",
+                ),
+            ]),
+        ),
+    ])
+}
+
+impl Provider for Feishu {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn target(&self) -> Value {
+        obj([
+            ("target_type", s("im")),
+            ("provider", s(NAME)),
+            ("label", s(self.label_text())),
+            (
+                "description",
+                s("A Feishu / Lark self-built app's bot in a private chat or a group."),
+            ),
+        ])
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow(self.settings.app_id.is_some())]
+    }
+
+    fn flow_ids(&self) -> &'static [&'static str] {
+        &[FLOW]
+    }
+
+    fn tools(&self) -> &'static [&'static str] {
+        TOOLS
+    }
+
+    /// `feishu_app_binding`: checks the credentials (a fresh token), that the app may open a
+    /// long connection (the endpoint request), and the chat (the bot must be in it).
+    fn bind(&self, _flow_id: &str, input: &Object) -> Result<Source, Failure> {
+        let given = |k: &str| json::get_str(input, k).map(str::trim).filter(|v| !v.is_empty());
+        let default_id = self.settings.app_id.as_deref();
+        let app_id = given("app_id").or(default_id).ok_or_else(|| {
+            Failure::new(
+                code::INVALID_ARGUMENTS,
+                "an App ID is required (none is configured on the device)",
+            )
+        })?;
+        if !safe_id(app_id) {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                "the App ID has characters an App ID never has",
+            ));
+        }
+        let own = given("app_secret");
+        let secret = match (own, self.settings.app_secret.as_ref()) {
+            (Some(secret), _) => secret.to_string(),
+            (None, Some(default)) if Some(app_id) == default_id => default.expose().to_string(),
+            _ => {
+                return Err(Failure::new(
+                    code::INVALID_ARGUMENTS,
+                    "an App Secret is required for an app that is not the device's",
+                ))
+            }
+        };
+        let chat_id = given("chat_id").unwrap_or_default();
+        if !safe_id(chat_id) {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                "chat_id must be a chat ID like oc_...",
+            ));
+        }
+        let creds = AppCreds {
+            app_id: app_id.to_string(),
+            secret: Secret::new(secret.clone()),
+        };
+        // A cached token would pass the check whatever the secret given now.
+        self.api.forget_token(app_id);
+        self.api.token(&creds, TOOL_DEADLINE).map_err(|e| match e.temporary() {
+            true => Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the app: {e}")),
+            false => Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                format!("Feishu rejected the App ID or App Secret ({})", e.msg),
+            ),
+        })?;
+        let endpoint = self
+            .api
+            .endpoint(&creds, longconn::ENDPOINT_PATH, TOOL_DEADLINE)
+            .map_err(|e| Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the long connection: {e}")))
+            .and_then(|body| {
+                longconn::read_endpoint(&body, longconn::ClientConfig::default()).map_err(|e| match e {
+                    longconn::EndpointError::Refused { code: c, msg } => Failure::new(
+                        code::CONNECTION_NOT_AUTHENTICATED,
+                        format!("Feishu refused the app a long connection (code {c}: {msg}): in the developer console, choose to receive events through the long connection and subscribe to im.message.receive_v1"),
+                    ),
+                    longconn::EndpointError::Retry(why) => Failure::temporary(
+                        code::UPSTREAM_UNREACHABLE,
+                        format!("cannot check the long connection: {why}"),
+                    ),
+                })
+            });
+        endpoint?;
+        let chat = self
+            .api
+            .call(
+                &creds,
+                "GET",
+                &format!("/open-apis/im/v1/chats/{chat_id}"),
+                None,
+                TOOL_DEADLINE,
+            )
+            .map_err(|e| chat_failure(&e))?;
+        let chat = json::as_object(&chat).cloned().unwrap_or_default();
+        let name = json::get_str(&chat, "name").filter(|n| !n.is_empty());
+        let p2p = json::get_str(&chat, "chat_mode") == Some("p2p");
+        let own_secret = own.is_some_and(|o| {
+            self.settings.app_secret.as_ref().is_none_or(|d| d.expose() != o) || Some(app_id) != default_id
+        });
+        if own_secret {
+            self.secret_files()
+                .store(app_id, &secret)
+                .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the app secret: {e}")))?;
+        }
+        let info = ChatInfo {
+            app_id: app_id.to_string(),
+            chat_id: chat_id.to_string(),
+            chat_name: name.map_or_else(|| inbound::redact(chat_id), |n| n.chars().take(128).collect()),
+            chat_type: if p2p { "p2p" } else { "group" }.into(),
+            own_secret,
+        };
+        let source = source_of(app_id, chat_id);
+        self.host
+            .db
+            .write(|txn| {
+                txn.open_table(FS_CHATS)?
+                    .insert(source.as_str(), miniserde::json::to_string(&info).as_str())?;
+                Ok(())
+            })
+            .map_err(Failure::storage)?;
+        Ok(source)
+    }
+
+    fn describe(&self, source: &Source) -> Result<Description, StoreError> {
+        let label = self.label_text();
+        let target = |display_name: String, account_hint| Target {
+            provider: NAME.into(),
+            label: label.into(),
+            display_name,
+            account_hint,
+        };
+        let info = self.chat_info(source.as_str())?;
+        Ok(match info.filter(|i| self.creds_of(&i.app_id).is_some()) {
+            Some(info) => Description {
+                status: "connected",
+                target: target(info.chat_name.clone(), Some(inbound::redact(&info.chat_id))),
+                tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
+            },
+            None => Description {
+                status: "error",
+                target: target(format!("{label} (binding lost: bind again)"), None),
+                tools: TOOLS
+                    .iter()
+                    .map(|t| (*t, ToolState::unavailable("the app secret is no longer available")))
+                    .collect(),
+            },
+        })
+    }
+
+    fn label(&self, _source: &Source) -> String {
+        self.label_text().into()
+    }
+
+    /// Text (split at 20,000 characters, the first part replying when asked), then each file
+    /// as an image or a file message.
+    fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
+        let (info, creds) = self.route(source)?;
+        let reply_to = match out.reply_to {
+            Some(m) if !safe_id(m) => {
+                return Err(Failure::new(
+                    code::REPLY_REF_INVALID,
+                    "the message to answer has an unusable ID",
+                ))
+            }
+            other => other,
+        };
+        let to = Sending {
+            info: &info,
+            creds: &creds,
+            deadline: Instant::now() + TOOL_DEADLINE,
+        };
+        let mut last = String::new();
+        let mut part = 0;
+        if !out.text.is_empty() {
+            for (i, chunk) in split_text(out.text, MAX_TEXT).into_iter().enumerate() {
+                let content = obj([("text", s(chunk))]);
+                let reply = if i == 0 { reply_to } else { None };
+                last = self.post_message(&to, "text", &content, reply, send_uuid(out.idempotency_key, part))?;
+                part += 1;
+            }
+        }
+        for file in out.files {
+            last = self.send_file(&to, file, send_uuid(out.idempotency_key, part))?;
+            part += 1;
+        }
+        Ok(last)
+    }
+
+    /// One long connection per app with a binding; secrets no binding uses are forgotten.
+    fn bindings_changed(&self, bound: &[Source]) {
+        let chats = self.bound_chats(bound);
+        let mut apps: Vec<String> = chats.iter().map(|c| c.app_id.clone()).collect();
+        apps.sort();
+        apps.dedup();
+        if let Some(me) = self.me.upgrade() {
+            self.conns.sync(&me, &apps);
+        }
+        let own: Vec<String> = chats
+            .iter()
+            .filter(|c| c.own_secret)
+            .map(|c| c.app_id.clone())
+            .collect();
+        self.secret_files().forget_unused(&own, "feishu: secret of app");
+    }
+
+    fn metrics(&self, out: &mut String) {
+        let lines = [
+            ("imgate_feishu_connections", "gauge", self.conns.count() as u64),
+            ("imgate_feishu_connections_up", "gauge", self.conns.up() as u64),
+            (
+                "imgate_feishu_unbound_events_total",
+                "counter",
+                self.unbound_events.load(Ordering::Relaxed),
+            ),
+            (
+                "imgate_feishu_unreadable_events_total",
+                "counter",
+                self.unreadable_events.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, kind, value) in lines {
+            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
+        }
+    }
+
+    fn stop(&self) {
+        self.conns.stop_all();
+    }
+}

@@ -20,10 +20,13 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
 }
 
-impl ApiError {
-    /// Worth retrying: unreachable, rate limited or a server error.
-    pub fn temporary(&self) -> bool {
+impl crate::providers::Transient for ApiError {
+    fn temporary(&self) -> bool {
         self.code == 0 || self.code == 429 || self.code >= 500
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        self.retry_after.map(Duration::from_secs)
     }
 }
 

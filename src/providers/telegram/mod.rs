@@ -9,8 +9,6 @@ pub mod api;
 pub mod poll;
 
 use std::collections::HashMap;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -20,7 +18,8 @@ use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
-use super::inbound;
+use super::keyfiles::KeyFiles;
+use super::{inbound, with_retry, Transient};
 use super::{
     Activity, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply,
     Route,
@@ -206,64 +205,24 @@ fn unchanged(e: &ApiError) -> bool {
     e.code == 400 && e.description.contains("not modified")
 }
 
-/// Splits text at Telegram's limit, preferring line breaks, never inside a character.
+/// Splits text at Telegram's limit.
 pub fn split_text(text: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = text;
-    // One scan per part: the byte offset of character MAX_TEXT exists only while too long.
-    while let Some((cut, _)) = rest.char_indices().nth(MAX_TEXT) {
-        let at = rest[..cut].rfind('\n').filter(|&i| i > cut / 2).map_or(cut, |i| i + 1);
-        out.push(rest[..at].to_string());
-        rest = &rest[at..];
-    }
-    if !rest.is_empty() || out.is_empty() {
-        out.push(rest.to_string());
-    }
-    out
-}
-
-/// Runs `attempt` (one Bot API call, given the time left) until it succeeds, fails for good, or
-/// `deadline` passes: rate limits and server errors are retried with backoff, and no attempt may
-/// outlive the deadline, so a tool answers in time even when Telegram stalls.
-pub(super) fn with_retry<T>(
-    method: &str,
-    deadline: Instant,
-    mut attempt: impl FnMut(Duration) -> Result<T, ApiError>,
-) -> Result<T, ApiError> {
-    let mut backoff = Duration::from_millis(500);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match attempt(left.max(Duration::from_millis(1))) {
-            Err(e) if e.temporary() => {
-                let wait = e.retry_after.map_or(backoff, Duration::from_secs);
-                if Instant::now() + wait >= deadline {
-                    return Err(e);
-                }
-                log::info!("telegram: {method}: {e}; retrying in {wait:?}");
-                std::thread::sleep(wait);
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-            other => return other,
-        }
-    }
+    super::split_text(text, MAX_TEXT)
 }
 
 impl Telegram {
-    fn token_path(&self, bot_id: u64) -> PathBuf {
-        self.host
-            .config
-            .server
-            .state_dir
-            .join("telegram")
-            .join(format!("bot{bot_id}.token"))
+    fn token_files(&self) -> KeyFiles {
+        KeyFiles {
+            dir: self.host.config.server.state_dir.join("telegram"),
+            prefix: "bot",
+            suffix: ".token",
+        }
     }
 
     /// The token that speaks for a binding.
     fn token_for(&self, info: &ChatInfo) -> Option<String> {
         if info.own_token {
-            std::fs::read_to_string(self.token_path(info.bot_id))
-                .ok()
-                .map(|t| t.trim().to_string())
+            self.token_files().read(&info.bot_id.to_string())
         } else {
             self.settings.bot_token.as_ref().map(|t| t.expose().to_string())
         }
@@ -312,43 +271,14 @@ impl Telegram {
             .collect()
     }
 
-    fn store_token(&self, bot_id: u64, token: &str) -> std::io::Result<()> {
-        let path = self.token_path(bot_id);
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let tmp = path.with_extension("tmp");
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(token.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(tmp, path)
-    }
-
     /// Forgets tokens no binding uses any more.
     fn forget_unused_tokens(&self, chats: &[(String, ChatInfo)]) {
-        let in_use: Vec<u64> = chats
+        let in_use: Vec<String> = chats
             .iter()
             .filter(|(_, i)| i.own_token)
-            .map(|(_, i)| i.bot_id)
+            .map(|(_, i)| i.bot_id.to_string())
             .collect();
-        let dir = self.host.config.server.state_dir.join("telegram");
-        let Ok(entries) = std::fs::read_dir(&dir) else { return };
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().to_string();
-            let id = name
-                .strip_prefix("bot")
-                .and_then(|n| n.strip_suffix(".token"))
-                .and_then(|n| n.parse::<u64>().ok());
-            if let Some(id) = id.filter(|id| !in_use.contains(id)) {
-                let _ = std::fs::remove_file(e.path());
-                log::info!("telegram: token of bot {id} forgotten (no binding uses it)");
-            }
-        }
+        self.token_files().forget_unused(&in_use, "telegram: token of bot");
     }
 
     /// The default bot's ID when `mode = webhook` (Telegram tokens start with the bot's ID).
@@ -707,7 +637,8 @@ impl Provider for Telegram {
             .map_or_else(|| redact_id(chat_id), str::to_string);
         let own_token = given.is_some() && Some(token) != default;
         if own_token {
-            self.store_token(bot_id, token)
+            self.token_files()
+                .store(&bot_id.to_string(), token)
                 .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the bot token: {e}")))?;
         }
         let info = ChatInfo {
@@ -892,27 +823,5 @@ impl Provider for Telegram {
 
     fn stop(&self) {
         self.pollers.stop_all();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn long_text_is_split_at_the_limit_without_breaking_characters() {
-        let text = "é".repeat(5000);
-        let parts = split_text(&text);
-        assert_eq!(parts.len(), 2);
-        assert_eq!(parts[0].chars().count(), 4096);
-        assert_eq!(parts.concat(), text);
-        let lines = format!("{}\n{}", "a".repeat(3000), "b".repeat(3000));
-        let parts = split_text(&lines);
-        assert_eq!(
-            parts[0],
-            format!("{}\n", "a".repeat(3000)),
-            "a line break is the preferred cut"
-        );
-        assert_eq!(split_text("hi"), ["hi"]);
     }
 }

@@ -374,14 +374,7 @@ fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<File
         .files
         .store(source, &media.filename, &media.mime_type, &bytes, "in")
         .map_err(|e| e.to_string())?;
-    Ok(FileItem {
-        file_ref,
-        kind: rec.kind,
-        filename: rec.filename,
-        mime_type: rec.mime_type,
-        byte_size: rec.byte_size,
-        expires_at: rec.expires_at,
-    })
+    Ok(FileItem::cached(file_ref, rec))
 }
 
 /// A Telegram `Message` as imgate's inbound event, and its file if it has one.

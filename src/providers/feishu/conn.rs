@@ -1,0 +1,289 @@
+//! One long connection per app, shared by every chat bound through it: it starts with the
+//! app's first binding and stops with its last (`Connections::sync`).
+//!
+//! The task runs on the executor and never blocks it: the endpoint request and each event's
+//! handling (binding lookup, file fetch, the outbox commit) run on the blocking pool. Events of
+//! one connection are handled one after the other, in the order they arrived, by a worker of
+//! their own, while the reader keeps answering pongs; an event is answered only once its
+//! commit returned, so whatever imgate did not store, Feishu delivers again.
+//!
+//! Reconnects follow the server's `ClientConfig`: after a drop, a random part of
+//! `ReconnectNonce`; after a failed attempt, `ReconnectInterval`. Each change of state (up,
+//! down, refused, unreachable) is logged once, not once per retry.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_tungstenite::tungstenite::protocol::WebSocketConfig;
+use async_tungstenite::tungstenite::Message;
+use smol::future::FutureExt;
+use smol::stream::StreamExt;
+use smol::Task;
+
+use super::frame::{Frame, MAX_FRAME};
+use super::longconn::{self, ClientConfig, Endpoint, EndpointError, Reassembly, Received};
+use super::Feishu;
+use crate::ids;
+use crate::quiet::Quiet;
+use crate::runtime;
+use crate::wsclient;
+
+/// The endpoint request gives up after this long.
+const ENDPOINT_TIMEOUT: Duration = Duration::from_secs(15);
+/// A refused app (wrong secret, long connection not enabled) is asked again this often at most.
+const REFUSED_WAIT: Duration = Duration::from_secs(300);
+/// Events waiting for the worker; when full, the reader waits (Feishu redelivers what it does
+/// not get an answer for).
+const QUEUED_EVENTS: usize = 32;
+
+/// The running connections, by app ID.
+#[derive(Default)]
+pub struct Connections {
+    running: Mutex<HashMap<String, Task<()>>>,
+    /// Connections whose WebSocket is up now.
+    up: Arc<AtomicUsize>,
+}
+
+impl Connections {
+    /// Starts a connection for every app in `wanted` and stops the others.
+    pub fn sync(&self, feishu: &Arc<Feishu>, wanted: &[String]) {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        running.retain(|app, _| {
+            let keep = wanted.contains(app);
+            if !keep {
+                log::info!("feishu: app {app} has no binding left; its long connection stops");
+            }
+            keep
+        });
+        for app in wanted {
+            if !running.contains_key(app) {
+                let task = runtime::spawn(run(Arc::downgrade(feishu), app.clone(), self.up.clone()));
+                running.insert(app.clone(), task);
+            }
+        }
+    }
+
+    /// Shutdown: every connection stops (dropping a task cancels it).
+    pub fn stop_all(&self) {
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    pub fn count(&self) -> usize {
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn up(&self) -> usize {
+        self.up.load(Ordering::Relaxed)
+    }
+}
+
+/// Counts a connection as up while it lives.
+struct Up(Arc<AtomicUsize>);
+
+impl Up {
+    fn new(n: &Arc<AtomicUsize>) -> Up {
+        n.fetch_add(1, Ordering::Relaxed);
+        Up(n.clone())
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Logs a connection's state when it changes.
+struct State {
+    app: String,
+    last: String,
+}
+
+impl State {
+    fn set(&mut self, now: String, warn: bool) {
+        if now != self.last {
+            match warn {
+                true => log::warn!("feishu: app {}: {now}", self.app),
+                false => log::info!("feishu: app {}: {now}", self.app),
+            }
+            self.last = now;
+        }
+    }
+}
+
+/// The connection loop of one app: forever, until its task is dropped.
+async fn run(feishu: Weak<Feishu>, app: String, up: Arc<AtomicUsize>) {
+    let mut config = ClientConfig::default();
+    let mut state = State {
+        app: app.clone(),
+        last: String::new(),
+    };
+    loop {
+        let wait = match endpoint(&feishu, &app, config).await {
+            None => return,
+            Some(Err(EndpointError::Refused { code, msg })) => {
+                state.set(
+                    format!(
+                        "Feishu refused the long connection (code {code}: {msg}); check the app's credentials and that it receives events through the long connection; asking again in {}",
+                        crate::config::fmt_duration(REFUSED_WAIT)
+                    ),
+                    true,
+                );
+                REFUSED_WAIT
+            }
+            Some(Err(EndpointError::Retry(why))) => {
+                state.set(
+                    format!("cannot get the long connection's address: {why}; retrying"),
+                    true,
+                );
+                config.reconnect_every
+            }
+            Some(Ok(ep)) => {
+                config = ep.config;
+                match connect(&ep).await {
+                    Err(why) => {
+                        state.set(format!("cannot open the long connection: {why}; retrying"), true);
+                        config.reconnect_every
+                    }
+                    Ok(ws) => {
+                        state.set("long connection up".into(), false);
+                        let _up = Up::new(&up);
+                        let why = session(&feishu, &app, ws, &ep, &mut config).await;
+                        state.set(format!("long connection down ({why}); reconnecting"), true);
+                        Duration::from_millis(ids::below(config.reconnect_jitter.as_millis() as u64 + 1))
+                    }
+                }
+            }
+        };
+        smol::Timer::after(wait).await;
+    }
+}
+
+/// The endpoint request on the blocking pool; `None` once the provider is gone.
+async fn endpoint(feishu: &Weak<Feishu>, app: &str, config: ClientConfig) -> Option<Result<Endpoint, EndpointError>> {
+    let f = feishu.upgrade()?;
+    let app = app.to_string();
+    Some(
+        runtime::unblock(move || {
+            let creds = f
+                .creds_of(&app)
+                .ok_or_else(|| EndpointError::Retry("the app's secret is no longer available".into()))?;
+            let body = f
+                .api
+                .endpoint(&creds, longconn::ENDPOINT_PATH, ENDPOINT_TIMEOUT)
+                .map_err(|e| EndpointError::Retry(e.to_string()))?;
+            longconn::read_endpoint(&body, config)
+        })
+        .await,
+    )
+}
+
+type Ws = async_tungstenite::WebSocketStream<wsclient::Stream>;
+
+async fn connect(ep: &Endpoint) -> Result<Ws, String> {
+    let target = wsclient::parse_url(&ep.url)?;
+    let request = wsclient::request(&ep.url)?;
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(MAX_FRAME))
+        .max_frame_size(Some(MAX_FRAME));
+    wsclient::connect(&target, request, None, config).await
+}
+
+/// One received event on its way to the worker: its payload, the frame to answer with, and
+/// when it arrived.
+type Job = (Vec<u8>, Frame, Instant);
+
+/// One connection, until it ends; why it ended.
+async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config: &mut ClientConfig) -> String {
+    let (mut sink, mut stream) = ws.split();
+    let (out_tx, out_rx) = smol::channel::bounded::<Frame>(QUEUED_EVENTS * 2);
+    let (job_tx, job_rx) = smol::channel::bounded::<Job>(QUEUED_EVENTS);
+    let _writer = runtime::spawn(async move {
+        while let Ok(frame) = out_rx.recv().await {
+            if sink.send(Message::Binary(frame.encode().into())).await.is_err() {
+                break;
+            }
+        }
+    });
+    let _worker = runtime::spawn(worker(feishu.clone(), app.to_string(), job_rx, out_tx.clone()));
+    let mut reassembly = Reassembly::default();
+    let mut bad_frames = Quiet::new();
+    let mut last_heard = Instant::now();
+    let mut next_ping = Instant::now();
+    loop {
+        enum Step {
+            Read(Option<Result<Message, async_tungstenite::tungstenite::Error>>),
+            Ping,
+        }
+        let step = async { Step::Read(stream.next().await) }
+            .or(async {
+                smol::Timer::at(next_ping).await;
+                Step::Ping
+            })
+            .await;
+        let now = Instant::now();
+        let bytes = match step {
+            Step::Ping => {
+                // The server answers every ping; three intervals of silence is a dead link.
+                if now.duration_since(last_heard) > config.ping_every * 3 {
+                    return "no answer to pings".into();
+                }
+                if out_tx.send(longconn::ping(ep.service_id)).await.is_err() {
+                    return "the writer stopped".into();
+                }
+                next_ping = now + config.ping_every;
+                continue;
+            }
+            Step::Read(None) | Step::Read(Some(Ok(Message::Close(_)))) => return "closed by the server".into(),
+            Step::Read(Some(Err(e))) => return e.to_string(),
+            Step::Read(Some(Ok(Message::Binary(b)))) => b,
+            Step::Read(Some(Ok(_))) => {
+                last_heard = now;
+                continue;
+            }
+        };
+        last_heard = now;
+        let frame = match Frame::decode(&bytes) {
+            Ok(f) => f,
+            Err(e) => {
+                if let Some(more) = bad_frames.admit() {
+                    log::warn!("feishu: app {app}: an unreadable frame was dropped: {e}{more}");
+                }
+                continue;
+            }
+        };
+        match reassembly.receive(frame, now) {
+            Received::Pong(update) => *config = config.updated(update),
+            Received::Event { payload, answer, .. } => {
+                if job_tx.send((payload, answer, now)).await.is_err() {
+                    return "the event worker stopped".into();
+                }
+            }
+            Received::Partial => {}
+            Received::Ignored(what) => log::debug!("feishu: app {app}: frame ignored: {what}"),
+        }
+    }
+}
+
+/// Handles the connection's events in arrival order; each is answered after its commit.
+async fn worker(
+    feishu: Weak<Feishu>,
+    app: String,
+    jobs: smol::channel::Receiver<Job>,
+    out: smol::channel::Sender<Frame>,
+) {
+    while let Ok((payload, answer, arrived)) = jobs.recv().await {
+        let Some(f) = feishu.upgrade() else { return };
+        let app = app.clone();
+        let stored = runtime::unblock(move || f.accept(&app, &payload)).await;
+        if out
+            .send(longconn::respond(answer, stored, arrived.elapsed()))
+            .await
+            .is_err()
+        {
+            return;
+        }
+    }
+}

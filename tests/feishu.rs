@@ -1,0 +1,334 @@
+//! The Feishu/Lark provider against `common/feishu.rs`, a simulator of the Open Platform and
+//! its long connection: binding and each failure, text, rich text and image round trips, the
+//! answer to an event only after its commit (a SIGKILL in between loses nothing and stores
+//! once), reconnects, token expiry during a tool call, rate limits, unbound chats, and an app
+//! secret that never leaves imgate.
+
+use std::time::Duration;
+
+use crate::common::feishu::{FeishuSim, SERVICE_ID};
+use crate::common::*;
+use serde_json::{json, Value};
+
+const APP: &str = "cli_a1b2c3d4e5";
+const SECRET: &str = "s3cr3t-app-secret-9Zq";
+const CHAT: &str = "oc_ops0001";
+const WAIT: Duration = Duration::from_secs(10);
+
+fn feishu(tag: &str, env: &[(&str, &str)]) -> (Daemon, FeishuSim) {
+    let sim = FeishuSim::start();
+    sim.add_app(APP, SECRET, true);
+    sim.add_chat(CHAT, "Ops", "group", &[APP]);
+    let dir = temp_dir(tag);
+    let conf = format!("[feishu]\napi_base = {}\n", sim.base);
+    (
+        Daemon::start_env(&dir, &config_text(free_port(), &dir, None, &conf), "trace", env),
+        sim,
+    )
+}
+
+fn bind(x: &mut Sim, cch: &str, app: &str, secret: &str, chat: &str) -> Value {
+    x.request(
+        "auth.start",
+        Some(cch),
+        json!({"flow_id": "feishu_app_binding", "input": {"app_id": app, "app_secret": secret, "chat_id": chat}}),
+    )
+}
+
+fn bound(d: &Daemon, sim: &FeishuSim) -> (Sim, String) {
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    let a = bind(&mut x, &cch, APP, SECRET, CHAT);
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    assert!(
+        sim.wait_connected(APP, 1, WAIT),
+        "the binding opens the app's long connection"
+    );
+    (x, cch)
+}
+
+fn text_event(message_id: &str, text: &str) -> Vec<u8> {
+    FeishuSim::message_event(APP, CHAT, message_id, "text", json!({"text": text}))
+}
+
+fn failed_because(a: &Value, needle: &str) {
+    assert_eq!(a["payload"]["status"], "failed", "{a}");
+    let message = a["payload"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(needle), "{message}");
+}
+
+#[test]
+fn binding_checks_the_app_its_long_connection_and_the_chat() {
+    let (d, sim) = feishu("fs-bind", &[]);
+    sim.add_app("cli_nolongconn", "other-secret", false);
+    sim.add_chat("oc_elsewhere", "Elsewhere", "group", &[]);
+    let (_, card) = http_get(&d.url("/connector-card.json"), &[]);
+    let card: Value = serde_json::from_str(&card).unwrap();
+    assert_card(&card);
+    let flow = card["auth_flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["id"] == "feishu_app_binding")
+        .cloned()
+        .expect("the Card offers feishu_app_binding when [feishu] is set");
+    assert_eq!(flow["fields"][1]["secret"], true, "{flow}");
+
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    failed_because(
+        &bind(&mut x, &cch, APP, "wrong", CHAT),
+        "rejected the App ID or App Secret",
+    );
+    failed_because(
+        &bind(&mut x, &cch, "cli_nolongconn", "other-secret", CHAT),
+        "long connection",
+    );
+    failed_because(
+        &bind(&mut x, &cch, APP, SECRET, "oc_elsewhere"),
+        "bot is not in this chat",
+    );
+    failed_because(
+        &bind(&mut x, &cch, APP, SECRET, "oc_nosuchchat"),
+        "does not know this chat",
+    );
+    failed_because(&bind(&mut x, &cch, APP, SECRET, "oc_../x"), "chat_id must be");
+
+    let ok = bind(&mut x, &cch, APP, SECRET, CHAT);
+    assert_eq!(ok["payload"]["status"], "authenticated", "{ok}");
+    let descriptor = &ok["payload"]["connection_descriptor"];
+    assert_descriptor(descriptor);
+    assert_eq!(descriptor["target"]["provider"], "feishu");
+    assert_eq!(descriptor["target"]["display_name"], "Ops");
+    assert_eq!(descriptor["target"]["account_hint"], "oc***01", "a redacted hint only");
+    assert!(sim.wait_connected(APP, 1, WAIT));
+    assert!(
+        sim.wait_ping(SERVICE_ID, WAIT),
+        "a ping names the service of the endpoint's URL"
+    );
+
+    let secret_file = d.dir.join(format!("state/feishu/{APP}.secret"));
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&secret_file).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "the secret file is private");
+    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert!(metrics.contains("imgate_feishu_connections_up 1"), "{metrics}");
+    let all = serde_json::to_string(&x.seen).unwrap() + &card.to_string() + &get_json(&d.url("/status")).to_string();
+    assert_no_secret(&all, &[SECRET, "t-sim"], "a packet, the Card or /status");
+    assert_no_secret(&d.log(), &[SECRET, "t-sim", "access_key=ak"], "the trace log");
+}
+
+#[test]
+fn text_and_rich_text_arrive_after_their_commit_and_replies_go_back() {
+    let (d, sim) = feishu("fs-text", &[]);
+    let (mut x, cch) = bound(&d, &sim);
+    let frame = sim.push_event(APP, &text_event("om_100", "is the door locked?"), 1);
+    let push = x.next_push(WAIT).expect("the Feishu message is pushed");
+    assert_packet(&push);
+    assert_eq!(push["connector_channel_id"], json!(cch));
+    let p = &push["payload"];
+    assert_eq!(p["provider"], "feishu");
+    assert_eq!(p["message_id"], "om_100");
+    assert_eq!(p["raw_text"], "is the door locked?");
+    assert!(p["text"].as_str().unwrap().starts_with("User message from Feishu:"));
+    let (code, biz_rt) = sim.answer(&frame, WAIT).expect("the event is answered");
+    assert_eq!(code, 200, "stored, so Feishu may forget it");
+    assert!(biz_rt.is_some(), "the answer says how long handling took");
+
+    let post = json!({"title": "Release", "content": [[{"tag": "text", "text": "v2 is out: "}, {"tag": "a", "text": "notes", "href": "https://x.example/n"}], [{"tag": "at", "user_name": "Ada"}]]});
+    // A payload over the server's frame size arrives in parts.
+    sim.push_event(APP, &FeishuSim::message_event(APP, CHAT, "om_101", "post", post), 3);
+    let push = x.next_push(WAIT).expect("the rich-text message is pushed");
+    assert_eq!(
+        push["payload"]["raw_text"],
+        "Release\nv2 is out: notes (https://x.example/n)\n@Ada"
+    );
+
+    let reply_ref = p["reply"]["reply_ref"].as_str().unwrap().to_string();
+    let a = x.tool(
+        &cch,
+        "imgate_message_reply",
+        json!({"reply_ref": reply_ref, "text": "yes, locked"}),
+        "fs-1",
+    );
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let replies = sim.calls("/open-apis/im/v1/messages/om_100/reply");
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0]["msg_type"], "text");
+    assert_eq!(replies[0]["content"], json!({"text": "yes, locked"}).to_string());
+    assert!(replies[0]["uuid"].as_str().unwrap().len() <= 50);
+
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "done"}), "fs-2");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let sent = sim.calls("/open-apis/im/v1/messages?receive_id_type=chat_id");
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0]["receive_id"], CHAT);
+    assert_no_secret(&serde_json::to_string(&x.seen).unwrap(), &[SECRET, "t-sim"], "a packet");
+}
+
+#[test]
+fn images_are_fetched_into_the_file_cache_and_files_go_out_uploaded() {
+    let (d, sim) = feishu("fs-files", &[]);
+    let (mut x, cch) = bound(&d, &sim);
+    let photo: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+    sim.add_resource("om_200", "img_v3_abc", &photo, "image/jpeg");
+    let event = FeishuSim::message_event(APP, CHAT, "om_200", "image", json!({"image_key": "img_v3_abc"}));
+    sim.push_event(APP, &event, 1);
+    let push = x.next_push(WAIT).expect("the image message is pushed");
+    let file = &push["payload"]["files"][0];
+    assert_eq!(push["payload"]["message_type"], "image");
+    assert_eq!(file["mime_type"], "image/jpeg", "the server's type wins");
+    assert_eq!(file["byte_size"], 5000);
+    let url = file["download_url"].as_str().unwrap().to_string();
+    let mut resp = load_agent().get(&d.url(&url)).call().unwrap();
+    assert_eq!(
+        resp.body_mut().read_to_vec().unwrap(),
+        photo,
+        "the cached bytes are served"
+    );
+    let fetched = sim.calls("/open-apis/im/v1/messages/om_200/resources/img_v3_abc?type=image");
+    assert_eq!(fetched.len(), 1);
+
+    let (status, up) = upload_as(&d, &cch, "plan.png", "image/png", b"\x89PNG-bytes");
+    assert_eq!(status, 200, "{up}");
+    let file_ref = up["file_ref"].as_str().unwrap();
+    let a = x.tool(
+        &cch,
+        "imgate_file_send",
+        json!({"file_ref": file_ref, "caption": "the plan"}),
+        "fs-f1",
+    );
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let uploads = sim.uploads();
+    assert_eq!(uploads.len(), 1);
+    assert_eq!(uploads[0].0, "/open-apis/im/v1/images");
+    let body = String::from_utf8_lossy(&uploads[0].1);
+    assert!(body.contains("name=\"image_type\"\r\n\r\nmessage"), "{body}");
+    assert!(body.contains("PNG-bytes"));
+    let sent = sim.calls("/open-apis/im/v1/messages?receive_id_type=chat_id");
+    assert_eq!(sent.len(), 2, "the caption, then the image");
+    assert_eq!(sent[0]["content"], json!({"text": "the plan"}).to_string());
+    assert_eq!(sent[1]["msg_type"], "image");
+    let content: Value = serde_json::from_str(sent[1]["content"].as_str().unwrap()).unwrap();
+    assert!(content["image_key"].as_str().unwrap().starts_with("img_v3_"));
+
+    let (_, up) = upload_as(&d, &cch, "report.pdf", "application/pdf", b"%PDF-1.7");
+    let a = x.tool(&cch, "imgate_file_send", json!({"file_ref": up["file_ref"]}), "fs-f2");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let uploads = sim.uploads();
+    assert_eq!(uploads[1].0, "/open-apis/im/v1/files");
+    assert!(String::from_utf8_lossy(&uploads[1].1).contains("name=\"file_type\"\r\n\r\npdf"));
+}
+
+#[test]
+fn a_sigkill_between_an_event_and_its_commit_loses_nothing_and_stores_it_once() {
+    let (mut d, sim) = feishu("fs-crash", &[("IMGATE_TEST_CRASH", "feishu-before-commit:1")]);
+    let (_, cch) = bound(&d, &sim);
+    let frame = sim.push_event(APP, &text_event("om_300", "survive me"), 1);
+    assert!(
+        d.wait_exit(WAIT).is_some(),
+        "killed between receiving the event and its commit"
+    );
+    assert_eq!(
+        sim.answer(&frame, Duration::from_millis(200)),
+        None,
+        "nothing answered it"
+    );
+
+    let d = d.restart_env(&[]);
+    assert!(
+        sim.wait_connected(APP, 2, WAIT),
+        "the app connects again after the restart"
+    );
+    let (code, _) = sim.answer(&frame, WAIT).expect("the redelivered event is answered");
+    assert_eq!(code, 200);
+    let mut x = d.xagent();
+    x.hello(&d.connector_id());
+    x.open(Some(&cch));
+    let push = x.next_push(WAIT).expect("the message survived the crash");
+    assert_eq!(push["payload"]["message_id"], "om_300");
+
+    // Feishu delivering it once more (its answer was lost, say) stores nothing new.
+    let again = sim.push_event(APP, &text_event("om_300", "survive me"), 1);
+    assert_eq!(sim.answer(&again, WAIT).map(|a| a.0), Some(200));
+    assert!(
+        x.next_push(Duration::from_secs(2)).is_none(),
+        "exactly one message was pushed"
+    );
+}
+
+#[test]
+fn the_long_connection_comes_back_after_the_server_drops_it() {
+    let (d, sim) = feishu("fs-reconnect", &[]);
+    let (mut x, _) = bound(&d, &sim);
+    let calls = sim.endpoint_calls();
+    sim.drop_connection(APP);
+    assert!(sim.wait_connected(APP, 2, WAIT), "reconnected");
+    assert!(
+        sim.endpoint_calls() > calls,
+        "a new address is asked for each connection"
+    );
+    sim.push_event(APP, &text_event("om_400", "after the drop"), 1);
+    let push = x.next_push(WAIT).expect("events flow on the new connection");
+    assert_eq!(push["payload"]["raw_text"], "after the drop");
+    assert!(d.log_shows("long connection down (closed by the server)", WAIT));
+    assert_eq!(
+        d.log().matches("long connection up").count(),
+        2,
+        "each change of state is logged"
+    );
+}
+
+#[test]
+fn an_expired_token_is_renewed_within_a_tool_call_and_rate_limits_are_retried() {
+    let (d, sim) = feishu("fs-token", &[]);
+    let (mut x, cch) = bound(&d, &sim);
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "one"}), "t-1");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let issued = sim.tokens_issued();
+    sim.expire_tokens();
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "two"}), "t-2");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    assert_eq!(sim.tokens_issued(), issued + 1, "one new token, fetched on the refusal");
+
+    sim.fail_next("/open-apis/im/v1/messages", 429, 99991400, 1);
+    sim.fail_next("/open-apis/im/v1/messages", 503, 0, 1);
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "three"}), "t-3");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let sent = sim.calls("/open-apis/im/v1/messages?receive_id_type=chat_id");
+    assert_eq!(
+        sent.len(),
+        6,
+        "one, two (token refused, then sent), three (429, 503, sent)"
+    );
+    let uuids: Vec<&str> = sent[3..].iter().map(|c| c["uuid"].as_str().unwrap()).collect();
+    assert!(
+        uuids.iter().all(|u| *u == uuids[0]),
+        "a retry is the same send to Feishu"
+    );
+
+    sim.fail_next("/open-apis/im/v1/messages", 400, 230002, 1);
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "four"}), "t-4");
+    assert_eq!(a["error"]["code"], "upstream_rejected", "{a}");
+    assert_no_secret(&d.log(), &[SECRET, "t-sim"], "the trace log");
+}
+
+#[test]
+fn events_from_unbound_chats_and_unreadable_events_are_counted_not_stored() {
+    let (d, sim) = feishu("fs-unbound", &[]);
+    let (mut x, _) = bound(&d, &sim);
+    let other = FeishuSim::message_event(APP, "oc_notbound", "om_500", "text", json!({"text": "psst"}));
+    let frame = sim.push_event(APP, &other, 1);
+    assert_eq!(
+        sim.answer(&frame, WAIT).map(|a| a.0),
+        Some(200),
+        "answered: nothing to store"
+    );
+    let junk = sim.push_event(APP, b"{\"not\": \"an event\"", 1);
+    assert_eq!(sim.answer(&junk, WAIT).map(|a| a.0), Some(200));
+    assert!(x.next_push(Duration::from_secs(1)).is_none(), "nothing was stored");
+    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert!(metrics.contains("imgate_feishu_unbound_events_total 1"), "{metrics}");
+    assert!(metrics.contains("imgate_feishu_unreadable_events_total 1"), "{metrics}");
+}
