@@ -174,11 +174,7 @@ impl Api {
         let ctype = format!("multipart/form-data; boundary={boundary}");
         self.authorized(app, timeout, |token| {
             let req = self
-                .http
-                .post(&format!("{}{path}", self.base))
-                .config()
-                .timeout_global(Some(timeout))
-                .build()
+                .post(path, timeout)
                 .header("Authorization", &format!("Bearer {token}"))
                 .header("Content-Type", &ctype);
             let o = read_answer(req.send(body))?;
@@ -190,11 +186,7 @@ impl Api {
     pub fn download(&self, app: &AppCreds, path: &str, limit: u64, timeout: Duration) -> Result<Download, ApiError> {
         self.authorized(app, timeout, |token| {
             let mut resp = self
-                .http
-                .get(&format!("{}{path}", self.base))
-                .config()
-                .timeout_global(Some(timeout))
-                .build()
+                .get(path, timeout)
                 .header("Authorization", &format!("Bearer {token}"))
                 .call()
                 .map_err(ApiError::unreachable)?;
@@ -210,12 +202,7 @@ impl Api {
                     .is_some_and(|c| c.starts_with("application/json"))
             {
                 // Errors come as JSON, whatever the status.
-                let text = resp
-                    .body_mut()
-                    .with_config()
-                    .limit(MAX_ANSWER)
-                    .read_to_string()
-                    .unwrap_or_default();
+                let text = answer_text(&mut resp).unwrap_or_default();
                 return Err(error_of(status, &text));
             }
             let bytes = resp
@@ -236,27 +223,28 @@ impl Api {
     pub fn endpoint(&self, app: &AppCreds, path: &str, timeout: Duration) -> Result<String, ApiError> {
         let body = obj([("AppID", s(&app.app_id)), ("AppSecret", s(app.secret.expose()))]);
         let req = self
-            .http
-            .post(&format!("{}{path}", self.base))
-            .config()
-            .timeout_global(Some(timeout))
-            .build()
+            .post(path, timeout)
             .header("Content-Type", "application/json")
             .header("locale", "en");
         let mut resp = req
             .send(json::to_string(&body).as_bytes())
             .map_err(ApiError::unreachable)?;
         let status = resp.status().as_u16();
-        let text = resp
-            .body_mut()
-            .with_config()
-            .limit(MAX_ANSWER)
-            .read_to_string()
-            .map_err(ApiError::unreachable)?;
+        let text = answer_text(&mut resp)?;
         match status {
             200 => Ok(text),
             _ => Err(error_of(status, &text)),
         }
+    }
+
+    fn post(&self, path: &str, timeout: Duration) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
+        let url = format!("{}{path}", self.base);
+        self.http.post(&url).config().timeout_global(Some(timeout)).build()
+    }
+
+    fn get(&self, path: &str, timeout: Duration) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
+        let url = format!("{}{path}", self.base);
+        self.http.get(&url).config().timeout_global(Some(timeout)).build()
     }
 
     /// Runs `attempt` with the app's token; once more with a new token if it was refused.
@@ -289,21 +277,16 @@ impl Api {
         body: Option<&Value>,
         timeout: Duration,
     ) -> Result<json::Object, ApiError> {
-        let url = format!("{}{path}", self.base);
         let auth = token.map(|t| format!("Bearer {t}"));
         let sent = if method == "GET" {
-            let mut req = self.http.get(&url).config().timeout_global(Some(timeout)).build();
+            let mut req = self.get(path, timeout);
             if let Some(a) = &auth {
                 req = req.header("Authorization", a);
             }
             req.call()
         } else {
             let mut req = self
-                .http
-                .post(&url)
-                .config()
-                .timeout_global(Some(timeout))
-                .build()
+                .post(path, timeout)
                 .header("Content-Type", "application/json; charset=utf-8");
             if let Some(a) = &auth {
                 req = req.header("Authorization", a);
@@ -319,17 +302,21 @@ impl Api {
 fn read_answer(sent: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Result<json::Object, ApiError> {
     let mut resp = sent.map_err(ApiError::unreachable)?;
     let status = resp.status().as_u16();
-    let text = resp
-        .body_mut()
-        .with_config()
-        .limit(MAX_ANSWER)
-        .read_to_string()
-        .map_err(ApiError::unreachable)?;
+    let text = answer_text(&mut resp)?;
     let o = json::parse(&text).ok().and_then(|v| json::as_object(&v).cloned());
     match o {
         Some(o) if status == 200 && code_of(&o) == Some(0) => Ok(o),
         _ => Err(error_of(status, &text)),
     }
+}
+
+/// An answer's body as text, at most `MAX_ANSWER` bytes.
+fn answer_text(resp: &mut ureq::http::Response<ureq::Body>) -> Result<String, ApiError> {
+    resp.body_mut()
+        .with_config()
+        .limit(MAX_ANSWER)
+        .read_to_string()
+        .map_err(ApiError::unreachable)
 }
 
 fn code_of(o: &json::Object) -> Option<i64> {
