@@ -135,6 +135,10 @@ fn text_and_rich_text_arrive_after_their_commit_and_replies_go_back() {
     let (code, biz_rt) = sim.answer(&frame, WAIT).expect("the event is answered");
     assert_eq!(code, 200, "stored, so Feishu may forget it");
     assert!(biz_rt.is_some(), "the answer says how long handling took");
+    println!(
+        "event answered after its commit, biz_rt {} ms",
+        biz_rt.unwrap_or_default()
+    );
 
     let post = json!({"title": "Release", "content": [[{"tag": "text", "text": "v2 is out: "}, {"tag": "a", "text": "notes", "href": "https://x.example/n"}], [{"tag": "at", "user_name": "Ada"}]]});
     // A payload over the server's frame size arrives in parts.

@@ -8,7 +8,8 @@
 //! commit returned, so whatever imgate did not store, Feishu delivers again.
 //!
 //! Reconnects follow the server's `ClientConfig`: after a drop, a random part of
-//! `ReconnectNonce`; after a failed attempt, `ReconnectInterval`. Each change of state (up,
+//! `ReconnectNonce` (at least 1 s, doubled for each drop in a row within 30 s of connecting, up
+//! to `ReconnectInterval`); after a failed attempt, `ReconnectInterval`. Each change of state (up,
 //! down, refused, unreachable) is logged once, not once per retry.
 
 use std::collections::HashMap;
@@ -34,6 +35,8 @@ use crate::wsclient;
 const ENDPOINT_TIMEOUT: Duration = Duration::from_secs(15);
 /// A refused app (wrong secret, long connection not enabled) is asked again this often at most.
 const REFUSED_WAIT: Duration = Duration::from_secs(300);
+/// A connection that ends sooner than this counts as a quick drop.
+const SHORT_LIVED: Duration = Duration::from_secs(30);
 /// Events waiting for the worker; when full, the reader waits (Feishu redelivers what it does
 /// not get an answer for).
 const QUEUED_EVENTS: usize = 32;
@@ -120,6 +123,7 @@ async fn run(feishu: Weak<Feishu>, app: String, up: Arc<AtomicUsize>) {
         app: app.clone(),
         last: String::new(),
     };
+    let mut quick_drops = 0u32;
     loop {
         let wait = match endpoint(&feishu, &app, config).await {
             None => return,
@@ -149,16 +153,32 @@ async fn run(feishu: Weak<Feishu>, app: String, up: Arc<AtomicUsize>) {
                     }
                     Ok(ws) => {
                         state.set("long connection up".into(), false);
-                        let _up = Up::new(&up);
+                        let started = Instant::now();
+                        let up_now = Up::new(&up);
                         let why = session(&feishu, &app, ws, &ep, &mut config).await;
+                        drop(up_now);
                         state.set(format!("long connection down ({why}); reconnecting"), true);
-                        Duration::from_millis(ids::below(config.reconnect_jitter.as_millis() as u64 + 1))
+                        // A server that drops every connection at once must not get a
+                        // reconnect loop: each quick drop doubles the least wait.
+                        quick_drops = match started.elapsed() < SHORT_LIVED {
+                            true => (quick_drops + 1).min(16),
+                            false => 0,
+                        };
+                        let random = ids::below(config.reconnect_jitter.as_millis() as u64 + 1);
+                        after_drop(&config, quick_drops, Duration::from_millis(random))
                     }
                 }
             }
         };
         smol::Timer::after(wait).await;
     }
+}
+
+/// The wait after a drop: `random` (a random part of the server's jitter), but at least 1 s
+/// doubled for each quick drop in a row, and that least wait never over the reconnect interval.
+fn after_drop(config: &ClientConfig, quick_drops: u32, random: Duration) -> Duration {
+    let floor = Duration::from_secs(1) * (1u32 << quick_drops.saturating_sub(1).min(16));
+    random.max(floor.min(config.reconnect_every))
 }
 
 /// The endpoint request on the blocking pool; `None` once the provider is gone.
@@ -285,5 +305,28 @@ async fn worker(
         {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drops_in_a_row_wait_longer_up_to_the_reconnect_interval() {
+        let config = ClientConfig {
+            reconnect_every: Duration::from_secs(120),
+            ..ClientConfig::default()
+        };
+        let zero = Duration::ZERO;
+        assert_eq!(after_drop(&config, 0, zero), Duration::from_secs(1), "never at once");
+        assert_eq!(after_drop(&config, 1, zero), Duration::from_secs(1));
+        assert_eq!(after_drop(&config, 5, zero), Duration::from_secs(16));
+        assert_eq!(after_drop(&config, 16, zero), Duration::from_secs(120));
+        assert_eq!(
+            after_drop(&config, 1, Duration::from_secs(25)),
+            Duration::from_secs(25),
+            "the server's jitter when it is longer"
+        );
     }
 }

@@ -55,8 +55,9 @@ const MAX_IMAGE: u64 = 10 << 20;
 const TOOL_DEADLINE: Duration = Duration::from_secs(20);
 /// A message's file is fetched for at most this long before the message goes on with a note.
 const FETCH_DEADLINE: Duration = Duration::from_secs(20);
-/// Message IDs of recently stored events: a redelivery is answered without fetching its file
-/// again (the outbox's dedupe is what makes it a duplicate; this only saves the download).
+/// Event and message IDs of recently stored events: a redelivery is answered at once, without
+/// fetching its file again. The outbox's message-ID dedupe is what makes it a duplicate, also
+/// after a restart; this only saves the work.
 const RECENT: usize = 256;
 
 pub const REGISTRATION: Registration = Registration {
@@ -168,7 +169,8 @@ pub struct Feishu {
     settings: FeishuSettings,
     api: Api,
     conns: conn::Connections,
-    recent: Mutex<VecDeque<String>>,
+    /// (event ID, message ID) of recently stored events.
+    recent: Mutex<VecDeque<(String, String)>>,
     /// Events from chats no channel is bound to (counted, not stored).
     unbound_events: AtomicU64,
     /// Event payloads that could not be read (answered, so Feishu does not send them again).
@@ -270,7 +272,7 @@ impl Feishu {
         };
         let source = source_of(app_id, &message.chat_id);
         let mut inbound = message.inbound;
-        if self.was_stored(&inbound.message_id) {
+        if self.was_stored(&ev.event_id, &inbound.message_id) {
             return true;
         }
         match self.host.channels.bound_channel(source.as_str()) {
@@ -327,7 +329,7 @@ impl Feishu {
         };
         match self.host.outbox.enqueue(new) {
             Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                self.stored(message_id);
+                self.stored(ev.event_id, message_id);
                 true
             }
             Ok(Enqueued::CapacityExceeded) => {
@@ -341,20 +343,20 @@ impl Feishu {
         }
     }
 
-    fn was_stored(&self, message_id: &str) -> bool {
-        self.recent
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+    /// Whether this event, or another delivery of its message, was stored lately.
+    fn was_stored(&self, event_id: &str, message_id: &str) -> bool {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        recent
             .iter()
-            .any(|m| m == message_id)
+            .any(|(e, m)| m == message_id || (!event_id.is_empty() && e == event_id))
     }
 
-    fn stored(&self, message_id: String) {
+    fn stored(&self, event_id: String, message_id: String) {
         let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
         if recent.len() >= RECENT {
             recent.pop_front();
         }
-        recent.push_back(message_id);
+        recent.push_back((event_id, message_id));
     }
 
     /// A message's file, through the message-resource API, into the file cache.
