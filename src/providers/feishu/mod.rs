@@ -703,9 +703,9 @@ impl Provider for Feishu {
         let chat = json::as_object(&chat).cloned().unwrap_or_default();
         let name = json::get_str(&chat, "name").filter(|n| !n.is_empty());
         let p2p = json::get_str(&chat, "chat_mode") == Some("p2p");
-        let own_secret = own.is_some_and(|o| {
-            self.settings.app_secret.as_ref().is_none_or(|d| d.expose() != o) || Some(app_id) != default_id
-        });
+        // A secret from the form is kept, unless it is the device's own app and secret again.
+        let device_app = Some(app_id) == default_id && self.settings.app_secret.as_ref().map(|d| d.expose()) == own;
+        let own_secret = own.is_some() && !device_app;
         if own_secret {
             self.secret_files()
                 .store(app_id, &secret)
