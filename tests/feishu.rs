@@ -226,6 +226,41 @@ fn images_are_fetched_into_the_file_cache_and_files_go_out_uploaded() {
 }
 
 #[test]
+fn a_slow_file_in_one_chat_never_holds_up_another_chats_messages_and_a_chat_keeps_its_order() {
+    let (d, sim) = feishu("fs-lanes", &[]);
+    sim.add_chat("oc_dev0002", "Dev", "group", &[APP]);
+    let (mut x, ops) = bound(&d, &sim);
+    let (dev, _) = x.open(None);
+    let a = bind(&mut x, &dev, APP, SECRET, "oc_dev0002");
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    sim.add_resource("om_600", "img_v3_slow", b"slow-bytes", "image/png");
+    sim.stall_next("/resources/img_v3_slow", Duration::from_secs(3));
+    let image = FeishuSim::message_event(APP, CHAT, "om_600", "image", json!({"image_key": "img_v3_slow"}));
+    sim.push_event(APP, &image, 1);
+    sim.push_event(APP, &text_event("om_601", "after the image, same chat"), 1);
+    let dev_text = FeishuSim::message_event(APP, "oc_dev0002", "om_602", "text", json!({"text": "other chat"}));
+    sim.push_event(APP, &dev_text, 1);
+    let order: Vec<(String, String)> = (0..3)
+        .map(|_| {
+            let p = x.next_push(WAIT).expect("every message arrives");
+            (
+                p["connector_channel_id"].as_str().unwrap().to_string(),
+                p["payload"]["message_id"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        order,
+        [
+            (dev, "om_602".to_string()),
+            (ops.clone(), "om_600".to_string()),
+            (ops, "om_601".to_string())
+        ],
+        "the other chat first; the slow chat in its own order"
+    );
+}
+
+#[test]
 fn a_sigkill_between_an_event_and_its_commit_loses_nothing_and_stores_it_once() {
     let (mut d, sim) = feishu("fs-crash", &[("IMGATE_TEST_CRASH", "feishu-before-commit:1")]);
     let (_, cch) = bound(&d, &sim);

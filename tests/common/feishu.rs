@@ -155,6 +155,8 @@ struct State {
     resources: HashMap<(String, String), (Vec<u8>, String)>,
     /// Answers to give first to calls whose path contains the key: (status, code).
     failures: Vec<(String, u16, i64)>,
+    /// Calls whose path contains the key hang this long before they are answered (once each).
+    stalls: Vec<(String, Duration)>,
     next_id: u64,
 }
 
@@ -259,6 +261,11 @@ impl FeishuSim {
                 s.failures.push((path.into(), status, code));
             }
         });
+    }
+
+    /// The next call whose path contains `path` hangs for `d` before it is answered.
+    pub fn stall_next(&self, path: &str, d: Duration) {
+        self.with(|s| s.stalls.push((path.into(), d)));
     }
 
     /// Every token issued so far stops working (as after its two hours).
@@ -430,6 +437,12 @@ fn serve(state: &Arc<(Mutex<State>, Condvar)>, mut req: tiny_http::Request, ws_p
         .unwrap_or_default();
     let (lock, cv) = &**state;
     let mut s = lock.lock().unwrap();
+    if let Some(i) = s.stalls.iter().position(|(p, _)| url.contains(p.as_str())) {
+        let (_, d) = s.stalls.remove(i);
+        drop(s);
+        std::thread::sleep(d);
+        s = lock.lock().unwrap();
+    }
     s.calls.push((method.clone(), url.clone(), body.clone()));
     if ctype.starts_with("multipart/form-data") {
         s.uploads.push((path.clone(), raw.clone()));

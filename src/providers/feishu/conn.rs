@@ -1,11 +1,11 @@
 //! One long connection per app, shared by every chat bound through it: it starts with the
 //! app's first binding and stops with its last (`Connections::sync`).
 //!
-//! The task runs on the executor and never blocks it: the endpoint request and each event's
-//! handling (binding lookup, file fetch, the outbox commit) run on the blocking pool. Events of
-//! one connection are handled one after the other, in the order they arrived, by a worker of
-//! their own, while the reader keeps answering pongs; an event is answered only once its
-//! commit returned, so whatever imgate did not store, Feishu delivers again.
+//! The task runs on the executor and never blocks it: the endpoint request, parsing and each
+//! event's handling (binding lookup, file fetch, the outbox commit) run on the blocking pool.
+//! Events go to one lane per chat: a chat's events in arrival order, chats side by side, while
+//! the reader keeps answering pongs. An event is answered only once its commit returned, so
+//! whatever imgate did not store, Feishu delivers again.
 //!
 //! Reconnects follow the server's `ClientConfig`: after a drop, a random part of
 //! `ReconnectNonce` (at least 1 s, doubled for each drop in a row within 30 s of connecting, up
@@ -23,6 +23,7 @@ use smol::future::FutureExt;
 use smol::stream::StreamExt;
 use smol::Task;
 
+use super::event::{self, Event};
 use super::frame::{Frame, MAX_FRAME};
 use super::longconn::{self, ClientConfig, Endpoint, EndpointError, Reassembly, Received};
 use super::Feishu;
@@ -287,46 +288,96 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
     }
 }
 
-/// Handles the connection's events in arrival order; each is answered after its commit.
+/// Routes the connection's events to one lane per chat: a chat's events are handled in
+/// arrival order, chats side by side, so one chat's slow file cannot hold up another's
+/// messages. Each event is answered after its commit.
 async fn worker(
     feishu: Weak<Feishu>,
     app: String,
     jobs: smol::channel::Receiver<Job>,
     out: smol::channel::Sender<Frame>,
 ) {
+    let mut lanes: HashMap<String, smol::channel::Sender<Parsed>> = HashMap::new();
     while let Ok((payload, answer, arrived)) = jobs.recv().await {
-        let Some(f) = feishu.upgrade() else { return };
-        let app = app.clone();
-        let stored = runtime::unblock(move || f.accept(&app, &payload)).await;
-        if out
-            .send(longconn::respond(answer, stored, arrived.elapsed()))
-            .await
-            .is_err()
-        {
-            return;
+        // Parsing a payload of up to 4 MiB is work for the pool, not the executor.
+        let read = runtime::unblock(move || event::read(&payload)).await;
+        let chat = match &read {
+            Ok(Event { message: Some(m), .. }) => m.chat_id.clone(),
+            _ => String::new(),
+        };
+        // Past MAX_LANES chats at once, the newest share one lane.
+        let key = match lanes.contains_key(&chat) || lanes.len() < MAX_LANES {
+            true => chat,
+            false => OVERFLOW_LANE.to_string(),
+        };
+        let mut job = (read, answer, arrived);
+        loop {
+            let lane = lanes
+                .entry(key.clone())
+                .or_insert_with(|| start_lane(feishu.clone(), app.clone(), out.clone()));
+            match lane.try_send(job) {
+                Ok(()) => break,
+                // A chat with this many events waiting: this one stays unanswered, and Feishu
+                // delivers it again later. The other chats go on.
+                Err(smol::channel::TrySendError::Full(_)) => {
+                    log::debug!("feishu: app {app}: a chat's lane is full; an event is left to redelivery");
+                    break;
+                }
+                // The lane closed itself after a quiet while: a new one takes the job.
+                Err(smol::channel::TrySendError::Closed(back)) => {
+                    lanes.remove(&key);
+                    job = back;
+                }
+            }
         }
+        lanes.retain(|_, lane| !lane.is_closed());
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// An event read on the pool, the frame to answer it with, and when it arrived.
+type Parsed = (Result<Event, event::Unreadable>, Frame, Instant);
 
-    #[test]
-    fn drops_in_a_row_wait_longer_up_to_the_reconnect_interval() {
-        let config = ClientConfig {
-            reconnect_every: Duration::from_secs(120),
-            ..ClientConfig::default()
-        };
-        let zero = Duration::ZERO;
-        assert_eq!(after_drop(&config, 0, zero), Duration::from_secs(1), "never at once");
-        assert_eq!(after_drop(&config, 1, zero), Duration::from_secs(1));
-        assert_eq!(after_drop(&config, 5, zero), Duration::from_secs(16));
-        assert_eq!(after_drop(&config, 16, zero), Duration::from_secs(120));
-        assert_eq!(
-            after_drop(&config, 1, Duration::from_secs(25)),
-            Duration::from_secs(25),
-            "the server's jitter when it is longer"
-        );
-    }
+/// At most this many chats have a lane of their own at once.
+const MAX_LANES: usize = 32;
+const OVERFLOW_LANE: &str = "*";
+/// A lane with nothing to do for this long ends (a new event starts it again).
+const LANE_IDLE: Duration = Duration::from_secs(60);
+
+/// One chat's lane: its events one after the other, each answered after `accept` returned.
+fn start_lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Frame>) -> smol::channel::Sender<Parsed> {
+    let (tx, rx) = smol::channel::bounded::<Parsed>(QUEUED_EVENTS);
+    runtime::spawn(async move {
+        loop {
+            let next = async { rx.recv().await.ok() }
+                .or(async {
+                    smol::Timer::after(LANE_IDLE).await;
+                    None
+                })
+                .await;
+            let job = match next {
+                Some(job) => job,
+                None => {
+                    // Closed first, so no event slips in behind the last look.
+                    rx.close();
+                    match rx.try_recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    }
+                }
+            };
+            let (read, answer, arrived) = job;
+            let Some(f) = feishu.upgrade() else { return };
+            let app = app.clone();
+            let stored = runtime::unblock(move || f.accept(&app, read)).await;
+            if out
+                .send(longconn::respond(answer, stored, arrived.elapsed()))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+    })
+    .detach();
+    tx
 }

@@ -251,8 +251,8 @@ impl Feishu {
     /// Handles one event of `app_id`'s long connection (on a blocking thread): true when it
     /// may be answered as done (stored, a duplicate, or nothing imgate stores), false to have
     /// Feishu deliver it again (the store failed or the queue is full).
-    fn accept(&self, app_id: &str, payload: &[u8]) -> bool {
-        let ev = match event::read(payload) {
+    fn accept(&self, app_id: &str, read: Result<event::Event, event::Unreadable>) -> bool {
+        let ev = match read {
             Ok(ev) => ev,
             Err(why) => {
                 self.unreadable_events.fetch_add(1, Ordering::Relaxed);
