@@ -164,3 +164,110 @@ fn edge_budgets() {
     );
     term(child);
 }
+
+/// Idle cost of one bound channel and how fast it takes 2,000 messages, for a webhook channel
+/// and a Feishu chat (its long connection to the simulator) side by side.
+#[test]
+#[ignore = "budgets: cross/budgets.sh"]
+fn feishu_long_connection_beside_a_webhook() {
+    use common::feishu::FeishuSim;
+    const APP: &str = "cli_budget01";
+    const N: usize = 2000;
+    let sim = FeishuSim::start();
+    sim.add_app(APP, "budget-secret", true);
+    sim.add_chat("oc_budget", "Budget", "group", &[APP]);
+    let mut rows = Vec::new();
+    for kind in ["webhook", "feishu"] {
+        let dir = temp_dir(&format!("budgets-{kind}"));
+        let extra = format!("[feishu]\napi_base = {}\n", sim.base);
+        let conf = config_text(free_port(), &dir, None, &extra).replace("log_level = debug", "log_level = info");
+        let d = Daemon::start_env(&dir, &conf, "warn", &[]);
+        let mut x = d.xagent();
+        x.hello("");
+        let (cch, _) = x.open(None);
+        if kind == "webhook" {
+            x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+        } else {
+            let input = serde_json::json!({"app_id": APP, "app_secret": "budget-secret", "chat_id": "oc_budget"});
+            let a = x.request(
+                "auth.start",
+                Some(&cch),
+                serde_json::json!({"flow_id": "feishu_app_binding", "input": input}),
+            );
+            assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+            assert!(sim.wait_connected(APP, 1, Duration::from_secs(10)));
+        }
+        let idle = Instant::now();
+        while idle.elapsed() < Duration::from_secs(20) {
+            x.recv_within(Duration::from_millis(500));
+        }
+        let (before, from) = (wakeups(d.pid()), Instant::now());
+        let mut threads = std::collections::BTreeMap::<u64, u32>::new();
+        while from.elapsed() < Duration::from_secs(20) {
+            x.recv_within(Duration::from_millis(500));
+            *threads.entry(proc_field(d.pid(), "status", "Threads:")).or_default() += 1;
+        }
+        let usual = threads.iter().max_by_key(|(_, seen)| **seen).map_or(0, |(n, _)| *n);
+        let wakes = (wakeups(d.pid()) - before) as f64 / from.elapsed().as_secs_f64();
+        let idle_hwm = hwm_kib(d.pid());
+        x.close();
+        // 2,000 messages, one at a time from one sender (a webhook POST waits for its 202, a
+        // Feishu event for its answer frame): what one chat can take.
+        let started = Instant::now();
+        if kind == "webhook" {
+            for i in 0..N {
+                let body = serde_json::json!({"message_id": format!("b{i}"), "sender_id": "u", "text": "hello"});
+                assert_eq!(d.post_hook("alerts", &body).0, 202);
+            }
+        } else {
+            for i in 0..N {
+                let payload = FeishuSim::message_event(
+                    APP,
+                    "oc_budget",
+                    &format!("om_b{i}"),
+                    "text",
+                    serde_json::json!({"text": "hello"}),
+                );
+                let frame = sim.push_event(APP, &payload, 1);
+                assert_eq!(sim.answer(&frame, Duration::from_secs(10)).map(|a| a.0), Some(200));
+            }
+        }
+        let one_by_one = N as f64 / started.elapsed().as_secs_f64();
+        // Then a burst: 2,000 more at once (16 senders for the webhook; for Feishu, all pushed
+        // on the connection before the first answer), until every one is answered.
+        let started = Instant::now();
+        if kind == "webhook" {
+            post_load(&d, 16, N / 16, "hello", "burst");
+        } else {
+            for i in 0..N {
+                let payload = FeishuSim::message_event(
+                    APP,
+                    "oc_budget",
+                    &format!("om_burst{i}"),
+                    "text",
+                    serde_json::json!({"text": "hello"}),
+                );
+                sim.push_event(APP, &payload, 1);
+            }
+            assert!(
+                sim.wait_answered(2 * N, Duration::from_secs(120)),
+                "every event answered"
+            );
+        }
+        let burst = N as f64 / started.elapsed().as_secs_f64();
+        rows.push((kind, idle_hwm, usual, wakes, one_by_one, burst, hwm_kib(d.pid())));
+    }
+    println!(
+        "{:<8} {:>15} {:>13} {:>16} {:>16} {:>15} {:>17}",
+        "channel",
+        "idle VmHWM KiB",
+        "idle threads",
+        "wake-ups/s idle",
+        "msgs/s, 1 by 1",
+        "msgs/s, burst",
+        "VmHWM after, KiB"
+    );
+    for (kind, idle, threads, wakes, one, burst, after) in rows {
+        println!("{kind:<8} {idle:>15} {threads:>13} {wakes:>16.2} {one:>16.0} {burst:>15.0} {after:>17}");
+    }
+}

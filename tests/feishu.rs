@@ -261,6 +261,36 @@ fn a_slow_file_in_one_chat_never_holds_up_another_chats_messages_and_a_chat_keep
 }
 
 #[test]
+fn a_burst_larger_than_the_read_budget_is_stored_whole_and_in_order() {
+    let (d, sim) = feishu("fs-burst", &[]);
+    let (mut x, _) = bound(&d, &sim);
+    // A first event whose file takes 2 s holds the chat while 59 events of 60 KiB arrive:
+    // 3.5 MiB, more than the 2 MiB imgate holds unanswered, so reading pauses, then resumes.
+    sim.add_resource("om_700", "img_v3_first", b"first", "image/png");
+    sim.stall_next("/resources/img_v3_first", Duration::from_secs(2));
+    let first = FeishuSim::message_event(APP, CHAT, "om_700", "image", json!({"image_key": "img_v3_first"}));
+    let mut frames = vec![sim.push_event(APP, &first, 1)];
+    let text = "x".repeat(60 << 10);
+    frames.extend((1..60).map(|i| sim.push_event(APP, &text_event(&format!("om_7{i:02}"), &text), 1)));
+    assert!(
+        sim.wait_answered(60, Duration::from_secs(30)),
+        "every event is answered"
+    );
+    assert_eq!(sim.answered(500), 0, "none refused");
+    for f in &frames {
+        assert_eq!(sim.answer(f, WAIT).map(|a| a.0), Some(200));
+    }
+    let ids: Vec<String> = (0..60)
+        .map(|_| {
+            let p = x.next_push(WAIT).expect("every message is pushed");
+            p["payload"]["message_id"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let expected: Vec<String> = (0..60).map(|i| format!("om_7{i:02}")).collect();
+    assert_eq!(ids, expected, "stored whole and in arrival order");
+}
+
+#[test]
 fn a_sigkill_between_an_event_and_its_commit_loses_nothing_and_stores_it_once() {
     let (mut d, sim) = feishu("fs-crash", &[("IMGATE_TEST_CRASH", "feishu-before-commit:1")]);
     let (_, cch) = bound(&d, &sim);

@@ -347,23 +347,15 @@ impl FeishuSim {
             s.next_id += 1;
             format!("frame_{}", s.next_id)
         });
-        self.with(|s| s.unanswered.push((app.into(), id.clone(), payload.to_vec(), parts)));
-        self.redeliver(app);
-        id
-    }
-
-    /// Sends every unanswered event of the app again (Feishu's redelivery).
-    pub fn redeliver(&self, app: &str) {
         self.with(|s| {
-            let Some((_, tx)) = s.conns.get(app) else { return };
-            for (a, id, payload, parts) in &s.unanswered {
-                if a == app {
-                    for f in event_frames(id, payload, *parts) {
-                        let _ = tx.send(f.encode());
-                    }
+            s.unanswered.push((app.into(), id.clone(), payload.to_vec(), parts));
+            if let Some((_, tx)) = s.conns.get(app) {
+                for f in event_frames(&id, payload, parts) {
+                    let _ = tx.send(f.encode());
                 }
             }
         });
+        id
     }
 
     /// The answer to the event sent under `frame_id`: (code, biz_rt).
@@ -377,8 +369,14 @@ impl FeishuSim {
         })
     }
 
-    pub fn answers(&self) -> usize {
-        self.with(|s| s.answers.len())
+    /// How many events were answered with `code`.
+    pub fn answered(&self, code: u64) -> usize {
+        self.with(|s| s.answers.iter().filter(|a| a.1 == code).count())
+    }
+
+    /// Waits until `n` events were answered with 200.
+    pub fn wait_answered(&self, n: usize, timeout: Duration) -> bool {
+        self.wait(timeout, |s| s.answers.iter().filter(|a| a.1 == 200).count() >= n)
     }
 }
 
@@ -631,7 +629,8 @@ fn long_connection(state: &Arc<(Mutex<State>, Condvar)>, stream: TcpStream) {
         state.1.notify_all();
         serial
     };
-    let _ = ws.get_mut().set_read_timeout(Some(Duration::from_millis(20)));
+    // Short, so that what the test pushes goes out at once (one thread reads and writes).
+    let _ = ws.get_mut().set_read_timeout(Some(Duration::from_millis(2)));
     loop {
         let current = state.0.lock().unwrap().conns.get(&app).map(|(n, _)| *n);
         if current != Some(serial) {

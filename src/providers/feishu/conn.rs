@@ -38,9 +38,13 @@ const ENDPOINT_TIMEOUT: Duration = Duration::from_secs(15);
 const REFUSED_WAIT: Duration = Duration::from_secs(300);
 /// A connection that ends sooner than this counts as a quick drop.
 const SHORT_LIVED: Duration = Duration::from_secs(30);
-/// Events waiting for the worker; when full, the reader waits (Feishu redelivers what it does
-/// not get an answer for).
-const QUEUED_EVENTS: usize = 32;
+/// Payload bytes of a connection's events between the reader and their answers: past this the
+/// reader stops reading (and the server holds what it has not sent). Nothing is dropped.
+const QUEUED_BYTES: usize = 2 << 20;
+/// An event counts as at least this many bytes against `QUEUED_BYTES`.
+const MIN_EVENT_COST: usize = 1024;
+/// A lane hands at most this many of its waiting events to the outbox at once.
+const LANE_BATCH: usize = 64;
 
 /// The running connections, by app ID.
 #[derive(Default)]
@@ -216,11 +220,44 @@ async fn connect(ep: &Endpoint) -> Result<Ws, String> {
 /// when it arrived.
 type Job = (Vec<u8>, Frame, Instant);
 
+/// The bytes of events read but not answered yet, and a wake-up for a reader waiting for room.
+#[derive(Clone)]
+struct Budget {
+    queued: Arc<AtomicUsize>,
+    room: smol::channel::Sender<()>,
+}
+
+impl Budget {
+    fn cost(payload: &[u8]) -> usize {
+        payload.len().max(MIN_EVENT_COST)
+    }
+
+    fn full(&self) -> bool {
+        self.queued.load(Ordering::Relaxed) >= QUEUED_BYTES
+    }
+
+    fn take(&self, bytes: usize) {
+        self.queued.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.queued.fetch_sub(bytes, Ordering::Relaxed);
+        let _ = self.room.try_send(());
+    }
+}
+
 /// One connection, until it ends; why it ended.
 async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config: &mut ClientConfig) -> String {
     let (mut sink, mut stream) = ws.split();
-    let (out_tx, out_rx) = smol::channel::bounded::<Frame>(QUEUED_EVENTS * 2);
-    let (job_tx, job_rx) = smol::channel::bounded::<Job>(QUEUED_EVENTS);
+    // Both unbounded by count: `Budget` bounds the bytes of events, and every answer frame is
+    // one of those events.
+    let (out_tx, out_rx) = smol::channel::unbounded::<Frame>();
+    let (job_tx, job_rx) = smol::channel::unbounded::<Job>();
+    let (room_tx, room_rx) = smol::channel::bounded::<()>(1);
+    let budget = Budget {
+        queued: Arc::new(AtomicUsize::new(0)),
+        room: room_tx,
+    };
     let _writer = runtime::spawn(async move {
         while let Ok(frame) = out_rx.recv().await {
             if sink.send(Message::Binary(frame.encode().into())).await.is_err() {
@@ -228,7 +265,13 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
             }
         }
     });
-    let _worker = runtime::spawn(worker(feishu.clone(), app.to_string(), job_rx, out_tx.clone()));
+    let _worker = runtime::spawn(worker(
+        feishu.clone(),
+        app.to_string(),
+        job_rx,
+        out_tx.clone(),
+        budget.clone(),
+    ));
     let mut reassembly = Reassembly::default();
     let mut bad_frames = Quiet::new();
     let mut last_heard = Instant::now();
@@ -237,13 +280,24 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
         enum Step {
             Read(Option<Result<Message, async_tungstenite::tungstenite::Error>>),
             Ping,
+            Room,
         }
-        let step = async { Step::Read(stream.next().await) }
-            .or(async {
-                smol::Timer::at(next_ping).await;
-                Step::Ping
-            })
-            .await;
+        let ping = async {
+            smol::Timer::at(next_ping).await;
+            Step::Ping
+        };
+        // Past the byte budget, nothing is read until answers make room; pings go on.
+        let step = match budget.full() {
+            true => {
+                async {
+                    let _ = room_rx.recv().await;
+                    Step::Room
+                }
+                .or(ping)
+                .await
+            }
+            false => async { Step::Read(stream.next().await) }.or(ping).await,
+        };
         let now = Instant::now();
         let bytes = match step {
             Step::Ping => {
@@ -257,6 +311,7 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
                 next_ping = now + config.ping_every;
                 continue;
             }
+            Step::Room => continue,
             Step::Read(None) | Step::Read(Some(Ok(Message::Close(_)))) => return "closed by the server".into(),
             Step::Read(Some(Err(e))) => return e.to_string(),
             Step::Read(Some(Ok(Message::Binary(b)))) => b,
@@ -278,6 +333,7 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
         match reassembly.receive(frame, now) {
             Received::Pong(update) => *config = config.updated(update),
             Received::Event { payload, answer, .. } => {
+                budget.take(Budget::cost(&payload));
                 if job_tx.send((payload, answer, now)).await.is_err() {
                     return "the event worker stopped".into();
                 }
@@ -296,9 +352,11 @@ async fn worker(
     app: String,
     jobs: smol::channel::Receiver<Job>,
     out: smol::channel::Sender<Frame>,
+    budget: Budget,
 ) {
     let mut lanes: HashMap<String, smol::channel::Sender<Parsed>> = HashMap::new();
     while let Ok((payload, answer, arrived)) = jobs.recv().await {
+        let cost = Budget::cost(&payload);
         // Parsing a payload of up to 4 MiB is work for the pool, not the executor.
         let read = runtime::unblock(move || event::read(&payload)).await;
         let chat = match &read {
@@ -310,19 +368,14 @@ async fn worker(
             true => chat,
             false => OVERFLOW_LANE.to_string(),
         };
-        let mut job = (read, answer, arrived);
+        let mut job = (read, answer, arrived, cost);
         loop {
             let lane = lanes
                 .entry(key.clone())
-                .or_insert_with(|| start_lane(feishu.clone(), app.clone(), out.clone()));
+                .or_insert_with(|| start_lane(feishu.clone(), app.clone(), out.clone(), budget.clone()));
             match lane.try_send(job) {
-                Ok(()) => break,
-                // A chat with this many events waiting: this one stays unanswered, and Feishu
-                // delivers it again later. The other chats go on.
-                Err(smol::channel::TrySendError::Full(_)) => {
-                    log::debug!("feishu: app {app}: a chat's lane is full; an event is left to redelivery");
-                    break;
-                }
+                // A lane is unbounded by count: the budget bounds the bytes of all of them.
+                Ok(()) | Err(smol::channel::TrySendError::Full(_)) => break,
                 // The lane closed itself after a quiet while: a new one takes the job.
                 Err(smol::channel::TrySendError::Closed(back)) => {
                     lanes.remove(&key);
@@ -334,8 +387,9 @@ async fn worker(
     }
 }
 
-/// An event read on the pool, the frame to answer it with, and when it arrived.
-type Parsed = (Result<Event, event::Unreadable>, Frame, Instant);
+/// An event read on the pool, the frame to answer it with, when it arrived, and its cost
+/// against the budget.
+type Parsed = (Result<Event, event::Unreadable>, Frame, Instant, usize);
 
 /// At most this many chats have a lane of their own at once.
 const MAX_LANES: usize = 32;
@@ -343,9 +397,15 @@ const OVERFLOW_LANE: &str = "*";
 /// A lane with nothing to do for this long ends (a new event starts it again).
 const LANE_IDLE: Duration = Duration::from_secs(60);
 
-/// One chat's lane: its events one after the other, each answered after `accept` returned.
-fn start_lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Frame>) -> smol::channel::Sender<Parsed> {
-    let (tx, rx) = smol::channel::bounded::<Parsed>(QUEUED_EVENTS);
+/// One chat's lane: its events in order, in batches of what is waiting (their commits
+/// shared), each answered after its commit returned.
+fn start_lane(
+    feishu: Weak<Feishu>,
+    app: String,
+    out: smol::channel::Sender<Frame>,
+    budget: Budget,
+) -> smol::channel::Sender<Parsed> {
+    let (tx, rx) = smol::channel::unbounded::<Parsed>();
     runtime::spawn(async move {
         loop {
             let next = async { rx.recv().await.ok() }
@@ -354,7 +414,7 @@ fn start_lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Fram
                     None
                 })
                 .await;
-            let job = match next {
+            let first = match next {
                 Some(job) => job,
                 None => {
                     // Closed first, so no event slips in behind the last look.
@@ -365,16 +425,31 @@ fn start_lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Fram
                     }
                 }
             };
-            let (read, answer, arrived) = job;
+            let mut batch = vec![first];
+            while batch.len() < LANE_BATCH {
+                match rx.try_recv() {
+                    Ok(job) => batch.push(job),
+                    Err(_) => break,
+                }
+            }
             let Some(f) = feishu.upgrade() else { return };
             let app = app.clone();
-            let stored = runtime::unblock(move || f.accept(&app, read)).await;
-            if out
-                .send(longconn::respond(answer, stored, arrived.elapsed()))
-                .await
-                .is_err()
-            {
-                return;
+            let mut reads = Vec::with_capacity(batch.len());
+            let mut rest = Vec::with_capacity(batch.len());
+            for (read, answer, arrived, cost) in batch {
+                reads.push(read);
+                rest.push((answer, arrived, cost));
+            }
+            let outcomes = runtime::unblock(move || f.accept(&app, reads)).await;
+            for ((answer, arrived, cost), stored) in rest.into_iter().zip(outcomes) {
+                budget.give_back(cost);
+                if out
+                    .send(longconn::respond(answer, stored, arrived.elapsed()))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
             }
         }
     })

@@ -34,7 +34,7 @@ use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings}
 use crate::files::FileRecord;
 use crate::ids;
 use crate::json::{self, arr, b, obj, s, Object, Value};
-use crate::outbox::{Enqueued, NewMessage, ReplyRef};
+use crate::outbox::{Enqueued, NewMessage, ReplyRef, Ticket};
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
@@ -248,10 +248,37 @@ impl Feishu {
         Ok((info, creds))
     }
 
-    /// Handles one event of `app_id`'s long connection (on a blocking thread): true when it
-    /// may be answered as done (stored, a duplicate, or nothing imgate stores), false to have
-    /// Feishu deliver it again (the store failed or the queue is full).
-    fn accept(&self, app_id: &str, read: Result<event::Event, event::Unreadable>) -> bool {
+    /// Handles events of one chat of `app_id`'s long connection, in their order, on a blocking
+    /// thread: each is handed to the outbox without waiting, then every commit is awaited, so a
+    /// burst in one chat shares its commits. For each event: true when it may be answered as
+    /// done (stored, a duplicate, or nothing imgate stores), false to have Feishu deliver it
+    /// again (the store failed or the queue is full).
+    fn accept(&self, app_id: &str, reads: Vec<Result<event::Event, event::Unreadable>>) -> Vec<bool> {
+        let handled: Vec<Handled> = reads.into_iter().map(|r| self.prepare(app_id, r)).collect();
+        handled
+            .into_iter()
+            .map(|h| match h {
+                Handled::Answer(done) => done,
+                Handled::Commit(ticket, source, event_id, message_id) => match ticket.wait() {
+                    Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
+                        self.stored(event_id, message_id);
+                        true
+                    }
+                    Ok(Enqueued::CapacityExceeded) => {
+                        log::warn!("feishu: {source}: queue full; Feishu will deliver the message again");
+                        false
+                    }
+                    Err(e) => {
+                        log::debug!("feishu: {source}: cannot store a message: {e}");
+                        false
+                    }
+                },
+            })
+            .collect()
+    }
+
+    /// One event up to its hand-over to the outbox.
+    fn prepare(&self, app_id: &str, read: Result<event::Event, event::Unreadable>) -> Handled {
         let ev = match read {
             Ok(ev) => ev,
             Err(why) => {
@@ -260,7 +287,7 @@ impl Feishu {
                 if let Some(more) = admitted {
                     log::warn!("feishu: app {app_id}: an event was dropped: {why}{more}");
                 }
-                return true;
+                return Handled::Answer(true);
             }
         };
         let Some(message) = ev.message else {
@@ -268,23 +295,23 @@ impl Feishu {
                 "feishu: app {app_id}: event {} not stored (imgate stores messages only)",
                 ev.event_type
             );
-            return true;
+            return Handled::Answer(true);
         };
         let source = source_of(app_id, &message.chat_id);
         let mut inbound = message.inbound;
         if self.was_stored(&ev.event_id, &inbound.message_id) {
-            return true;
+            return Handled::Answer(true);
         }
         match self.host.channels.bound_channel(source.as_str()) {
             Ok(Some(_)) => {}
             Ok(None) => {
                 self.unbound_events.fetch_add(1, Ordering::Relaxed);
                 log::debug!("feishu: app {app_id}: a message from a chat no channel is bound to");
-                return true;
+                return Handled::Answer(true);
             }
             Err(e) => {
                 log::debug!("feishu: {source}: cannot read the binding: {e}");
-                return false;
+                return Handled::Answer(false);
             }
         }
         let now = ids::now_ms();
@@ -294,7 +321,7 @@ impl Feishu {
             if let Err(e) = self.host.outbox.record_expired(source.as_str(), 1) {
                 log::error!("feishu: {e}");
             }
-            return true;
+            return Handled::Answer(true);
         }
         if let Some(res) = &message.resource {
             // Fetched now: the resource API needs the app's token, our file cache does not.
@@ -327,20 +354,7 @@ impl Feishu {
             expires_at,
             cursor: None,
         };
-        match self.host.outbox.enqueue(new) {
-            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                self.stored(ev.event_id, message_id);
-                true
-            }
-            Ok(Enqueued::CapacityExceeded) => {
-                log::warn!("feishu: {source}: queue full; Feishu will deliver the message again");
-                false
-            }
-            Err(e) => {
-                log::debug!("feishu: {source}: cannot store a message: {e}");
-                false
-            }
-        }
+        Handled::Commit(self.host.outbox.submit(new), source, ev.event_id, message_id)
     }
 
     /// Whether this event, or another delivery of its message, was stored lately.
@@ -482,6 +496,13 @@ impl Feishu {
             })
             .collect()
     }
+}
+
+/// One event after `prepare`: its answer, or the commit to wait for first (with the source,
+/// event ID and message ID it stores).
+enum Handled {
+    Answer(bool),
+    Commit(Ticket, Source, String, String),
 }
 
 /// One tool call's sends: to which chat, as which app, until when.
