@@ -16,11 +16,16 @@ const CHAT: &str = "oc_ops0001";
 const WAIT: Duration = Duration::from_secs(10);
 
 fn feishu(tag: &str, env: &[(&str, &str)]) -> (Daemon, FeishuSim) {
+    feishu_with(tag, env, "")
+}
+
+/// `feishu` with more config (`extra` is appended).
+fn feishu_with(tag: &str, env: &[(&str, &str)], extra: &str) -> (Daemon, FeishuSim) {
     let sim = FeishuSim::start();
     sim.add_app(APP, SECRET, true);
     sim.add_chat(CHAT, "Ops", "group", &[APP]);
     let dir = temp_dir(tag);
-    let conf = format!("[feishu]\napi_base = {}\n", sim.base);
+    let conf = format!("[feishu]\napi_base = {}\n{extra}", sim.base);
     (
         Daemon::start_env(&dir, &config_text(free_port(), &dir, None, &conf), "trace", env),
         sim,
@@ -288,6 +293,33 @@ fn a_burst_larger_than_the_read_budget_is_stored_whole_and_in_order() {
         .collect();
     let expected: Vec<String> = (0..60).map(|i| format!("om_7{i:02}")).collect();
     assert_eq!(ids, expected, "stored whole and in arrival order");
+}
+
+#[test]
+fn full_caps_under_reject_new_answer_500_so_feishu_keeps_the_event() {
+    let (d, sim) = feishu_with(
+        "fs-full",
+        &[],
+        "[queue]\nmax_messages_per_channel = 2\noverflow = reject_new\n",
+    );
+    let (x, _) = bound(&d, &sim);
+    x.close(); // nothing is delivered: the channel's queue stays full
+    let frames: Vec<String> = (0..4)
+        .map(|i| sim.push_event(APP, &text_event(&format!("om_80{i}"), "t"), 1))
+        .collect();
+    let codes: Vec<Option<u64>> = frames.iter().map(|f| sim.answer(f, WAIT).map(|a| a.0)).collect();
+    assert_eq!(
+        codes,
+        [Some(200), Some(200), Some(500), Some(500)],
+        "stored, stored, refused, refused"
+    );
+    assert_eq!(
+        d.log()
+            .matches("queue full; Feishu will deliver the message again")
+            .count(),
+        1,
+        "one line for a run of refusals"
+    );
 }
 
 #[test]

@@ -456,3 +456,26 @@ fn start_lane(
     .detach();
     tx
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drops_in_a_row_wait_longer_up_to_the_reconnect_interval() {
+        let config = ClientConfig {
+            reconnect_every: Duration::from_secs(120),
+            ..ClientConfig::default()
+        };
+        let zero = Duration::ZERO;
+        assert_eq!(after_drop(&config, 0, zero), Duration::from_secs(1), "never at once");
+        assert_eq!(after_drop(&config, 1, zero), Duration::from_secs(1));
+        assert_eq!(after_drop(&config, 5, zero), Duration::from_secs(16));
+        assert_eq!(after_drop(&config, 16, zero), Duration::from_secs(120));
+        assert_eq!(
+            after_drop(&config, 1, Duration::from_secs(25)),
+            Duration::from_secs(25),
+            "the server's jitter when it is longer"
+        );
+    }
+}

@@ -144,6 +144,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         unbound_events: AtomicU64::new(0),
         unreadable_events: AtomicU64::new(0),
         unreadable_log: Mutex::new(Quiet::new()),
+        full_log: Mutex::new(Quiet::new()),
     })))
 }
 
@@ -176,6 +177,8 @@ pub struct Feishu {
     /// Event payloads that could not be read (answered, so Feishu does not send them again).
     unreadable_events: AtomicU64,
     unreadable_log: Mutex<Quiet>,
+    /// Events refused by full caps (`reject_new`), logged once a minute.
+    full_log: Mutex<Quiet>,
 }
 
 /// An Open Platform error as a failure: unreachable, rate limits and server errors may pass.
@@ -265,7 +268,10 @@ impl Feishu {
                         true
                     }
                     Ok(Enqueued::CapacityExceeded) => {
-                        log::warn!("feishu: {source}: queue full; Feishu will deliver the message again");
+                        let admitted = self.full_log.lock().unwrap_or_else(|e| e.into_inner()).admit();
+                        if let Some(more) = admitted {
+                            log::warn!("feishu: {source}: queue full; Feishu will deliver the message again{more}");
+                        }
                         false
                     }
                     Err(e) => {
