@@ -176,6 +176,8 @@ fn feishu_long_connection_beside_a_webhook() {
     let sim = FeishuSim::start();
     sim.add_app(APP, "budget-secret", true);
     sim.add_chat("oc_budget", "Budget", "group", &[APP]);
+    let hello =
+        |id: String| FeishuSim::message_event(APP, "oc_budget", &id, "text", serde_json::json!({"text": "hello"}));
     let mut rows = Vec::new();
     for kind in ["webhook", "feishu"] {
         let dir = temp_dir(&format!("budgets-{kind}"));
@@ -222,14 +224,7 @@ fn feishu_long_connection_beside_a_webhook() {
             }
         } else {
             for i in 0..N {
-                let payload = FeishuSim::message_event(
-                    APP,
-                    "oc_budget",
-                    &format!("om_b{i}"),
-                    "text",
-                    serde_json::json!({"text": "hello"}),
-                );
-                let frame = sim.push_event(APP, &payload, 1);
+                let frame = sim.push_event(APP, &hello(format!("om_b{i}")), 1);
                 let (code, rt) = sim.answer(&frame, Duration::from_secs(10)).expect("answered");
                 assert_eq!(code, 200);
                 handling.push(rt.and_then(|r| r.parse::<u64>().ok()).unwrap_or(0));
@@ -249,14 +244,7 @@ fn feishu_long_connection_beside_a_webhook() {
             post_load(&d, 16, N / 16, "hello", "burst");
         } else {
             for i in 0..N {
-                let payload = FeishuSim::message_event(
-                    APP,
-                    "oc_budget",
-                    &format!("om_burst{i}"),
-                    "text",
-                    serde_json::json!({"text": "hello"}),
-                );
-                sim.push_event(APP, &payload, 1);
+                sim.push_event(APP, &hello(format!("om_burst{i}")), 1);
             }
             assert!(
                 sim.wait_answered(2 * N, Duration::from_secs(120)),
