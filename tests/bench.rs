@@ -571,3 +571,74 @@ fn bench_disk_bytes() {
         "disk bytes per accepted-and-delivered message ({how}): 1 sender {one}, 16 senders {sixteen} ({commits} group commits of {messages} messages), one message a second {paced}"
     );
 }
+
+/// A burst of Feishu events over one long connection, into one chat or spread over 16, on this
+/// disk and on a 10 ms fsync: a chat's lane hands everything waiting to the outbox at once, so
+/// one busy chat shares commits as 16 chats do (without that, one chat would be bound to one
+/// commit per event).
+#[test]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
+fn bench_feishu_burst() {
+    use common::feishu::FeishuSim;
+    const APP: &str = "cli_bench01";
+    const N: usize = 1000;
+    let shim = build_shim().map(|s| s.to_string_lossy().into_owned());
+    println!(
+        "\n{:<14} {:>28} {:>28}",
+        "fsync model", "1 chat: msgs/s (commits)", "16 chats: msgs/s (commits)"
+    );
+    let models: &[(&str, Option<&str>)] = match shim {
+        Some(_) => &[("this disk", None), ("10 ms", Some("10000"))],
+        None => &[("this disk", None)],
+    };
+    for (name, delay) in models {
+        let mut cells = Vec::new();
+        for chats in [1usize, 16] {
+            let sim = FeishuSim::start();
+            sim.add_app(APP, "bench-secret", true);
+            let ids: Vec<String> = (0..chats).map(|c| format!("oc_bench{c:02}")).collect();
+            for id in &ids {
+                sim.add_chat(id, id, "group", &[APP]);
+            }
+            let dir = temp_dir("bench-feishu");
+            let queue = format!(
+                "[queue]\nmax_messages_per_channel = 100000\n[feishu]\napi_base = {}\n",
+                sim.base
+            );
+            let config = config_text(free_port(), &dir, None, &queue).replace("log_level = debug", "log_level = warn");
+            let mut env = Vec::new();
+            if let (Some(us), Some(shim)) = (delay, shim.as_deref()) {
+                env.push(("IMGATE_FSYNC_DELAY_US", *us));
+                env.push(("LD_PRELOAD", shim));
+            }
+            let d = Daemon::start_env(&dir, &config, "warn", &env);
+            let mut x = d.xagent();
+            x.hello("");
+            for id in &ids {
+                let (cch, _) = x.open(None);
+                let input = json!({"app_id": APP, "app_secret": "bench-secret", "chat_id": id});
+                let a = x.request(
+                    "auth.start",
+                    Some(&cch),
+                    json!({"flow_id": "feishu_app_binding", "input": input}),
+                );
+                assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+            }
+            assert!(sim.wait_connected(APP, 1, Duration::from_secs(10)));
+            x.close();
+            let (commits_before, _) = commits(&d);
+            let started = Instant::now();
+            for i in 0..N {
+                let chat = &ids[i % chats];
+                let payload = FeishuSim::message_event(APP, chat, &format!("om_{i}"), "text", json!({"text": "hello"}));
+                sim.push_event(APP, &payload, 1);
+            }
+            assert!(sim.wait_answered(N, Duration::from_secs(300)), "every event answered");
+            let rate = N as f64 / started.elapsed().as_secs_f64();
+            let (commits_after, _) = commits(&d);
+            cells.push(format!("{rate:.0} ({})", commits_after - commits_before));
+        }
+        println!("{name:<14} {:>28} {:>28}", cells[0], cells[1]);
+    }
+    println!("({N} events pushed at once on one connection; commits counted by /metrics)");
+}
