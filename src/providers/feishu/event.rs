@@ -175,7 +175,7 @@ fn with_names(text: &str, mentions: &[(String, String)]) -> String {
 }
 
 fn resource(content: &Object, key: &str, kind: &'static str) -> Option<Resource> {
-    let file_key = json::get_str(content, key).filter(|k| !k.is_empty() && k.len() <= 256 && safe_key(k))?;
+    let file_key = json::get_str(content, key).filter(|k| safe_id(k, 256))?;
     let (default_name, mime_type) = match kind {
         "image" => ("image.png", "image/png"),
         "audio" => ("audio.opus", "audio/ogg"),
@@ -194,9 +194,10 @@ fn resource(content: &Object, key: &str, kind: &'static str) -> Option<Resource>
     })
 }
 
-/// A key goes into a URL path: letters, digits, `_` and `-` only.
-fn safe_key(k: &str) -> bool {
-    k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+/// An app ID, or a chat, message or file key: it goes into file names and URL paths, so it is
+/// 1 to `max` letters, digits, `_` and `-`.
+pub fn safe_id(id: &str, max: usize) -> bool {
+    !id.is_empty() && id.len() <= max && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// A rich-text message as plain text: the title, then each paragraph on its line. Links keep

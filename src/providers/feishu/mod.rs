@@ -96,10 +96,9 @@ impl Settings for FeishuSettings {
     }
 }
 
-/// An app ID or a chat/message/file key: it goes into file names and URL paths, so only
-/// letters, digits, `_` and `-`.
+/// An app ID, chat ID or message ID fit for a file name or a URL path (`event::safe_id`).
 fn safe_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    event::safe_id(id, 128)
 }
 
 fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
