@@ -99,6 +99,19 @@ impl Failure {
         }
     }
 
+    /// An IM system's API failed: `upstream_unreachable` or `upstream_rejected`, temporary when
+    /// the same call may pass later. The error's text must hold no secret.
+    pub fn upstream(e: &impl Transient) -> Failure {
+        let code = match e.unreachable() {
+            true => code::UPSTREAM_UNREACHABLE,
+            false => code::UPSTREAM_REJECTED,
+        };
+        match e.temporary() {
+            true => Failure::temporary(code, e.to_string()),
+            false => Failure::new(code, e.to_string()),
+        }
+    }
+
     /// The store could not answer: a storage failure, never "not found".
     pub fn storage(e: StoreError) -> Failure {
         let message = format!("storage error: {e}");
@@ -371,6 +384,8 @@ impl Registry {
 
 /// An error of a provider's API that may pass if the call is made again.
 pub trait Transient: std::fmt::Display {
+    /// The server could not be reached (or answered nothing readable).
+    fn unreachable(&self) -> bool;
     /// Unreachable, rate limited or a server error.
     fn temporary(&self) -> bool;
     /// How long the server asked to wait before the next call, if it said.
@@ -401,6 +416,28 @@ pub fn with_retry<T, E: Transient>(
             other => return other,
         }
     }
+}
+
+/// A multipart/form-data body: text fields, then one file as `part`; its boundary and bytes.
+pub fn multipart(fields: &[(&str, &str)], part: &str, filename: &str, mime: &str, bytes: &[u8]) -> (String, Vec<u8>) {
+    let boundary = format!("imgate{}", crate::ids::random_hex(12));
+    let mut body = Vec::with_capacity(bytes.len() + 512);
+    for (name, value) in fields {
+        body.extend_from_slice(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").as_bytes(),
+        );
+    }
+    // The name comes from an upload (checked there), but a quote would still end the header value.
+    let filename = filename.replace(['"', '\r', '\n'], "_");
+    body.extend_from_slice(
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"{part}\"; filename=\"{filename}\"\r\nContent-Type: {mime}\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    body.extend_from_slice(bytes);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    (boundary, body)
 }
 
 /// Splits text into parts of at most `max_chars` characters, preferring line breaks, never

@@ -56,6 +56,10 @@ impl ApiError {
 }
 
 impl Transient for ApiError {
+    fn unreachable(&self) -> bool {
+        self.status == 0
+    }
+
     fn temporary(&self) -> bool {
         self.status == 0 || self.status == 429 || self.status >= 500 || self.code == CODE_RATE_LIMITED
     }

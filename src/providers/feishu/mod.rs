@@ -29,7 +29,9 @@ use redb::TableDefinition;
 use self::api::{Api, ApiError, AppCreds};
 use super::inbound::{self, FileItem};
 use super::keyfiles::KeyFiles;
-use super::{split_text, with_retry, Description, Failure, Host, Outbound, Provider, Registration, Transient};
+use super::{
+    multipart, split_text, with_retry, Description, Failure, Host, Outbound, Provider, Registration, Transient,
+};
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::files::FileRecord;
 use crate::ids;
@@ -178,19 +180,6 @@ pub struct Feishu {
     unreadable_log: Mutex<Quiet>,
     /// Events refused by full caps (`reject_new`), logged once a minute.
     full_log: Mutex<Quiet>,
-}
-
-/// An Open Platform error as a failure: unreachable, rate limits and server errors may pass.
-fn failure(e: &ApiError) -> Failure {
-    let code = if e.status == 0 {
-        code::UPSTREAM_UNREACHABLE
-    } else {
-        code::UPSTREAM_REJECTED
-    };
-    match e.temporary() {
-        true => Failure::temporary(code, e.to_string()),
-        false => Failure::new(code, e.to_string()),
-    }
 }
 
 /// A name Feishu will not dedupe against another message: at most 50 characters.
@@ -443,7 +432,7 @@ impl Feishu {
         let sent = with_retry("feishu: send", to.deadline, |left| {
             self.api.call(to.creds, "POST", &path, Some(&body), left)
         })
-        .map_err(|e| failure(&e))?;
+        .map_err(|e| Failure::upstream(&e))?;
         Ok(json::as_object(&sent)
             .and_then(|o| json::get_str(o, "message_id"))
             .unwrap_or_default()
@@ -478,7 +467,7 @@ impl Feishu {
         let uploaded = with_retry("feishu: upload", to.deadline, |left| {
             self.api.upload(to.creds, api_path, &boundary, &body, left)
         })
-        .map_err(|e| failure(&e))?;
+        .map_err(|e| Failure::upstream(&e))?;
         let file_key = json::as_object(&uploaded)
             .and_then(|o| json::get_str(o, key))
             .filter(|k| !k.is_empty())
@@ -534,28 +523,6 @@ fn file_type_of(filename: &str) -> &'static str {
     }
 }
 
-/// A multipart/form-data body: text fields, then the file as `part`.
-fn multipart(fields: &[(&str, &str)], part: &str, filename: &str, mime: &str, bytes: &[u8]) -> (String, Vec<u8>) {
-    let boundary = format!("imgate{}", ids::random_hex(12));
-    let mut body = Vec::with_capacity(bytes.len() + 512);
-    for (name, value) in fields {
-        body.extend_from_slice(
-            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").as_bytes(),
-        );
-    }
-    // The name is ours (checked at upload), but a quote would still end the header value.
-    let filename = filename.replace(['"', '\r', '\n'], "_");
-    body.extend_from_slice(
-        format!(
-            "--{boundary}\r\nContent-Disposition: form-data; name=\"{part}\"; filename=\"{filename}\"\r\nContent-Type: {mime}\r\n\r\n"
-        )
-        .as_bytes(),
-    );
-    body.extend_from_slice(bytes);
-    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-    (boundary, body)
-}
-
 /// What the binding checks met, as the reason the form shows.
 fn chat_failure(e: &ApiError) -> Failure {
     let refused = |why: &str| Failure::new(code::CONNECTION_NOT_AUTHENTICATED, why.to_string());
@@ -568,7 +535,7 @@ fn chat_failure(e: &ApiError) -> Failure {
             code::CONNECTION_NOT_AUTHENTICATED,
             format!("the app lacks a permission scope the chat check needs ({}): add im:chat:readonly and im:message, then publish", e.msg),
         ),
-        _ => failure(e),
+        _ => Failure::upstream(e),
     }
 }
 

@@ -21,6 +21,10 @@ pub struct ApiError {
 }
 
 impl crate::providers::Transient for ApiError {
+    fn unreachable(&self) -> bool {
+        self.code == 0
+    }
+
     fn temporary(&self) -> bool {
         self.code == 0 || self.code == 429 || self.code >= 500
     }

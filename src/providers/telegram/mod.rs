@@ -19,7 +19,7 @@ use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
 use super::keyfiles::KeyFiles;
-use super::{inbound, with_retry, Transient};
+use super::{inbound, multipart, with_retry};
 use super::{
     Activity, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply,
     Route,
@@ -174,19 +174,6 @@ pub struct Telegram {
 
 fn redact_id(id: i64) -> String {
     inbound::redact(&id.to_string())
-}
-
-/// A Bot API error as a failure: unreachable, rate limits and server errors may pass.
-fn failure(e: &ApiError) -> Failure {
-    let code = if e.code == 0 {
-        code::UPSTREAM_UNREACHABLE
-    } else {
-        code::UPSTREAM_REJECTED
-    };
-    match e.temporary() {
-        true => Failure::temporary(code, e.to_string()),
-        false => Failure::new(code, e.to_string()),
-    }
 }
 
 /// "typing" kept up in one chat while the agent is busy.
@@ -385,7 +372,7 @@ impl Telegram {
             let sent = with_retry("sendMessage", deadline, |left| {
                 self.api.call_within(token, "sendMessage", &params, left)
             })
-            .map_err(|e| failure(&e))?;
+            .map_err(|e| Failure::upstream(&e))?;
             let id = json::as_object(&sent)
                 .and_then(|o| json::get_u64(o, "message_id"))
                 .unwrap_or(0);
@@ -410,32 +397,17 @@ impl Telegram {
         } else {
             ("sendDocument", "document")
         };
-        let boundary = format!("imgate{}", crate::ids::random_hex(12));
-        let mut body = Vec::with_capacity(bytes.len() + 512);
-        let mut text_part = |name: &str, value: &str| {
-            body.extend_from_slice(
-                format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n")
-                    .as_bytes(),
-            );
-        };
-        text_part("chat_id", &info.chat_id.to_string());
+        let chat_id = info.chat_id.to_string();
+        let mut fields = vec![("chat_id", chat_id.as_str())];
         if !caption.is_empty() {
-            text_part("caption", caption);
+            fields.push(("caption", caption));
         }
-        body.extend_from_slice(
-            format!(
-                "--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"{}\"\r\nContent-Type: {}\r\n\r\n",
-                rec.filename, rec.mime_type
-            )
-            .as_bytes(),
-        );
-        body.extend_from_slice(&bytes);
-        body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        let (boundary, body) = multipart(&fields, field, &rec.filename, &rec.mime_type, &bytes);
         let deadline = Instant::now() + TOOL_DEADLINE;
         let sent = with_retry(method, deadline, |left| {
             self.api.call_multipart(token, method, &boundary, body.clone(), left)
         })
-        .map_err(|e| failure(&e))?;
+        .map_err(|e| Failure::upstream(&e))?;
         let id = json::as_object(&sent)
             .and_then(|o| json::get_u64(o, "message_id"))
             .unwrap_or(0);
@@ -469,7 +441,7 @@ impl Telegram {
         }) {
             Ok(_) => {}
             Err(e) if unchanged(&e) => {}
-            Err(e) => return Err(failure(&e)),
+            Err(e) => return Err(Failure::upstream(&e)),
         }
         self.edited(handle);
         Ok(())
