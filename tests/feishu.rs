@@ -122,6 +122,14 @@ fn binding_checks_the_app_its_long_connection_and_the_chat() {
     let all = serde_json::to_string(&x.seen).unwrap() + &card.to_string() + &get_json(&d.url("/status")).to_string();
     assert_no_secret(&all, &[SECRET, "t-sim"], "a packet, the Card or /status");
     assert_no_secret(&d.log(), &[SECRET, "t-sim", "access_key=ak"], "the trace log");
+
+    // The channel moves to another app: the first app's secret has no binding left.
+    sim.add_app("cli_other", "other-app-secret", true);
+    sim.add_chat("oc_other", "Other", "group", &["cli_other"]);
+    let moved = bind(&mut x, &cch, "cli_other", "other-app-secret", "oc_other");
+    assert_eq!(moved["payload"]["status"], "authenticated", "{moved}");
+    assert!(!secret_file.exists(), "a secret no binding uses is forgotten");
+    assert!(d.dir.join("state/feishu/cli_other.secret").exists());
 }
 
 #[test]
@@ -173,6 +181,18 @@ fn text_and_rich_text_arrive_after_their_commit_and_replies_go_back() {
     let sent = sim.calls("/open-apis/im/v1/messages?receive_id_type=chat_id");
     assert_eq!(sent.len(), 1);
     assert_eq!(sent[0]["receive_id"], CHAT);
+
+    let long = "é".repeat(20_001);
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": long}), "fs-3");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let sent = sim.calls("/open-apis/im/v1/messages?receive_id_type=chat_id");
+    assert_eq!(sent.len(), 3, "20,001 characters go as two messages");
+    let part: Value = serde_json::from_str(sent[1]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(part["text"].as_str().unwrap().chars().count(), 20_000);
+    assert_ne!(
+        sent[1]["uuid"], sent[2]["uuid"],
+        "each part is its own message to Feishu"
+    );
     assert_no_secret(&serde_json::to_string(&x.seen).unwrap(), &[SECRET, "t-sim"], "a packet");
 }
 

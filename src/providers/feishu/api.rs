@@ -129,8 +129,7 @@ impl Api {
             .filter(|t| !t.is_empty())
             .ok_or_else(|| ApiError::unreachable("the token answer has no tenant_access_token"))?
             .to_string();
-        let lifetime = Duration::from_secs(json::get_u64(&o, "expire").unwrap_or(0).min(86_400));
-        let keep = lifetime.saturating_sub(RENEW_EARLY).max(lifetime / 2);
+        let keep = kept_for(json::get_u64(&o, "expire").unwrap_or(0));
         self.lock().insert(
             app.app_id.clone(),
             Token {
@@ -302,6 +301,13 @@ impl Api {
     }
 }
 
+/// How long a token Feishu says lives `expire` seconds is used: until `RENEW_EARLY` before its
+/// end, or half its life when that is shorter; a day at most, whatever the server says.
+fn kept_for(expire: u64) -> Duration {
+    let lifetime = Duration::from_secs(expire.min(86_400));
+    lifetime.saturating_sub(RENEW_EARLY).max(lifetime / 2)
+}
+
 /// Reads a JSON answer: the object when its `code` is 0.
 fn read_answer(sent: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Result<json::Object, ApiError> {
     let mut resp = sent.map_err(ApiError::unreachable)?;
@@ -357,6 +363,14 @@ fn error_of(status: u16, text: &str) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_is_renewed_five_minutes_before_it_expires_or_at_half_life() {
+        assert_eq!(kept_for(7200), Duration::from_secs(6900), "Feishu's two hours");
+        assert_eq!(kept_for(400), Duration::from_secs(200), "a short token: half its life");
+        assert_eq!(kept_for(0), Duration::ZERO, "no lifetime: fetched again next time");
+        assert_eq!(kept_for(u64::MAX), Duration::from_secs(86_100), "a day at most");
+    }
 
     #[test]
     fn answers_with_a_code_are_errors_and_rate_limits_and_server_errors_are_temporary() {

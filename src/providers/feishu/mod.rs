@@ -449,7 +449,7 @@ impl Feishu {
         let (rec, path) = file;
         let bytes = std::fs::read(path)
             .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot read the file: {e}")))?;
-        let image = rec.kind == "image" && rec.byte_size <= MAX_IMAGE;
+        let image = goes_as_image(rec);
         let (api_path, fields, part, key, msg_type) = if image {
             (
                 "/open-apis/im/v1/images",
@@ -504,6 +504,12 @@ struct Sending<'a> {
     info: &'a ChatInfo,
     creds: &'a AppCreds,
     deadline: Instant,
+}
+
+/// An image within Feishu's image-upload limit goes through the image API; anything else as a
+/// file.
+fn goes_as_image(rec: &FileRecord) -> bool {
+    rec.kind == "image" && rec.byte_size <= MAX_IMAGE
 }
 
 /// The upload API's `file_type` for a file name.
@@ -827,5 +833,30 @@ impl Provider for Feishu {
 
     fn stop(&self) {
         self.conns.stop_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn images_over_ten_mib_and_other_files_go_through_the_file_api() {
+        let rec = |kind: &str, byte_size: u64| FileRecord {
+            source: "feishu:a:b".into(),
+            kind: kind.into(),
+            filename: "x".into(),
+            mime_type: "image/png".into(),
+            byte_size,
+            expires_at: 0,
+            direction: "out".into(),
+            shared: None,
+        };
+        assert!(goes_as_image(&rec("image", MAX_IMAGE)));
+        assert!(!goes_as_image(&rec("image", MAX_IMAGE + 1)));
+        assert!(!goes_as_image(&rec("file", 10)));
+        assert_eq!(file_type_of("Report.PDF"), "pdf");
+        assert_eq!(file_type_of("notes.docx"), "doc");
+        assert_eq!(file_type_of("archive.tar.gz"), "stream");
     }
 }
