@@ -363,11 +363,7 @@ async fn worker(
             Ok(Event { message: Some(m), .. }) => m.chat_id.clone(),
             _ => String::new(),
         };
-        // Past MAX_LANES chats at once, the newest share one lane.
-        let key = match lanes.contains_key(&chat) || lanes.len() < MAX_LANES {
-            true => chat,
-            false => OVERFLOW_LANE.to_string(),
-        };
+        let key = lane_key(&lanes, chat);
         let mut job = (read, answer, arrived, cost);
         loop {
             let lane = lanes
@@ -387,6 +383,15 @@ async fn worker(
     }
 }
 
+/// The lane of `chat`: its own, while fewer than `MAX_LANES` chats have one; past that the
+/// newest chats share one lane.
+fn lane_key<V>(lanes: &HashMap<String, V>, chat: String) -> String {
+    match lanes.contains_key(&chat) || lanes.len() < MAX_LANES {
+        true => chat,
+        false => OVERFLOW_LANE.to_string(),
+    }
+}
+
 /// An event read on the pool, the frame to answer it with, when it arrived, and its cost
 /// against the budget.
 type Parsed = (Result<Event, event::Unreadable>, Frame, Instant, usize);
@@ -396,6 +401,34 @@ const MAX_LANES: usize = 32;
 const OVERFLOW_LANE: &str = "*";
 /// A lane with nothing to do for this long ends (a new event starts it again).
 const LANE_IDLE: Duration = Duration::from_secs(60);
+
+/// The lane's next events: whatever waits, up to `max`, once there is one. `None` when the lane
+/// should end: nothing came for `idle` (the channel is then closed, so a sender gets its event
+/// back and starts a new lane), or every sender is gone.
+async fn next_batch<T>(rx: &smol::channel::Receiver<T>, idle: Duration, max: usize) -> Option<Vec<T>> {
+    let next = async { rx.recv().await.ok() }
+        .or(async {
+            smol::Timer::after(idle).await;
+            None
+        })
+        .await;
+    let first = match next {
+        Some(job) => job,
+        None => {
+            // Closed first, so no event slips in behind the last look.
+            rx.close();
+            rx.try_recv().ok()?
+        }
+    };
+    let mut batch = vec![first];
+    while batch.len() < max {
+        match rx.try_recv() {
+            Ok(job) => batch.push(job),
+            Err(_) => break,
+        }
+    }
+    Some(batch)
+}
 
 /// One chat's lane: its events in order, in batches of what is waiting (their commits
 /// shared), each answered after its commit returned.
@@ -407,39 +440,13 @@ fn start_lane(
 ) -> smol::channel::Sender<Parsed> {
     let (tx, rx) = smol::channel::unbounded::<Parsed>();
     runtime::spawn(async move {
-        loop {
-            let next = async { rx.recv().await.ok() }
-                .or(async {
-                    smol::Timer::after(LANE_IDLE).await;
-                    None
-                })
-                .await;
-            let first = match next {
-                Some(job) => job,
-                None => {
-                    // Closed first, so no event slips in behind the last look.
-                    rx.close();
-                    match rx.try_recv() {
-                        Ok(job) => job,
-                        Err(_) => return,
-                    }
-                }
-            };
-            let mut batch = vec![first];
-            while batch.len() < LANE_BATCH {
-                match rx.try_recv() {
-                    Ok(job) => batch.push(job),
-                    Err(_) => break,
-                }
-            }
+        while let Some(batch) = next_batch(&rx, LANE_IDLE, LANE_BATCH).await {
             let Some(f) = feishu.upgrade() else { return };
             let app = app.clone();
-            let mut reads = Vec::with_capacity(batch.len());
-            let mut rest = Vec::with_capacity(batch.len());
-            for (read, answer, arrived, cost) in batch {
-                reads.push(read);
-                rest.push((answer, arrived, cost));
-            }
+            let (reads, rest): (Vec<_>, Vec<_>) = batch
+                .into_iter()
+                .map(|(read, answer, arrived, cost)| (read, (answer, arrived, cost)))
+                .unzip();
             let outcomes = runtime::unblock(move || f.accept(&app, reads)).await;
             for ((answer, arrived, cost), stored) in rest.into_iter().zip(outcomes) {
                 budget.give_back(cost);
@@ -460,6 +467,37 @@ fn start_lane(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lane_takes_what_waits_in_batches_and_closes_when_idle_handing_late_events_back() {
+        let (tx, rx) = smol::channel::unbounded::<u32>();
+        for i in 0..5 {
+            tx.try_send(i).unwrap();
+        }
+        let idle = Duration::from_millis(50);
+        smol::block_on(async {
+            assert_eq!(next_batch(&rx, idle, 3).await, Some(vec![0, 1, 2]), "at most `max`");
+            assert_eq!(
+                next_batch(&rx, idle, 3).await,
+                Some(vec![3, 4]),
+                "then the rest, in order"
+            );
+            assert_eq!(next_batch(&rx, idle, 3).await, None, "idle: the lane ends");
+        });
+        match tx.try_send(9) {
+            Err(smol::channel::TrySendError::Closed(back)) => assert_eq!(back, 9, "the sender gets it back"),
+            other => panic!("an ended lane took an event: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn past_the_lane_cap_new_chats_share_one_lane_and_known_chats_keep_theirs() {
+        let mut lanes: HashMap<String, ()> = (0..MAX_LANES - 1).map(|i| (format!("oc_{i}"), ())).collect();
+        assert_eq!(lane_key(&lanes, "oc_new".into()), "oc_new", "a lane is free");
+        lanes.insert("oc_new".into(), ());
+        assert_eq!(lane_key(&lanes, "oc_later".into()), OVERFLOW_LANE);
+        assert_eq!(lane_key(&lanes, "oc_3".into()), "oc_3");
+    }
 
     #[test]
     fn drops_in_a_row_wait_longer_up_to_the_reconnect_interval() {
