@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::protocol::{Profile, PROFILE_V1, PROFILE_V2};
+use crate::protocol::{CardId, Profile, PROFILE_V1, PROFILE_V2};
 
 /// The commented default config; `imgate init` writes it and `systemd/imgate.conf` is a copy.
 pub const TEMPLATE: &str = include_str!("../systemd/imgate.conf");
@@ -43,6 +43,8 @@ pub struct Server {
     pub max_connections: usize,
     pub max_body: u64,
     pub log_level: String,
+    /// `connector_card_id`: one per device in a fleet.
+    pub card_id: CardId,
 }
 
 #[derive(Clone)]
@@ -526,6 +528,12 @@ fn read_server(s: &mut Server, section: &Section, p: &mut Problems) {
     if let Some(level) = f.choice("log_level", &["off", "error", "warn", "info", "debug", "trace"]) {
         s.log_level = level.to_string();
     }
+    if let Some((value, line)) = f.raw("card_id") {
+        match CardId::parse(&value) {
+            Ok(id) => s.card_id = id,
+            Err(why) => f.err_at(line, format!("card_id: `{value}` {why}")),
+        }
+    }
     f.finish();
 }
 
@@ -698,6 +706,7 @@ impl Config {
                 max_connections: 64,
                 max_body: 1 << 20,
                 log_level: "info".into(),
+                card_id: CardId::default(),
             },
             xagent: Xagent {
                 dial: None,
@@ -743,6 +752,7 @@ impl Config {
         let set = |s: &Option<Secret>| if s.is_some() { "set" } else { "not set" };
         out.push_str(&format!("config:            {}\n", self.source));
         out.push_str(&format!("listen:            {}\n", self.server.listen));
+        out.push_str(&format!("card_id:           {}\n", self.server.card_id));
         out.push_str(&format!("api_key:           {}\n", set(&self.server.api_key)));
         out.push_str(&format!("state_dir:         {}\n", self.server.state_dir.display()));
         out.push_str(&format!("max_connections:   {}\n", self.server.max_connections));
@@ -838,6 +848,17 @@ mod tests {
         assert_eq!(c.queue.ttl, Duration::from_secs(3600));
         assert_eq!(c.queue.max_bytes_total, 64 << 20);
         assert_eq!(c.queue.overflow, Overflow::DropOldest);
+        assert_eq!(c.server.card_id.as_str(), "im.imgate");
+    }
+
+    #[test]
+    fn card_id_is_read_and_a_bad_one_is_refused_with_its_line() {
+        let c = parse("[server]\ncard_id = im.imgate.kitchen\n", "t.conf", None, &[]).unwrap();
+        assert_eq!(c.server.card_id.skill_name(), "connector-im-imgate-kitchen");
+        let e = errors("[server]\nlisten = 127.0.0.1:1\ncard_id = Im.Kitchen\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].starts_with("t.conf:3: card_id: `Im.Kitchen`"), "{e:?}");
+        assert_eq!(errors("[server]\ncard_id =\n").len(), 1);
     }
 
     #[test]

@@ -59,6 +59,9 @@ fn main() -> ExitCode {
             match cmd {
                 "check" => {
                     print!("{}", cfg.summary());
+                    if let Some(w) = service::volatile_state_warning(&cfg.server.state_dir) {
+                        eprintln!("imgate: warning: {w}");
+                    }
                     println!("config is valid");
                     ExitCode::SUCCESS
                 }
@@ -153,6 +156,9 @@ fn run(cfg: config::Config) -> ExitCode {
     }
     log::info!("{}", protocol::card::version_line());
     let state_dir = cfg.server.state_dir.clone();
+    if let Some(w) = service::volatile_state_warning(&state_dir) {
+        log::warn!("{w}");
+    }
     let opening = std::time::Instant::now();
     let app = match app::App::open(cfg) {
         Ok(a) => a,

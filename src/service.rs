@@ -1,7 +1,9 @@
-//! Running under systemd: `sd_notify` datagrams (READY, STOPPING, WATCHDOG) and the signals that
-//! stop the daemon. The notify protocol is one datagram to `$NOTIFY_SOCKET`; no libsystemd.
+//! Running as a service: `sd_notify` datagrams (READY, STOPPING, WATCHDOG), the signals that
+//! stop the daemon, its open-file limit and whether its state dir survives a reboot. The notify
+//! protocol is one datagram to `$NOTIFY_SOCKET`; no libsystemd.
 
 use std::os::unix::net::UnixDatagram;
+use std::path::Path;
 use std::time::Duration;
 
 /// Sends one state line (`READY=1`, `STOPPING=1`, `WATCHDOG=1`, `STATUS=...`) to systemd.
@@ -81,6 +83,35 @@ pub fn raise_fd_limit() -> Option<u64> {
         }
     }
     getrlimit(Resource::Nofile).current
+}
+
+/// The memory-backed file system (`tmpfs`, `ramfs`) that `dir`, or its nearest existing parent,
+/// lives on: accepted messages kept there are gone after a reboot (OpenWrt's `/var`, `/tmp`,
+/// `/run`). `None` for a disk, or when nothing on the path can be examined.
+pub fn volatile_fs(dir: &Path) -> Option<&'static str> {
+    const TMPFS_MAGIC: u64 = 0x0102_1994;
+    const RAMFS_MAGIC: u64 = 0x8584_58f6;
+    let here = Path::new(".");
+    let st = dir
+        .ancestors()
+        .map(|p| if p.as_os_str().is_empty() { here } else { p })
+        .find_map(|p| rustix::fs::statfs(p).ok())?;
+    // f_type is 32 bits wide on some targets and signed on others.
+    match st.f_type as u64 & 0xffff_ffff {
+        TMPFS_MAGIC => Some("tmpfs"),
+        RAMFS_MAGIC => Some("ramfs"),
+        _ => None,
+    }
+}
+
+/// The warning `imgate check` prints and `imgate run` logs for a state dir on RAM.
+pub fn volatile_state_warning(dir: &Path) -> Option<String> {
+    volatile_fs(dir).map(|fs| {
+        format!(
+            "state_dir {} is on {fs}: accepted messages do not survive a reboot (choose a directory on disk to keep them)",
+            dir.display()
+        )
+    })
 }
 
 pub fn signals() -> std::io::Result<async_signal::Signals> {

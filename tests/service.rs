@@ -151,7 +151,8 @@ fn the_unit_file_passes_systemd_analyze_verify() {
     let unit = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/imgate.service")).unwrap();
     for key in [
         "Type=notify",
-        "DynamicUser=yes",
+        "User=imgate",
+        "Group=imgate",
         "StateDirectory=imgate",
         "RuntimeDirectory=imgate",
         "ConfigurationDirectory=imgate",
@@ -172,7 +173,7 @@ fn the_unit_file_passes_systemd_analyze_verify() {
     // verify checks that ExecStart exists: point it at the binary under test.
     let dir = temp_dir("unit");
     let copy = dir.join("imgate.service");
-    std::fs::write(&copy, unit.replace("/usr/local/bin/imgate", bin())).unwrap();
+    std::fs::write(&copy, unit.replace("/usr/bin/imgate", bin())).unwrap();
     let out = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&copy)

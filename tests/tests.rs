@@ -7,6 +7,7 @@ mod common;
 mod cli;
 mod crash;
 mod dataplane;
+mod deployment;
 mod edge;
 mod feishu;
 mod limits;

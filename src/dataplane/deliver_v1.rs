@@ -171,6 +171,7 @@ fn render_push(app: &App, source: &Source, stored: &StoredMessage) -> Value {
         label: &label,
         tools: provider.map_or(&[], |p| p.tools()),
         base: app.public_base(),
+        skill: app.config.server.card_id.skill_name(),
     };
     inbound::render(&origin, &m, stored)
 }

@@ -25,7 +25,7 @@ use crate::channels::ChannelRecord;
 use crate::ids;
 use crate::json::{self, obj, s, Object, Value};
 use crate::protocol::descriptor::{self, Target, ToolState};
-use crate::protocol::{code, version_at_least, Packet, Profile, CARD_ID, PROTOCOL_VERSION};
+use crate::protocol::{code, version_at_least, CardId, Packet, Profile, PROTOCOL_VERSION};
 use crate::providers::Failure;
 use crate::source::Source;
 
@@ -370,12 +370,15 @@ fn open_channel_of(app: &App, id: u64, p: &Packet) -> Result<String, Box<Packet>
 
 async fn hello(app: &Arc<App>, id: u64, state: &State, p: &Packet) -> Packet {
     let pl = &p.payload;
+    let ours = &app.config.server.card_id;
     let card_id = json::get_str(pl, "connector_card_id").unwrap_or_default();
-    if card_id != CARD_ID {
+    if card_id != ours.as_str() {
+        // The named ID is the peer's: shown cut short, never echoed whole.
+        let named: String = card_id.chars().take(CardId::MAX_LEN).collect();
         return Packet::error_for(
             Some(p),
             code::CARD_ID_MISMATCH,
-            format!("this connector is {CARD_ID}, hello named `{card_id}`"),
+            format!("this connector is {ours}, hello named `{}`", named.escape_debug()),
         );
     }
     match json::get_str(pl, "protocol_version") {
@@ -429,7 +432,7 @@ async fn hello(app: &Arc<App>, id: u64, state: &State, p: &Packet) -> Packet {
         }
     }
     Packet::answer(p, "connector.hello.ack").with_payload(obj([
-        ("connector_card_id", s(CARD_ID)),
+        ("connector_card_id", s(ours.as_str())),
         ("connector_id", s(&app.connector_id)),
         ("protocol_version", s(PROTOCOL_VERSION)),
     ]))
@@ -510,7 +513,15 @@ fn describe(app: &App, cch: &str, profiles: &[String]) -> Value {
             (t, st)
         })
         .collect();
-    descriptor::build(CARD_ID, &app.connector_id, cch, profiles, status, &target, &states)
+    descriptor::build(
+        app.config.server.card_id.as_str(),
+        &app.connector_id,
+        cch,
+        profiles,
+        status,
+        &target,
+        &states,
+    )
 }
 
 async fn channel_open(app: &Arc<App>, id: u64, p: &Packet, profiles: &[String]) -> Packet {

@@ -233,6 +233,7 @@ fn upload(app: &App, req: &mut Request) -> Response<std::io::Cursor<Vec<u8>>> {
 fn card_of(app: &App) -> Value {
     let p = &app.providers;
     card::card(
+        &app.config.server.card_id,
         app.config.server.api_key.is_some(),
         app.config.xagent.profile,
         card::Parts {
@@ -248,9 +249,13 @@ fn handle(app: &App, mut req: Request) {
     let method = req.method().clone();
     let response = match (&method, path.as_str()) {
         (Method::Get, "/connector-card.json") => json_response(200, &card_of(app)),
-        (Method::Get, "/skill.md") => Response::from_data(card::skill(app.config.xagent.profile).as_bytes().to_vec())
-            .with_header(content_type("text/markdown; charset=utf-8")),
-        (Method::Get, "/health") if authorized(app, &req) => json_response(200, &card::health()),
+        (Method::Get, "/skill.md") => {
+            Response::from_data(card::skill(&app.config.server.card_id, app.config.xagent.profile).into_bytes())
+                .with_header(content_type("text/markdown; charset=utf-8"))
+        }
+        (Method::Get, "/health") if authorized(app, &req) => {
+            json_response(200, &card::health(&app.config.server.card_id))
+        }
         (Method::Get, "/status") if authorized(app, &req) => match ops::status(app) {
             Ok(v) => json_response(200, &v),
             Err(e) => {

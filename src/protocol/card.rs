@@ -1,6 +1,6 @@
 //! Connector Card, Skill and health object (common protocol section 4).
 
-use super::{Profile, CARD_ID, PROTOCOL_VERSION, SKILL_NAME, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use super::{CardId, Profile, PROTOCOL_VERSION, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::json::{arr, b, obj, s, strs, Value};
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -59,30 +59,36 @@ fn sent_schema() -> Value {
     ])
 }
 
-fn tool(profile: Profile, id: &str, title: &str, description: &str, schema: Value) -> Value {
+/// What every tool of one Card shares: the profile it belongs to and the Skill it relates to.
+struct ToolContext<'a> {
+    profile: Profile,
+    skill: &'a str,
+}
+
+fn tool(cx: &ToolContext, id: &str, title: &str, description: &str, schema: Value) -> Value {
     obj([
         ("tool_id", s(id)),
-        ("profile", s(profile.as_str())),
+        ("profile", s(cx.profile.as_str())),
         ("title", s(title)),
         ("description", s(description)),
-        ("related_skill_ids", strs([SKILL_NAME])),
+        ("related_skill_ids", strs([cx.skill])),
         ("input_schema", schema),
         ("output_schema", sent_schema()),
     ])
 }
 
 /// The tool a Card declares under `id`.
-fn tool_entry(profile: Profile, id: &str) -> Value {
+fn tool_entry(cx: &ToolContext, id: &str) -> Value {
     match id {
         TOOL_SEND => tool(
-            profile,
+            cx,
             TOOL_SEND,
             "Send a Message",
             "Send text to the conversation bound to the current channel.",
             input_schema(&["text"], vec![("text", "Text to send.")]),
         ),
         TOOL_REPLY => tool(
-            profile,
+            cx,
             TOOL_REPLY,
             "Reply to a Message",
             "Reply to an inbound message, using the reply_ref that came with it.",
@@ -98,7 +104,7 @@ fn tool_entry(profile: Profile, id: &str) -> Value {
             ),
         ),
         _ => tool(
-            profile,
+            cx,
             TOOL_FILE_SEND,
             "Send a File",
             "Send a file (photo or document) uploaded for the current channel, with an optional caption.",
@@ -123,12 +129,16 @@ pub struct Parts {
 
 /// The Connector Card. `api_key_required` reflects whether `[server] api_key` is set; the Card
 /// declares exactly the deployment's `profile` (IM profile v1 section 3).
-pub fn card(api_key_required: bool, profile: Profile, parts: Parts) -> Value {
+pub fn card(card_id: &CardId, api_key_required: bool, profile: Profile, parts: Parts) -> Value {
+    let cx = ToolContext {
+        profile,
+        skill: card_id.skill_name(),
+    };
     obj([
         ("schema", s("xagent.connector/v1")),
         ("protocol_version", s(PROTOCOL_VERSION)),
         ("build", build()),
-        ("connector_card_id", s(CARD_ID)),
+        ("connector_card_id", s(card_id.as_str())),
         (
             "connector",
             obj([
@@ -150,7 +160,7 @@ pub fn card(api_key_required: bool, profile: Profile, parts: Parts) -> Value {
                 ("profiles", strs([profile.as_str()])),
             ]),
         ),
-        ("tools", arr(parts.tools.iter().map(|t| tool_entry(profile, t)))),
+        ("tools", arr(parts.tools.iter().map(|t| tool_entry(&cx, t)))),
         ("auth_flows", arr(parts.auth_flows)),
         (
             "security",
@@ -164,10 +174,10 @@ pub fn card(api_key_required: bool, profile: Profile, parts: Parts) -> Value {
 }
 
 /// `GET /health` (section 4.3).
-pub fn health() -> Value {
+pub fn health(card_id: &CardId) -> Value {
     obj([
         ("status", s("ok")),
-        ("connector_card_id", s(CARD_ID)),
+        ("connector_card_id", s(card_id.as_str())),
         ("connector_card_version", s(VERSION)),
         ("protocol_version", s(PROTOCOL_VERSION)),
         ("build", build()),
@@ -179,10 +189,53 @@ pub const SKILL: &str = include_str!("skill.md");
 /// The same for IM v2: `chat.message` in, replies as messages.
 pub const SKILL_V2: &str = include_str!("skill_v2.md");
 
-/// The Skill of the deployment's profile.
-pub fn skill(profile: Profile) -> &'static str {
-    match profile {
+/// The header line both Skill files are written with, for the default card ID.
+const SKILL_NAME_LINE: &str = "\nname: connector-im-imgate\n";
+
+/// The Skill of the deployment's profile, named after its card ID (section 4.2).
+pub fn skill(card_id: &CardId, profile: Profile) -> String {
+    let text = match profile {
         Profile::V1 => SKILL,
         Profile::V2 => SKILL_V2,
+    };
+    text.replacen(SKILL_NAME_LINE, &format!("\nname: {}\n", card_id.skill_name()), 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `name` of the Skill's front matter (between its first two `---` lines).
+    fn header_name(skill: &str) -> Option<&str> {
+        skill
+            .lines()
+            .skip(1)
+            .take_while(|l| *l != "---")
+            .find_map(|l| l.strip_prefix("name: "))
+    }
+
+    #[test]
+    fn skill_header_card_tools_and_health_follow_the_card_id() {
+        let id = CardId::parse("im.imgate.garage").unwrap();
+        for profile in [Profile::V1, Profile::V2] {
+            assert_eq!(header_name(&skill(&id, profile)), Some("connector-im-imgate-garage"));
+            assert_eq!(
+                header_name(&skill(&CardId::default(), profile)),
+                Some("connector-im-imgate")
+            );
+            let parts = Parts {
+                targets: vec![],
+                auth_flows: vec![],
+                tools: vec![TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND],
+            };
+            let text = crate::json::to_string(&card(&id, true, profile, parts));
+            assert!(text.contains(r#""connector_card_id":"im.imgate.garage""#), "{text}");
+            assert_eq!(
+                text.matches(r#""related_skill_ids":["connector-im-imgate-garage"]"#)
+                    .count(),
+                3
+            );
+        }
+        assert!(crate::json::to_string(&health(&id)).contains(r#""connector_card_id":"im.imgate.garage""#));
     }
 }

@@ -41,8 +41,67 @@ impl Profile {
         }
     }
 }
-pub const CARD_ID: &str = "im.imgate";
-pub const SKILL_NAME: &str = "connector-im-imgate";
+/// This device's `connector_card_id` (`[server] card_id`) and the Skill name derived from it.
+///
+/// xAgent keeps one Connector Server per card ID and lets a newer one replace an older one, so
+/// two boards of one household need two IDs (`im.imgate.kitchen`, `im.imgate.garage`). The Skill
+/// name follows the protocol's convention (section 4.2): `connector-` and the card ID with
+/// periods and underscores as hyphens; the Skill header, the Card's `related_skill_ids` and every
+/// message's `skill_id` use it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CardId {
+    id: String,
+    skill: String,
+}
+
+impl CardId {
+    pub const DEFAULT: &'static str = "im.imgate";
+    /// Long enough for a fleet's names, short enough for xAgent's lists and Skill names.
+    pub const MAX_LEN: usize = 64;
+
+    /// `[a-z0-9._-]`, 1 to 64 characters, starting with a letter or digit.
+    pub fn parse(id: &str) -> Result<CardId, String> {
+        let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-');
+        if id.is_empty() || id.len() > Self::MAX_LEN {
+            return Err(format!("must be 1 to {} characters", Self::MAX_LEN));
+        }
+        if !id.chars().all(allowed) {
+            return Err("may only hold a-z, 0-9, `.`, `_` and `-`".into());
+        }
+        if !id.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+            return Err("must start with a letter or digit".into());
+        }
+        let skill = format!("connector-{}", id.replace(['.', '_'], "-"));
+        Ok(CardId {
+            id: id.to_string(),
+            skill,
+        })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.id
+    }
+
+    /// `connector-im-imgate` for `im.imgate`.
+    pub fn skill_name(&self) -> &str {
+        &self.skill
+    }
+}
+
+impl Default for CardId {
+    fn default() -> CardId {
+        CardId {
+            id: Self::DEFAULT.to_string(),
+            skill: "connector-im-imgate".to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for CardId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.id)
+    }
+}
 
 pub const TOOL_SEND: &str = "imgate_message_send";
 pub const TOOL_REPLY: &str = "imgate_message_reply";
@@ -275,6 +334,33 @@ mod tests {
             Packet::parse(&deep).is_err(),
             "deep nesting is an error, not a stack overflow"
         );
+    }
+
+    #[test]
+    fn card_id_names_its_skill_by_the_protocol_convention() {
+        let kitchen = CardId::parse("im.imgate.kitchen_pi").unwrap();
+        assert_eq!(kitchen.as_str(), "im.imgate.kitchen_pi");
+        assert_eq!(kitchen.skill_name(), "connector-im-imgate-kitchen-pi");
+        assert_eq!(CardId::default(), CardId::parse(CardId::DEFAULT).unwrap());
+        assert_eq!(CardId::default().skill_name(), "connector-im-imgate");
+        assert!(CardId::parse(&"a".repeat(CardId::MAX_LEN)).is_ok());
+    }
+
+    #[test]
+    fn card_id_outside_its_character_set_is_refused() {
+        for bad in [
+            "",
+            "Im.imgate",
+            "im imgate",
+            "im/imgate",
+            ".imgate",
+            "-x",
+            "im.imgäte",
+            "a\n",
+        ] {
+            assert!(CardId::parse(bad).is_err(), "{bad:?} was accepted");
+        }
+        assert!(CardId::parse(&"a".repeat(CardId::MAX_LEN + 1)).is_err());
     }
 
     #[test]

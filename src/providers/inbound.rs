@@ -4,7 +4,7 @@
 
 use crate::json::{self, arr, b, obj, opt_s, s, strs, Value};
 use crate::outbox::StoredMessage;
-use crate::protocol::{PROFILE_V1, SKILL_NAME, TOOL_REPLY};
+use crate::protocol::{PROFILE_V1, TOOL_REPLY};
 
 /// A validated inbound message; stored as is in the outbox and rendered at push time.
 #[derive(Debug, PartialEq, miniserde::Serialize, miniserde::Deserialize)]
@@ -63,6 +63,8 @@ pub struct Origin<'a> {
     pub tools: &'a [&'static str],
     /// `[server] public_url` (empty: `download_url` stays relative, xAgent resolves it).
     pub base: &'a str,
+    /// The Skill that tells the agent how to answer (named after `[server] card_id`).
+    pub skill: &'a str,
 }
 
 /// Shows a few characters of an identifier, enough to tell senders apart.
@@ -115,8 +117,8 @@ pub fn render(origin: &Origin, m: &Inbound, stored: &StoredMessage) -> Value {
         (
             "skill",
             obj([
-                ("skill_id", s(SKILL_NAME)),
-                ("name", s(SKILL_NAME)),
+                ("skill_id", s(origin.skill)),
+                ("name", s(origin.skill)),
                 ("tool_ids", strs(origin.tools.iter().copied())),
             ]),
         ),

@@ -623,11 +623,16 @@ impl Sim {
     }
 
     pub fn hello(&mut self, connector_id: &str) -> Value {
+        self.hello_to("im.imgate", connector_id)
+    }
+
+    /// `connector.hello` to the Connector whose Card says `card_id`.
+    pub fn hello_to(&mut self, card_id: &str, connector_id: &str) -> Value {
         let a = self.request(
             "connector.hello",
             None,
             json!({
-                "connector_card_id": "im.imgate",
+                "connector_card_id": card_id,
                 "connector_id": connector_id,
                 "protocol_version": "3.0",
                 "supported_profiles": ["xagent.im.v1", "xagent.im.v2"],

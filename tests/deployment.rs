@@ -1,0 +1,131 @@
+//! What an installed device shows beyond the wire basics: its own card ID in a fleet, a warning
+//! when its state would not survive a reboot, and the init scripts the packages install, run
+//! under stand-ins for OpenWrt's procd and Alpine's OpenRC.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::common::*;
+
+const KITCHEN: &str = "im.imgate.kitchen";
+
+#[test]
+fn card_id_names_the_card_health_hello_ack_skill_and_every_push() {
+    let dir = temp_dir("card-id");
+    let conf = config_text(free_port(), &dir, None, "")
+        .replace("log_level = debug", &format!("log_level = debug\ncard_id = {KITCHEN}"));
+    let d = Daemon::start(&dir, &conf);
+
+    let card = get_json(&d.url("/connector-card.json"));
+    assert_card(&card);
+    assert_eq!(card["connector_card_id"], KITCHEN);
+    for t in card["tools"].as_array().unwrap() {
+        assert_eq!(t["related_skill_ids"], json!(["connector-im-imgate-kitchen"]), "{t}");
+    }
+    let (status, health) = http_get(&d.url("/health"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert_eq!(status, 200);
+    let health: Value = serde_json::from_str(&health).unwrap();
+    assert_eq!(health["connector_card_id"], KITCHEN);
+    let (_, skill) = http_get(&d.url("/skill.md"), &[]);
+    assert!(skill.starts_with("---\nname: connector-im-imgate-kitchen\n"), "{skill}");
+
+    // An xAgent that knows this board as the default card is refused by name.
+    let mut x = d.xagent();
+    let wrong = x.request(
+        "connector.hello",
+        None,
+        json!({"connector_card_id": "im.imgate", "protocol_version": "3.0", "supported_profiles": ["xagent.im.v1"]}),
+    );
+    assert_eq!(wrong["error"]["code"], "connector_card_id_mismatch", "{wrong}");
+    assert!(wrong["error"]["message"].as_str().unwrap().contains(KITCHEN), "{wrong}");
+
+    let ack = x.hello_to(KITCHEN, "");
+    assert_packet(&ack);
+    assert_eq!(ack["payload"]["connector_card_id"], KITCHEN);
+    let (cch, _) = x.open(None);
+    let bound = x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    assert_eq!(bound["payload"]["status"], "authenticated", "{bound}");
+    let desc = &bound["payload"]["connection_descriptor"];
+    assert_descriptor(desc);
+    assert_eq!(desc["connection"]["connector_card_id"], KITCHEN, "{bound}");
+    let (status, _) = d.post_hook("alerts", &json!({"message_id": "k-1", "sender_id": "u", "text": "hi"}));
+    assert_eq!(status, 202);
+    let push = x.next_push(Duration::from_secs(10)).expect("the message is pushed");
+    assert_eq!(
+        push["payload"]["skill"]["skill_id"], "connector-im-imgate-kitchen",
+        "{push}"
+    );
+}
+
+#[test]
+fn a_bad_card_id_is_refused_with_its_file_and_line() {
+    let dir = temp_dir("card-id-bad");
+    let conf = dir.join("imgate.conf");
+    std::fs::write(&conf, "[server]\nlisten = 127.0.0.1:1\ncard_id = Kitchen Pi\n").unwrap();
+    for cmd in ["check", "run"] {
+        let out = Command::new(bin())
+            .args([cmd, "--config", conf.to_str().unwrap()])
+            .env_remove("STATE_DIRECTORY")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{cmd}: {err}");
+        assert!(
+            err.contains(&format!("{}:3: card_id: `Kitchen Pi` may only hold", conf.display())),
+            "{cmd}: {err}"
+        );
+    }
+}
+
+/// A tmpfs this test can use: `/dev/shm` on Linux, checked rather than assumed.
+fn tmpfs_dir(tag: &str) -> std::path::PathBuf {
+    let out = Command::new("stat")
+        .args(["-f", "-c", "%T", "/dev/shm"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "tmpfs",
+        "/dev/shm is a tmpfs here"
+    );
+    let dir = Path::new("/dev/shm").join(format!("imgate-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[test]
+fn a_state_dir_on_tmpfs_is_warned_about_by_check_and_at_start() {
+    const WARNING: &str = "is on tmpfs: accepted messages do not survive a reboot";
+    let ram = tmpfs_dir("volatile");
+    let disk = temp_dir("durable");
+    for (dir, warned) in [(&ram, true), (&disk, false)] {
+        // The state dir itself does not exist yet: its nearest existing parent decides.
+        let conf = config_text(free_port(), dir, None, "");
+        let path = dir.join("imgate.conf");
+        std::fs::write(&path, &conf).unwrap();
+        let out = Command::new(bin())
+            .args(["check", "--config", path.to_str().unwrap()])
+            .env_remove("STATE_DIRECTORY")
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.contains(WARNING), warned, "check, {}: {err}", dir.display());
+
+        // The warning comes before the listener's line: once that is in, the log is complete.
+        let d = Daemon::start(dir, &conf);
+        assert!(d.log_shows("listening on", Duration::from_secs(10)), "{}", d.log());
+        assert_eq!(
+            d.log().contains(WARNING),
+            warned,
+            "start log, {}: {}",
+            dir.display(),
+            d.log()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&ram);
+}
