@@ -17,6 +17,7 @@ bin="dist/imgate-$t"
 case "$t" in
   aarch64-*) qemu=(qemu-aarch64-static); pkgs=(qemu-user-static) ;;
   armv7-*gnueabihf) qemu=(qemu-arm-static -L /usr/arm-linux-gnueabihf); pkgs=(qemu-user-static libc6-armhf-cross) ;;
+  armv7-*musleabihf) qemu=(qemu-arm-static); pkgs=(qemu-user-static) ;;
   x86_64-*) qemu=(); pkgs=() ;;
   *) echo "smoke: unknown target $t" >&2; exit 1 ;;
 esac

@@ -129,3 +129,116 @@ fn a_state_dir_on_tmpfs_is_warned_about_by_check_and_at_start() {
     }
     let _ = std::fs::remove_dir_all(&ram);
 }
+
+/// Runs `script` (an init script's text) with `sh` after `prelude`, then `then`; returns what the
+/// stand-ins recorded, a line per call with each argument in brackets.
+fn run_init_script(tag: &str, script: &str, prelude: &str, then: &str) -> String {
+    let dir = temp_dir(tag);
+    let record = dir.join("calls");
+    let path = dir.join("init");
+    std::fs::write(&path, script).unwrap();
+    let driver = format!(
+        "set -e\nrecord() {{ printf '%s' \"$1\" >> '{rec}'; shift; if [ $# -gt 0 ]; then printf ' [%s]' \"$@\" >> '{rec}'; fi; echo >> '{rec}'; }}\n\
+         {prelude}\n. '{init}'\n{then}\n",
+        rec = record.display(),
+        init = path.display(),
+    );
+    let out = Command::new("sh").arg("-c").arg(&driver).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{tag}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(&record).unwrap_or_default()
+}
+
+#[test]
+fn the_openwrt_init_script_asks_procd_for_a_respawned_unprivileged_logged_instance() {
+    let dir = temp_dir("procd-conf");
+    let conf = dir.join("imgate.conf");
+    std::fs::write(
+        &conf,
+        "[server]\nstate_dir = /srv/imgate  # on flash\nlisten = 0.0.0.0:8787\n",
+    )
+    .unwrap();
+    let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/openwrt/imgate.init"))
+        .unwrap()
+        .replace("/etc/imgate/imgate.conf", conf.to_str().unwrap());
+    // procd.sh's functions and the commands that would touch the real /srv, recorded instead.
+    let stand_in = "procd_open_instance() { record procd_open_instance \"$@\"; }\n\
+                    procd_set_param() { record procd_set_param \"$@\"; }\n\
+                    procd_close_instance() { record procd_close_instance \"$@\"; }\n\
+                    mkdir() { record mkdir \"$@\"; }\nchown() { record chown \"$@\"; }\nchmod() { record chmod \"$@\"; }";
+    let calls = run_init_script(
+        "procd",
+        &script,
+        stand_in,
+        "record globals \"$START\" \"$STOP\" \"$USE_PROCD\"\nstart_service",
+    );
+    let c = conf.display();
+    let want = format!(
+        "globals [95] [10] [1]\n\
+         mkdir [-p] [/srv/imgate]\n\
+         chown [imgate:imgate] [/srv/imgate]\n\
+         chmod [0700] [/srv/imgate]\n\
+         procd_open_instance\n\
+         procd_set_param [command] [/usr/bin/imgate] [run] [--config] [{c}]\n\
+         procd_set_param [user] [imgate]\n\
+         procd_set_param [group] [imgate]\n\
+         procd_set_param [file] [{c}]\n\
+         procd_set_param [respawn] [3600] [5] [0]\n\
+         procd_set_param [stdout] [1]\n\
+         procd_set_param [stderr] [1]\n\
+         procd_set_param [limits] [nofile=4096 4096]\n\
+         procd_set_param [term_timeout] [10]\n\
+         procd_close_instance\n"
+    );
+    assert_eq!(calls, want);
+}
+
+#[test]
+fn the_openrc_script_supervises_imgate_as_its_user_and_checks_the_config_first() {
+    let dir = temp_dir("openrc");
+    let good = dir.join("good.conf");
+    std::fs::write(&good, "[server]\nlisten = 127.0.0.1:8787\n").unwrap();
+    let bad = dir.join("bad.conf");
+    std::fs::write(&bad, "[server]\nlisten = nowhere\n").unwrap();
+    let script =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/alpine/imgate.initd")).unwrap();
+    let stand_in = format!(
+        "IMGATE_CONFIG='{}'\ncheckpath() {{ record checkpath \"$@\"; }}\n\
+         need() {{ record need \"$@\"; }}\nuse() {{ record use \"$@\"; }}\nafter() {{ record after \"$@\"; }}",
+        good.display()
+    );
+    // The installed binary is /usr/bin/imgate; the one under test stands in for it.
+    let then = format!(
+        "record vars \"$supervisor\" \"$command\" \"$command_args\" \"$command_user\" \"$supervise_daemon_args\" \"$respawn_max\" \"$rc_ulimit\"\n\
+         depend\ncommand='{}'\nstart_pre\nrecord checked",
+        bin()
+    );
+    let calls = run_init_script("openrc", &script, &stand_in, &then);
+    let want = format!(
+        "vars [supervise-daemon] [/usr/bin/imgate] [run --config {}] [imgate:imgate] [--env STATE_DIRECTORY=/var/lib/imgate] [0] [-n 4096]\n\
+         need [net]\nuse [logger]\nafter [firewall]\n\
+         checkpath [--directory] [--owner] [imgate:imgate] [--mode] [0700] [/var/lib/imgate]\n\
+         checked\n",
+        good.display()
+    );
+    assert_eq!(calls, want);
+
+    // A bad config stops start_pre with the config's own error instead of a respawn loop.
+    let driver = format!(
+        "checkpath() {{ :; }}\nIMGATE_CONFIG='{}'\n. '{}'\ncommand='{}'\nstart_pre",
+        bad.display(),
+        concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/alpine/imgate.initd"),
+        bin()
+    );
+    let out = Command::new("sh").arg("-c").arg(&driver).output().unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("bad.conf:2: listen: `nowhere`"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
