@@ -44,10 +44,59 @@ pub fn to_string(v: &Value) -> String {
     miniserde::json::to_string(v)
 }
 
-/// Parses outside bytes; miniserde is non-recursive, so deep nesting cannot overflow the stack.
-pub fn parse(text: &str) -> Result<Value, String> {
-    miniserde::json::from_str::<Value>(text).map_err(|_| "body is not valid JSON".to_string())
+/// Nesting deeper than this is refused before parsing. No payload imgate reads from outside
+/// (webhook bodies, packets, Bot API and Open Platform answers, events) comes near it.
+pub const MAX_DEPTH: usize = 64;
+/// Values (containers and list items) one document may hold. A parsed value takes 32 bytes
+/// whatever its text takes, so `[0,0,…]` would cost 16 times its size; with this cap a document
+/// of any shape costs at most about 6 MiB besides its own strings. A getUpdates answer of 100
+/// large Telegram messages stays well below it.
+pub const MAX_VALUES: usize = 100_000;
+
+/// Checks the shape of outside JSON in one pass, without allocating: nesting and value count.
+/// miniserde is non-recursive (no stack overflow), but it allocates for every level and value.
+pub fn check_shape(text: &[u8]) -> Result<(), String> {
+    let (mut depth, mut values) = (0usize, 0usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for &b in text {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                values += 1;
+                if depth > MAX_DEPTH {
+                    return Err(format!("JSON nested deeper than {MAX_DEPTH} levels"));
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            b',' => values += 1,
+            _ => {}
+        }
+        if values > MAX_VALUES {
+            return Err(format!("JSON with more than {MAX_VALUES} values"));
+        }
+    }
+    Ok(())
 }
+
+/// Parses outside bytes: their shape is checked first (`check_shape`), then miniserde parses.
+/// The `Err` says which, readably, for a 400's `detail` or an `invalid_packet`.
+pub fn parse(text: &str) -> Result<Value, String> {
+    check_shape(text.as_bytes())?;
+    miniserde::json::from_str::<Value>(text).map_err(|_| NOT_JSON.to_string())
+}
+
+/// `parse`'s answer to text that is not JSON at all.
+pub const NOT_JSON: &str = "body is not valid JSON";
 
 pub fn as_object(v: &Value) -> Option<&Object> {
     match v {
@@ -78,4 +127,44 @@ pub fn get_u64(o: &Object, key: &str) -> Option<u64> {
 
 pub fn get_obj<'a>(o: &'a Object, key: &str) -> Option<&'a Object> {
     o.get(key).and_then(as_object)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deep_nesting_is_refused_before_parsing_and_the_limit_itself_parses() {
+        let ok = format!("{}{}", "[".repeat(MAX_DEPTH), "]".repeat(MAX_DEPTH));
+        assert!(parse(&ok).is_ok());
+        let deep = format!("{}{}", "[".repeat(MAX_DEPTH + 1), "]".repeat(MAX_DEPTH + 1));
+        assert_eq!(parse(&deep).unwrap_err(), "JSON nested deeper than 64 levels");
+        let bomb = "[".repeat(1 << 20);
+        assert!(parse(&bomb).unwrap_err().contains("nested deeper"));
+        let objects = r#"{"a":"#.repeat(MAX_DEPTH + 1);
+        assert!(check_shape(objects.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn brackets_and_commas_inside_strings_do_not_count() {
+        let text = format!(r#"{{"text":"{}","q":"\"[,{{"}}"#, "[,{".repeat(200_000));
+        assert!(parse(&text).is_ok(), "a string full of brackets is one value");
+    }
+
+    #[test]
+    fn too_many_values_are_refused_and_the_cap_itself_parses() {
+        let at_cap = format!("[{}]", vec!["0"; MAX_VALUES - 1].join(","));
+        assert!(parse(&at_cap).is_ok());
+        let over = format!("[{}]", vec!["0"; MAX_VALUES + 1].join(","));
+        assert_eq!(parse(&over).unwrap_err(), "JSON with more than 100000 values");
+    }
+
+    #[test]
+    fn the_shape_check_survives_thousands_of_malformed_inputs() {
+        let seeds: [&[u8]; 2] = [br#"{"a":[1,{"b":"c\"]"}],"d":null}"#, b"[[[[\"\\"];
+        for input in crate::testutil::mutations(&seeds, 5000, 3) {
+            let _ = check_shape(&input);
+            let _ = parse(&String::from_utf8_lossy(&input));
+        }
+    }
 }

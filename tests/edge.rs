@@ -504,3 +504,154 @@ fn after_the_attacks_no_slot_is_held_and_memory_is_back_within_4_mib() {
     println!("RSS before the attacks {start} KiB, after {end} KiB");
     assert!(end < start + 4096, "RSS went from {start} KiB to {end} KiB");
 }
+
+// ---------- peers holding a credential (a webhook secret, the API key) ----------
+
+/// A masked client text frame of any length (RFC 6455 5.2).
+fn text_frame(payload: &[u8]) -> Vec<u8> {
+    let mask = [9u8, 8, 7, 6];
+    let mut out = vec![0x81];
+    match payload.len() {
+        n if n < 126 => out.push(0x80 | n as u8),
+        n if n <= 0xffff => {
+            out.push(0x80 | 126);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            out.push(0x80 | 127);
+            out.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    out.extend_from_slice(&mask);
+    out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    out
+}
+
+/// The payload of the next text frame the server sends (unmasked).
+fn next_text(s: &mut TcpStream) -> String {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut h = [0u8; 2];
+    s.read_exact(&mut h).unwrap();
+    let len = match h[1] & 0x7f {
+        126 => {
+            let mut l = [0u8; 2];
+            s.read_exact(&mut l).unwrap();
+            u16::from_be_bytes(l) as usize
+        }
+        127 => {
+            let mut l = [0u8; 8];
+            s.read_exact(&mut l).unwrap();
+            u64::from_be_bytes(l) as usize
+        }
+        n => n as usize,
+    };
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload).unwrap();
+    String::from_utf8(payload).unwrap()
+}
+
+fn hello_frame() -> Vec<u8> {
+    text_frame(
+        json!({"schema": "xagent.connector.packet/v1", "packet_id": "h", "request_id": "h", "type": "connector.hello",
+               "payload": {"connector_card_id": "im.imgate", "protocol_version": "3.0", "supported_profiles": ["xagent.im.v1"]}})
+        .to_string()
+        .as_bytes(),
+    )
+}
+
+fn connections(d: &Daemon) -> u64 {
+    let status = get_json_with(&d.url("/status"));
+    status["dataplane"]["connections"].as_u64().unwrap()
+}
+
+fn get_json_with(url: &str) -> serde_json::Value {
+    let (code, body) = http_get(url, &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+#[test]
+fn peer_1_a_json_bomb_is_refused_with_its_detail_and_costs_a_small_multiple_of_its_size() {
+    let d = daemon("peer-bomb");
+    alive(&d);
+    let before = hwm_kib(d.pid());
+    let bomb = "[".repeat((1 << 20) - 64);
+    let (status, body) = http_post(
+        &d.url("/hooks/alerts"),
+        &[
+            ("Authorization", &format!("Bearer {HOOK_SECRET}")),
+            ("Content-Type", "application/json"),
+        ],
+        &bomb,
+    );
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"], "invalid_payload");
+    assert_eq!(body["detail"], "JSON nested deeper than 64 levels");
+
+    // The same over the data plane: an invalid_packet with the same detail, the session lives.
+    let mut ws = raw_upgrade(d.port, &format!("Bearer {API_KEY}"));
+    ws.write_all(&hello_frame()).unwrap();
+    assert!(next_text(&mut ws).contains("connector.hello.ack"));
+    ws.write_all(&text_frame(bomb.as_bytes())).unwrap();
+    let answer = next_text(&mut ws);
+    assert!(
+        answer.contains("invalid_packet") && answer.contains("JSON nested deeper than 64 levels"),
+        "{answer}"
+    );
+    let flat = format!("[{}0]", "0,".repeat(200_000));
+    ws.write_all(&text_frame(flat.as_bytes())).unwrap();
+    let answer = next_text(&mut ws);
+    assert!(answer.contains("JSON with more than 100000 values"), "{answer}");
+
+    let (status, _) = d.post_hook("alerts", &json!({"message_id": "after-bomb", "sender_id": "u"}));
+    assert_eq!(status, 202, "a legitimate webhook is accepted after the bombs");
+    let grew = hwm_kib(d.pid()).saturating_sub(before);
+    println!("peak RSS grew {grew} KiB for 1 MiB bombs (a webhook body and a packet)");
+    assert!(grew < 8 * 1024, "peak RSS grew {grew} KiB for a 1 MiB body");
+}
+
+#[test]
+fn peer_2_a_websocket_client_that_stops_reading_is_disconnected_within_its_write_deadline() {
+    let d = daemon("peer-noread");
+    alive(&d);
+    let before = hwm_kib(d.pid());
+    let mut ws = raw_upgrade(d.port, &format!("Bearer {API_KEY}"));
+    ws.write_all(&hello_frame()).unwrap();
+    assert!(next_text(&mut ws).contains("connector.hello.ack"));
+    assert_eq!(connections(&d), 1);
+    // Pings with the longest request_id allowed, each answered by a pong nobody reads, until the
+    // daemon stops reading too (its queue is full) or the pongs reach 40 MB.
+    let id = "r".repeat(256);
+    let ping = text_frame(
+        json!({"schema": "xagent.connector.packet/v1", "packet_id": "p", "request_id": id, "type": "ping"})
+            .to_string()
+            .as_bytes(),
+    );
+    ws.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut sent = 0usize;
+    while sent < 100_000 && ws.write_all(&ping).is_ok() {
+        sent += 1;
+    }
+    let stalled = Instant::now();
+    let deadline = stalled + Duration::from_secs(60);
+    while connections(&d) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the session is still open 60 s after its peer stopped reading"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let grew = hwm_kib(d.pid()).saturating_sub(before);
+    println!(
+        "{sent} pings sent; the session ended {:?} after the client stalled; peak RSS grew {grew} KiB",
+        stalled.elapsed()
+    );
+    assert!(
+        d.log_shows("the peer read nothing for", Duration::from_secs(5)),
+        "{}",
+        d.log()
+    );
+    assert!(grew < 16 * 1024, "peak RSS grew {grew} KiB");
+    drop(ws);
+    alive(&d);
+}

@@ -10,8 +10,8 @@ use std::time::Duration;
 use smol::future::FutureExt;
 
 use super::blocking;
+use super::out::Out;
 use super::session::{lock, State};
-use super::Outgoing;
 use crate::app::App;
 use crate::ids;
 use crate::json::{obj, Value};
@@ -32,7 +32,7 @@ pub(super) async fn run(
     app: Arc<App>,
     id: u64,
     state: Arc<State>,
-    out: smol::channel::Sender<Outgoing>,
+    out: Out,
     wake: smol::channel::Receiver<()>,
     stop: smol::channel::Sender<String>,
 ) {
@@ -87,7 +87,7 @@ pub(super) async fn run(
                 for p in pending {
                     let payload = render_push(&app, &source, &p.message);
                     let packet = Packet::new("message.push").with_channel(&cch).with_payload(payload);
-                    if out.send(Outgoing::Packet(packet)).await.is_err() {
+                    if out.send(packet).await.is_err() {
                         return;
                     }
                     seqs.push(p.seq);
@@ -108,7 +108,7 @@ pub(super) async fn run(
         lock(&state.barriers).insert(request_id.clone(), tx);
         let mut ping = Packet::new("ping");
         ping.request_id = Some(request_id.clone());
-        if out.send(Outgoing::Packet(ping)).await.is_err() {
+        if out.send(ping).await.is_err() {
             return;
         }
         let answered = async { rx.recv().await.is_ok() }

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use smol::future::FutureExt;
 
 use super::blocking;
+use super::out::Out;
 use super::session::{lock, State};
-use super::Outgoing;
 use crate::app::App;
 use crate::ids;
 use crate::json::{self, arr, obj, s, Value};
@@ -138,7 +138,7 @@ pub(super) async fn run(
     app: Arc<App>,
     id: u64,
     state: Arc<State>,
-    out: smol::channel::Sender<Outgoing>,
+    out: Out,
     wake: smol::channel::Receiver<()>,
     acks: smol::channel::Receiver<Ack>,
     stop: smol::channel::Sender<String>,
@@ -298,7 +298,7 @@ pub(super) async fn run(
             lock(&state.barriers).insert(request_id.clone(), tx);
             let mut p = Packet::new("ping");
             p.request_id = Some(request_id.clone());
-            if out.send(Outgoing::Packet(p)).await.is_err() {
+            if out.send(p).await.is_err() {
                 return;
             }
             ping = Some((request_id, rx, now + PONG_TIMEOUT));
@@ -336,7 +336,7 @@ async fn follow_channels(app: &Arc<App>, id: u64, channels: &mut HashMap<String,
 
 /// Sends the channel's next message when nothing of it is unacked; false when the session's
 /// writer is gone.
-async fn send_next(app: &Arc<App>, cch: &str, ch: &mut Channel, out: &smol::channel::Sender<Outgoing>) -> bool {
+async fn send_next(app: &Arc<App>, cch: &str, ch: &mut Channel, out: &Out) -> bool {
     if ch.sent.is_some() || ch.resume_at.is_some() {
         return true;
     }
@@ -355,7 +355,7 @@ async fn send_next(app: &Arc<App>, cch: &str, ch: &mut Channel, out: &smol::chan
         message_id: next.message.header.message_id.clone(),
         at: Instant::now(),
     });
-    out.send(Outgoing::Packet(packet)).await.is_ok()
+    out.send(packet).await.is_ok()
 }
 
 /// Matches an ack to the message it answers; anything else is ignored.

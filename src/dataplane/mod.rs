@@ -8,6 +8,7 @@ pub mod chat;
 mod deliver_v1;
 mod deliver_v2;
 pub mod dial;
+pub mod out;
 pub mod session;
 pub mod tools;
 
@@ -34,16 +35,9 @@ pub struct SessionLink {
     /// Wakes the session's delivery loop (capacity 1: wake-ups coalesce).
     pub wake: smol::channel::Sender<()>,
     /// The session's outgoing packet queue.
-    pub out: smol::channel::Sender<Outgoing>,
+    pub out: out::Out,
     /// Ends the session, with the reason to log and put in the close frame.
     pub stop: smol::channel::Sender<String>,
-}
-
-/// What a session's writer sends.
-pub enum Outgoing {
-    Packet(Packet),
-    /// Send this close frame (`None`: only what tungstenite owes the peer) and stop.
-    Close(Option<async_tungstenite::tungstenite::protocol::CloseFrame>),
 }
 
 #[derive(Default)]
@@ -157,7 +151,7 @@ impl Hub {
     pub fn send_to_channel(&self, cch: &str, packet: Packet) -> bool {
         let g = self.lock();
         match g.open.get(cch).and_then(|s| g.sessions.get(s)) {
-            Some(link) => link.out.try_send(Outgoing::Packet(packet)).is_ok(),
+            Some(link) => link.out.try_send(packet),
             None => false,
         }
     }

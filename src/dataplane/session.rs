@@ -19,7 +19,8 @@ use smol::future::FutureExt;
 use smol::io::{AsyncRead, AsyncWrite};
 use smol::stream::StreamExt;
 
-use super::{blocking, Outgoing, SessionLink};
+use super::out::{self, Out, Outgoing};
+use super::{blocking, SessionLink};
 use crate::app::App;
 use crate::channels::ChannelRecord;
 use crate::ids;
@@ -84,7 +85,7 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let (mut tx, mut rx) = ws.split();
-    let (out_tx, out_rx) = smol::channel::bounded::<Outgoing>(256);
+    let (out_tx, out_rx) = out::queue();
     let (wake_tx, wake_rx) = smol::channel::bounded::<()>(1);
     let (stop_tx, stop_rx) = smol::channel::bounded::<String>(1);
     let id = app.hub.register(SessionLink {
@@ -95,18 +96,40 @@ where
     log::info!("data plane: session {id} with {peer} started");
     let state = Arc::new(State::default());
 
+    let stop_writer = stop_tx.clone();
     let writer = crate::runtime::spawn(async move {
-        while let Ok(item) = out_rx.recv().await {
+        while let Some(item) = out_rx.recv().await {
             match item {
-                Outgoing::Packet(p) => {
-                    log::trace!("data plane: -> {}", p.kind);
-                    if tx.send(Message::text(p.to_json())).await.is_err() {
-                        break;
+                Outgoing::Frame { kind, text } => {
+                    log::trace!("data plane: -> {kind}");
+                    let n = text.len();
+                    let deadline = out::write_deadline(n);
+                    let sent = async { Some(tx.send(Message::text(text)).await.is_ok()) }
+                        .or(async {
+                            smol::Timer::after(deadline).await;
+                            None
+                        })
+                        .await;
+                    out_rx.done(n);
+                    match sent {
+                        Some(true) => {}
+                        Some(false) => break,
+                        None => {
+                            // The peer stopped reading: end the session instead of queueing more.
+                            let why = format!("the peer read nothing for {}s", deadline.as_secs());
+                            let _ = stop_writer.try_send(why);
+                            break;
+                        }
                     }
                 }
                 Outgoing::Close(frame) => {
                     // After the peer's Close this sends the echo tungstenite queued.
-                    let _ = tx.close(frame).await;
+                    let _ = async { tx.close(frame).await.is_ok() }
+                        .or(async {
+                            smol::Timer::after(out::WRITE_STALL).await;
+                            false
+                        })
+                        .await;
                     break;
                 }
             }
@@ -145,16 +168,22 @@ where
             None => break ("peer closed the connection".to_string(), None),
             Some(Err(e)) => break (format!("read error: {e}"), closing_error(&e)),
             Some(Ok(Message::Text(text))) => {
-                let replies = handle(&app, id, &state, &out_tx, &ack_tx, text.as_str()).await;
+                // A large frame is parsed on the pool, as large request bodies are (front door).
+                let parsed = if text.len() <= crate::front::INLINE_PARSE {
+                    Packet::parse(text.as_str())
+                } else {
+                    crate::runtime::unblock(move || Packet::parse(text.as_str())).await
+                };
+                let replies = handle(&app, id, &state, &out_tx, &ack_tx, parsed).await;
                 for p in replies {
-                    if out_tx.send(Outgoing::Packet(p)).await.is_err() {
+                    if out_tx.send(p).await.is_err() {
                         break;
                     }
                 }
             }
             Some(Ok(Message::Binary(_))) => {
                 let p = Packet::error_for(None, code::INVALID_PACKET, "data-plane packets are text frames");
-                let _ = out_tx.send(Outgoing::Packet(p)).await;
+                let _ = out_tx.send(p).await;
             }
             Some(Ok(Message::Close(_))) => {
                 // tungstenite queued the echo (RFC 6455 5.5.1); the next read sends it (a close
@@ -182,7 +211,7 @@ where
             log::error!("data plane: cannot record the start of the lease: {e}");
         }
     }
-    let _ = out_tx.send(Outgoing::Close(close)).await;
+    out_tx.close(close).await;
     drop(out_tx);
     let _ = writer.await;
     // Whatever was pushed but not confirmed goes back to pending with one more attempt.
@@ -203,16 +232,16 @@ where
     crate::runtime::released();
 }
 
-/// Answers one incoming text frame; returns the packets to send back.
+/// Answers one incoming text frame, parsed; returns the packets to send back.
 async fn handle(
     app: &Arc<App>,
     id: u64,
     state: &Arc<State>,
-    out: &smol::channel::Sender<Outgoing>,
+    out: &Out,
     acks: &smol::channel::Sender<super::deliver_v2::Ack>,
-    text: &str,
+    parsed: Result<Packet, String>,
 ) -> Vec<Packet> {
-    let p = match Packet::parse(text) {
+    let p = match parsed {
         Ok(p) => p,
         Err(why) => {
             log::debug!("data plane: session {id}: invalid packet: {why}");
@@ -304,13 +333,7 @@ async fn handle(
 
 /// Queues a chat packet to its channel's worker, started on first use; the worker ends with the
 /// session. A full queue is answered at once: busy, try again.
-fn chat_in_turn(
-    app: &Arc<App>,
-    state: &Arc<State>,
-    out: &smol::channel::Sender<Outgoing>,
-    cch: String,
-    p: Packet,
-) -> Vec<Packet> {
+fn chat_in_turn(app: &Arc<App>, state: &Arc<State>, out: &Out, cch: String, p: Packet) -> Vec<Packet> {
     let mut workers = lock(&state.chat_workers);
     let queue = workers.entry(cch.clone()).or_insert_with(|| {
         let (tx, rx) = smol::channel::bounded::<Packet>(CHAT_QUEUE);
@@ -318,7 +341,7 @@ fn chat_in_turn(
         crate::runtime::spawn(async move {
             while let Ok(p) = rx.recv().await {
                 if let Some(reply) = super::chat::handle(&app, &cch, p).await {
-                    if out.send(Outgoing::Packet(reply)).await.is_err() {
+                    if out.send(reply).await.is_err() {
                         break;
                     }
                 }
@@ -682,7 +705,7 @@ async fn auth_logout(app: &Arc<App>, p: &Packet, cch: &str, profiles: &[String])
 }
 
 /// Runs a tool in the background; its ack is queued when it finishes.
-fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Sender<Outgoing>) {
+fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: Out) {
     let app = app.clone();
     let p = p.clone();
     crate::runtime::spawn(async move {
@@ -710,7 +733,7 @@ fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: smol::channel::Send
                     .with_error(f.code, f.message)
             }
         };
-        let _ = out.send(Outgoing::Packet(ack)).await;
+        let _ = out.send(ack).await;
         drop(app);
         crate::runtime::released();
     })

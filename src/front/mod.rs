@@ -54,6 +54,10 @@ const SMALL_BODY: u64 = 64 * 1024;
 const UPLOADS_AT_ONCE: u64 = 2;
 /// Room for the multipart framing around an uploaded file.
 const MULTIPART_ROOM: u64 = 64 * 1024;
+/// A provider route's body up to this size is handled (parsed) on the executor: that takes
+/// microseconds. A larger one is handled on the blocking pool, so one client's parse never holds
+/// up another client, the data plane or a commit's answer.
+pub const INLINE_PARSE: usize = 16 * 1024;
 /// tiny_http answers up to this size are read whole and written with their head at once.
 const INLINE_ANSWER: u64 = 64 * 1024;
 /// File descriptors kept for everything but client connections (the database, the internal
@@ -206,18 +210,32 @@ impl FrontDoor {
 
     async fn provider_answer(
         &self,
-        provider: &dyn crate::providers::Provider,
+        provider: Arc<dyn crate::providers::Provider>,
         head: &Head,
         route: &str,
-        body: &[u8],
+        body: Vec<u8>,
     ) -> Answer {
-        let req = HttpRequest {
-            method: &head.method,
-            path: route,
-            headers: &head.headers,
-            body,
+        let handled = if body.len() <= INLINE_PARSE {
+            provider.handle(&HttpRequest {
+                method: &head.method,
+                path: route,
+                headers: &head.headers,
+                body: &body,
+            })
+        } else {
+            // Parsing a large body takes milliseconds: on the pool, no other client waits for it.
+            let (head, route) = (head.clone(), route.to_string());
+            crate::runtime::unblock(move || {
+                provider.handle(&HttpRequest {
+                    method: &head.method,
+                    path: &route,
+                    headers: &head.headers,
+                    body: &body,
+                })
+            })
+            .await
         };
-        let answer = match provider.handle(&req) {
+        let answer = match handled {
             ProviderReply::Now(a) => a,
             ProviderReply::AfterCommit(ticket, answer) => answer(ticket.outcome().await),
             ProviderReply::Blocking(work) => crate::runtime::unblock(work).await,
@@ -304,7 +322,8 @@ impl Service for FrontDoor {
             };
             let route = self.route(&head.path);
             if let Some(provider) = app.providers.for_route(&head.method, route).cloned() {
-                return self.provider_answer(&*provider, head, route, &body).await;
+                drop(app);
+                return self.provider_answer(provider, head, route, body).await;
             }
             drop(app);
             self.relay_answer(head, body).await

@@ -130,6 +130,10 @@ pub mod code {
     pub const UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
 }
 
+/// The longest `packet_id`, `request_id`, `reply_to`, `type` or `connector_channel_id` a packet
+/// may carry.
+pub const MAX_ENVELOPE_FIELD: usize = 256;
+
 /// One data-plane packet (common protocol section 7).
 #[derive(Debug, Clone)]
 pub struct Packet {
@@ -196,16 +200,24 @@ impl Packet {
 
     /// Parses one text frame; the `Err` is the message for an `invalid_packet` error.
     pub fn parse(text: &str) -> Result<Packet, String> {
-        let v = json::parse(text).map_err(|_| "packet is not valid JSON".to_string())?;
+        let v = json::parse(text).map_err(|e| match e.as_str() {
+            json::NOT_JSON => "packet is not valid JSON".to_string(),
+            _ => e,
+        })?;
         let Value::Object(mut o) = v else {
             return Err("packet must be a JSON object".into());
         };
         if json::get_str(&o, "schema") != Some(PACKET_SCHEMA) {
             return Err(format!("schema must be {PACKET_SCHEMA}"));
         }
+        // Envelope fields are IDs and names; answers echo some of them (`request_id`), so
+        // each is bounded: a pong is never larger than a small, fixed size.
         let text_field = |o: &Object, k: &str| -> Result<Option<String>, String> {
             match o.get(k) {
                 None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) if s.len() > MAX_ENVELOPE_FIELD => {
+                    Err(format!("{k} is longer than {MAX_ENVELOPE_FIELD} bytes"))
+                }
                 Some(Value::String(s)) => Ok(Some(s.clone())),
                 Some(_) => Err(format!("{k} must be a string")),
             }
@@ -361,6 +373,21 @@ mod tests {
             assert!(CardId::parse(bad).is_err(), "{bad:?} was accepted");
         }
         assert!(CardId::parse(&"a".repeat(CardId::MAX_LEN + 1)).is_err());
+    }
+
+    #[test]
+    fn envelope_ids_are_bounded_so_answers_cannot_grow_with_them() {
+        let ping = |id: &str| {
+            format!(r#"{{"schema":"xagent.connector.packet/v1","packet_id":"p","request_id":"{id}","type":"ping"}}"#)
+        };
+        assert!(Packet::parse(&ping(&"r".repeat(MAX_ENVELOPE_FIELD))).is_ok());
+        let err = Packet::parse(&ping(&"r".repeat(MAX_ENVELOPE_FIELD + 1))).unwrap_err();
+        assert_eq!(err, "request_id is longer than 256 bytes");
+        let deep = format!(
+            r#"{{"schema":"xagent.connector.packet/v1","packet_id":"p","type":"ping","payload":{}}}"#,
+            "[".repeat(1000)
+        );
+        assert_eq!(Packet::parse(&deep).unwrap_err(), "JSON nested deeper than 64 levels");
     }
 
     #[test]
