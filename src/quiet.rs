@@ -1,8 +1,42 @@
 //! Log lines for events that repeat as fast as clients can cause them (refused requests, a full
 //! queue): at most one line a minute per subject, carrying how many went unlogged since, so a
 //! flood cannot fill an SD card with the journal and the operator still sees that it happened.
+//!
+//! The rule for every log line (ARCHITECTURE, "Logs a peer cannot forge or flood"):
+//! - a line at info or above that a peer can cause at will (a webhook sender, xAgent, anyone
+//!   on the port) goes through a `Quiet` of its own subject;
+//! - text a peer chose (an ID, a name, an error message) is shown through `shown`: control and
+//!   bidirectional-override characters escaped, so it cannot forge a line or drive a terminal,
+//!   and at most `SHOWN` characters, so it cannot fill one.
 
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+/// Characters of peer text a log line shows at most.
+pub const SHOWN: usize = 64;
+
+/// Peer-chosen `text` as a log line may show it (see the rule above).
+pub fn shown(text: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in text.chars().enumerate() {
+        if i == SHOWN {
+            out.push('…');
+            break;
+        }
+        let reorders = matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if c.is_control() || reorders {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `Quiet::admit` on a `Quiet` shared by one log site.
+pub fn admit(q: &Mutex<Quiet>) -> Option<String> {
+    q.lock().unwrap_or_else(|e| e.into_inner()).admit()
+}
 
 /// A subject is logged at most this often.
 pub const EVERY: Duration = Duration::from_secs(60);
@@ -39,6 +73,19 @@ impl Quiet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_text_cannot_forge_a_line_drive_a_terminal_or_fill_a_line() {
+        let forged = "m1\n[2026-12-03T00:00:00Z ERROR imgate] forged\x1b]0;title\x07\x1b[31m\u{202e}";
+        let s = shown(forged);
+        assert!(!s.chars().any(|c| c.is_control()), "{s}");
+        assert!(s.starts_with("m1\\u{a}[2026"), "{s}");
+        assert!(s.contains("\\u{1b}") && s.contains("\\u{202e}"), "{s}");
+        let long = shown(&"x".repeat(1 << 20));
+        assert_eq!(long.chars().count(), SHOWN + 1);
+        assert!(long.ends_with('…'));
+        assert_eq!(shown("Ada Lovelace, 李"), "Ada Lovelace, 李");
+    }
 
     #[test]
     fn a_burst_gets_one_line_and_the_next_line_counts_the_rest() {

@@ -65,12 +65,14 @@ fn daemon(tag: &str) -> Daemon {
 
 fn huge_content_lengths_are_413(d: &Daemon) {
     let key = format!("Authorization: Bearer {API_KEY}\r\n");
+    // With the secret: a head without it is refused (401) before its length matters.
+    let hook = format!("Authorization: Bearer {HOOK_SECRET}\r\n");
     for length in ["1000000000000000", "18446744073709551615", "2147483648"] {
         for (line, auth) in [
             ("GET /skill.md", ""),
             ("GET /health", ""),
             ("GET /nowhere", ""),
-            ("POST /hooks/alerts", ""),
+            ("POST /hooks/alerts", hook.as_str()),
             ("POST /files/uploads", key.as_str()),
         ] {
             let req = format!("{line} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {length}\r\n\r\n");
@@ -192,7 +194,7 @@ fn floods_leave_memory_flat(d: &Daemon) {
     assert!(answer.starts_with("HTTP/1.1 431"), "many small headers: {answer:?}");
     let answer = flood(
         d.port,
-        b"POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1",
+        format!("POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOOK_SECRET}\r\nTransfer-Encoding: chunked\r\n\r\n1").as_bytes(),
         b"0",
         big,
     );
@@ -300,7 +302,7 @@ fn small_findings(d: &Daemon) {
     let k = API_KEY;
     let cases: Vec<(String, &str, &str)> = vec![
         (
-            "POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n".into(),
+            format!("POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOOK_SECRET}\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n"),
             "HTTP/1.1 400",
             "a malformed chunk size is 400, not 413",
         ),
@@ -654,4 +656,196 @@ fn peer_2_a_websocket_client_that_stops_reading_is_disconnected_within_its_write
     assert!(grew < 16 * 1024, "peak RSS grew {grew} KiB");
     drop(ws);
     alive(&d);
+}
+
+fn upgrade_head(method: &str, version: &str, extra: &str) -> String {
+    format!(
+        "{method} /ws {version}\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: Bearer {API_KEY}\r\n{extra}\r\n"
+    )
+}
+
+#[test]
+fn peer_5_only_a_bodiless_get_of_http_1_1_upgrades_to_the_data_plane() {
+    let d = daemon("peer-upgrade");
+    // The body is a masked connector.hello: it must not be run as frames.
+    let hello = hello_frame();
+    let mut smuggled = upgrade_head("GET", "HTTP/1.1", &format!("Content-Length: {}\r\n", hello.len())).into_bytes();
+    smuggled.extend_from_slice(&hello);
+    let (answer, closed) = exchange(d.port, &smuggled, Duration::from_secs(5));
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(
+        closed && !answer.contains("101") && !answer.contains("hello.ack"),
+        "{answer}"
+    );
+    let mut chunked = upgrade_head("GET", "HTTP/1.1", "Transfer-Encoding: chunked\r\n").into_bytes();
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let (answer, _) = exchange(d.port, &chunked, Duration::from_secs(5));
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+
+    for (method, version) in [("HEAD", "HTTP/1.1"), ("GET", "HTTP/1.0")] {
+        let (answer, closed) = exchange(
+            d.port,
+            upgrade_head(method, version, "").as_bytes(),
+            Duration::from_secs(5),
+        );
+        assert!(answer.starts_with("HTTP/1.1 426"), "{method} {version}: {answer}");
+        assert!(answer.contains("Upgrade: websocket"), "{method} {version}: {answer}");
+        assert!(closed && !answer.contains("101"), "{method} {version}: {answer}");
+    }
+    // The handshake by the RFCs still works.
+    let mut ws = raw_upgrade(d.port, &format!("Bearer {API_KEY}"));
+    ws.write_all(&hello).unwrap();
+    assert!(next_text(&mut ws).contains("connector.hello.ack"));
+}
+
+/// Sends a head with `Expect: 100-continue`, then what the server said before any body.
+fn expect_continue(port: u16, head: &str) -> (TcpStream, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 1024];
+    // A 100 or a final answer comes at once; nothing within 3 s means the server waits for the body.
+    while let Ok(n) = s.read(&mut chunk) {
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&chunk[..n]);
+        if got.windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+    }
+    (s, String::from_utf8_lossy(&got).into_owned())
+}
+
+#[test]
+fn peer_6_100_continue_only_after_an_accepted_head_and_never_to_http_1_0() {
+    let d = daemon("peer-continue");
+    let body = json!({"message_id": "c-1", "sender_id": "u"}).to_string();
+    let head = |target: &str, version: &str, secret: &str| {
+        format!(
+            "POST {target} {version}\r\nHost: x\r\nAuthorization: Bearer {secret}\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+    };
+    let (_, wrong) = expect_continue(d.port, &head("/hooks/alerts", "HTTP/1.1", "not-the-secret"));
+    assert!(
+        wrong.starts_with("HTTP/1.1 401"),
+        "a wrong secret is refused before the body: {wrong}"
+    );
+    let (_, unknown) = expect_continue(d.port, &head("/hooks/nope", "HTTP/1.1", HOOK_SECRET));
+    assert!(
+        unknown.starts_with("HTTP/1.1 404"),
+        "an unknown endpoint is refused before the body: {unknown}"
+    );
+
+    let (mut s, first) = expect_continue(d.port, &head("/hooks/alerts", "HTTP/1.1", HOOK_SECRET));
+    assert_eq!(first, "HTTP/1.1 100 Continue\r\n\r\n");
+    s.write_all(body.as_bytes()).unwrap();
+    let (answer, _) = read_until_closed(&mut s, Duration::from_secs(2));
+    assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
+
+    let (mut s, first) = expect_continue(
+        d.port,
+        &head("/hooks/alerts", "HTTP/1.0", HOOK_SECRET).replace("c-1", "c-2"),
+    );
+    assert_eq!(first, "", "nothing, and no 100, to an HTTP/1.0 client before its body");
+    s.write_all(body.replace("c-1", "c-2").as_bytes()).unwrap();
+    let (answer, _) = read_until_closed(&mut s, Duration::from_secs(5));
+    assert!(
+        answer.starts_with("HTTP/1.1 202") && !answer.contains("100 Continue"),
+        "{answer}"
+    );
+}
+
+#[test]
+fn peer_7_bare_lf_heads_are_400_at_once_405_names_allow_and_a_malformed_host_is_400() {
+    let d = daemon("peer-small");
+    let started = Instant::now();
+    let (answer, closed) = exchange(d.port, b"GET /health HTTP/1.1\nHost: x\n\n", Duration::from_secs(5));
+    assert!(answer.starts_with("HTTP/1.1 400") && closed, "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "answered without waiting for the head deadline"
+    );
+
+    let (answer, _) = exchange(
+        d.port,
+        b"PUT /connector-card.json HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    assert!(
+        answer.starts_with("HTTP/1.1 405") && answer.contains("Allow: GET, HEAD"),
+        "{answer}"
+    );
+    let (answer, _) = exchange(
+        d.port,
+        b"GET /hooks/alerts HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    );
+    assert!(
+        answer.starts_with("HTTP/1.1 405") && answer.contains("Allow: POST"),
+        "{answer}"
+    );
+
+    for host in ["a b", "a/b", "a@b"] {
+        let req = format!("GET /connector-card.json HTTP/1.1\r\nHost: {host}\r\n\r\n");
+        let (answer, closed) = exchange(d.port, req.as_bytes(), Duration::from_secs(5));
+        assert!(answer.starts_with("HTTP/1.1 400") && closed, "Host: {host}: {answer}");
+    }
+    for host in ["imgate.local:8787", "[::1]:8787", "127.0.0.1"] {
+        let req = format!("GET /connector-card.json HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let (answer, _) = exchange(d.port, req.as_bytes(), Duration::from_secs(5));
+        assert!(answer.starts_with("HTTP/1.1 200"), "Host: {host}: {answer}");
+    }
+}
+
+#[test]
+fn peer_3_peer_text_cannot_forge_log_lines_and_repeats_log_one_line_a_minute() {
+    let dir = temp_dir("peer-logs");
+    let d = Daemon::start_logging(&dir, &config_text(free_port(), &dir, None, ""), "info");
+    alive(&d);
+    let forged = "m\n[2026-12-03T00:00:00Z ERROR imgate] forged\u{1b}]0;owned\u{7}\u{1b}[31m";
+    for i in 0..1000 {
+        let (status, _) = d.post_hook(
+            "alerts",
+            &json!({"message_id": format!("{forged}{i}"), "sender_id": "u", "event_time": 1}),
+        );
+        assert_eq!(status, 409);
+    }
+    let mut ws = raw_upgrade(d.port, &format!("Bearer {API_KEY}"));
+    ws.write_all(&hello_frame()).unwrap();
+    assert!(next_text(&mut ws).contains("connector.hello.ack"));
+    let error = text_frame(
+        json!({"schema": "xagent.connector.packet/v1", "packet_id": "e", "type": "error",
+               "error": {"code": forged, "message": "x".repeat(100_000)}})
+        .to_string()
+        .as_bytes(),
+    );
+    for _ in 0..200 {
+        ws.write_all(&error).unwrap();
+    }
+    // The session answers packets in order: its pong means every error before it was read.
+    ws.write_all(&text_frame(
+        br#"{"schema":"xagent.connector.packet/v1","packet_id":"p","request_id":"after","type":"ping"}"#,
+    ))
+    .unwrap();
+    assert!(next_text(&mut ws).contains("\"after\""));
+
+    let log = d.log();
+    assert!(
+        !log.contains('\u{1b}') && !log.contains('\u{7}'),
+        "raw terminal escapes reached the log"
+    );
+    assert!(
+        !log.lines().any(|l| l.starts_with("[2026-12-03T00:00:00Z")),
+        "a peer forged a log line:\n{log}"
+    );
+    assert_eq!(log.matches("is stale").count(), 1, "{log}");
+    assert_eq!(log.matches("peer reported error").count(), 1, "{log}");
+    println!(
+        "log after 1,000 stale webhooks and 200 error packets of 100 KB: {} bytes",
+        log.len()
+    );
+    assert!(log.len() < 16 * 1024, "the log grew to {} bytes", log.len());
 }

@@ -160,7 +160,7 @@ fn render_push(app: &App, source: &Source, stored: &StoredMessage) -> Value {
     let Some(m) = Inbound::of(stored) else {
         log::error!(
             "outbox: stored message {} of {source} is unreadable",
-            stored.header.message_id
+            crate::quiet::shown(&stored.header.message_id)
         );
         return obj([]);
     };

@@ -271,7 +271,7 @@ pub(super) async fn run(
                 if let Some(sent) = ch.sent.take() {
                     log::warn!(
                         "data plane: session {id}: no ack for message {} within {ACK_TIMEOUT:?}; sending it again",
-                        sent.message_id
+                        crate::quiet::shown(&sent.message_id)
                     );
                     done.retried
                         .push((ch.source.to_string(), sent.seq, "no ack in time".into()));
@@ -382,8 +382,10 @@ fn on_ack(a: Ack, channels: &mut HashMap<String, Channel>, done: &mut Outcomes, 
         "rejected" if a.retryable => {
             let why = format!("rejected {}: {}", a.code, a.message);
             log::info!(
-                "data plane: message {} {why}; sending it again in {:?}",
-                sent.message_id,
+                "data plane: message {} rejected {}: {}; sending it again in {:?}",
+                crate::quiet::shown(&sent.message_id),
+                crate::quiet::shown(&a.code),
+                crate::quiet::shown(&a.message),
                 ch.backoff
             );
             done.retried.push((source, sent.seq, why));
@@ -396,9 +398,9 @@ fn on_ack(a: Ack, channels: &mut HashMap<String, Channel>, done: &mut Outcomes, 
         _ => {
             log::warn!(
                 "data plane: xAgent refused message {} for good: {} ({})",
-                sent.message_id,
-                a.code,
-                a.message
+                crate::quiet::shown(&sent.message_id),
+                crate::quiet::shown(&a.code),
+                crate::quiet::shown(&a.message)
             );
             ch.backoff = BACKOFF_START;
             done.failed

@@ -28,10 +28,17 @@ use crate::json::{self, obj, s, Object, Value};
 use crate::protocol::descriptor::{self, Target, ToolState};
 use crate::protocol::{code, version_at_least, CardId, Packet, Profile, PROTOCOL_VERSION};
 use crate::providers::Failure;
+use crate::quiet::{self, Quiet};
 use crate::source::Source;
 
 /// Chat packets queued per channel at most; beyond it xAgent is told the channel is busy.
 const CHAT_QUEUE: usize = 64;
+/// Lines xAgent can cause at will, each logged at most once a minute: its `error` packets, a
+/// hello naming another connector_id, failed auth flows and failed tool calls.
+static PEER_ERRORS: Mutex<Quiet> = Mutex::new(Quiet::new());
+static OTHER_CONNECTOR_ID: Mutex<Quiet> = Mutex::new(Quiet::new());
+static AUTH_FAILURES: Mutex<Quiet> = Mutex::new(Quiet::new());
+static TOOL_FAILURES: Mutex<Quiet> = Mutex::new(Quiet::new());
 
 /// Per-session state shared by the reader and the delivery loop.
 #[derive(Default)]
@@ -248,7 +255,7 @@ async fn handle(
             return vec![Packet::error_for(None, code::INVALID_PACKET, why)];
         }
     };
-    log::trace!("data plane: <- {}", p.kind);
+    log::trace!("data plane: <- {}", quiet::shown(&p.kind));
     let v2 = app.config.xagent.profile == Profile::V2 && lock(&state.profiles).is_some();
     match p.kind.as_str() {
         "connector.hello" => return vec![hello(app, id, state, &p).await],
@@ -260,8 +267,15 @@ async fn handle(
             return vec![];
         }
         "error" => {
-            let (c, m) = p.error.clone().unwrap_or_default();
-            log::warn!("data plane: session {id}: peer reported error {c}: {m}");
+            // xAgent may send these as fast as it likes: one line a minute, its text shown safely.
+            if let Some(more) = quiet::admit(&PEER_ERRORS) {
+                let (c, m) = p.error.clone().unwrap_or_default();
+                log::warn!(
+                    "data plane: session {id}: peer reported error {}: {}{more}",
+                    quiet::shown(&c),
+                    quiet::shown(&m)
+                );
+            }
             return vec![];
         }
         // IM v2's packets; under v1 they stay unsupported, before hello they wait for it.
@@ -442,10 +456,13 @@ async fn hello(app: &Arc<App>, id: u64, state: &State, p: &Packet) -> Packet {
         );
     }
     if let Some(prev) = json::get_str(pl, "connector_id").filter(|c| !c.is_empty() && *c != app.connector_id) {
-        log::info!(
-            "data plane: xAgent knew connector_id {prev}; this device's state says {}",
-            app.connector_id
-        );
+        if let Some(more) = quiet::admit(&OTHER_CONNECTOR_ID) {
+            log::info!(
+                "data plane: xAgent knew connector_id {}; this device's state says {}{more}",
+                quiet::shown(prev),
+                app.connector_id
+            );
+        }
     }
     *lock(&state.profiles) = Some(enabled);
     if app.hub.authenticated(id) {
@@ -628,7 +645,13 @@ async fn auth_start(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profil
             }
         }
         Err(f) => {
-            log::info!("data plane: channel {cch}: auth flow `{flow_id}` failed: {}", f.message);
+            if let Some(more) = quiet::admit(&AUTH_FAILURES) {
+                log::info!(
+                    "data plane: channel {cch}: auth flow `{}` failed: {}{more}",
+                    quiet::shown(&flow_id),
+                    quiet::shown(&f.message)
+                );
+            }
             AuthSession {
                 cch: cch.to_string(),
                 flow_id,
@@ -724,11 +747,14 @@ fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: Out) {
         let ack = match outcome {
             Ok(result) => ack.with_payload(obj([("tool_id", s(&tool_id)), ("result", result)])),
             Err(f) => {
-                log::info!(
-                    "data plane: channel {cch}: {tool_id} failed: {} ({})",
-                    f.code,
-                    f.message
-                );
+                if let Some(more) = quiet::admit(&TOOL_FAILURES) {
+                    log::info!(
+                        "data plane: channel {cch}: {} failed: {} ({}){more}",
+                        quiet::shown(&tool_id),
+                        f.code,
+                        quiet::shown(&f.message)
+                    );
+                }
                 ack.with_payload(obj([("tool_id", s(&tool_id))]))
                     .with_error(f.code, f.message)
             }

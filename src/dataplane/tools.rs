@@ -92,6 +92,9 @@ fn text(args: &Object) -> Result<&str, Failure> {
 }
 
 /// Runs a tool on channel `cch`; blocking (the provider's call), so never on the executor.
+/// Repeated calls are xAgent's to make as often as it likes: one line a minute.
+static REPEATED_CALLS: std::sync::Mutex<crate::quiet::Quiet> = std::sync::Mutex::new(crate::quiet::Quiet::new());
+
 pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&str>) -> Result<Value, Failure> {
     let rec = app.channels.channel(cch).map_err(Failure::storage)?;
     let Some(source) = rec.and_then(|r| r.source()) else {
@@ -104,7 +107,10 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
     let key = call_id.map(|c| format!("{cch}:{tool_id}:{c}"));
     if let Some(k) = &key {
         if let Some(prev) = app.tool_results.get(k).map_err(Failure::storage)? {
-            log::info!("data plane: {tool_id} call repeated; answering with the first result");
+            if let Some(more) = crate::quiet::admit(&REPEATED_CALLS) {
+                let tool = crate::quiet::shown(tool_id);
+                log::info!("data plane: {tool} call repeated; answering with the first result{more}");
+            }
             return json::parse(&prev)
                 .map_err(|_| Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable"));
         }

@@ -129,6 +129,8 @@ enum ReadError {
     Closed,
     TimedOut,
     TooLarge,
+    /// A head line ended in LF alone.
+    BareLf,
 }
 
 async fn within<T>(deadline: Instant, f: impl Future<Output = T>) -> Option<T> {
@@ -168,6 +170,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             }
             if self.buf.len() > MAX_HEAD + 4 {
                 return Err(ReadError::TooLarge);
+            }
+            if head::has_bare_lf(&self.buf) {
+                return Err(ReadError::BareLf);
             }
             self.fill(deadline).await?;
             if !started {
@@ -351,6 +356,11 @@ where
                 write_answer(&mut conn, a, false, limits).await;
                 return Outcome::Closed;
             }
+            Err(ReadError::BareLf) => {
+                service.refused(Refused::BadHead(400));
+                write_answer(&mut conn, Answer::error(400, "bad_request").closing(), false, limits).await;
+                return Outcome::Closed;
+            }
         };
         first = false;
         let head = match head::parse(&bytes) {
@@ -399,7 +409,10 @@ where
                 return Outcome::Closed;
             }
         }
-        if head.expect_continue && announced && !conn.write(b"HTTP/1.1 100 Continue\r\n\r\n", limits).await {
+        // The service accepted the head (routed, authenticated as far as a head can be, within
+        // the cap): only now may the client send its body. Never to HTTP/1.0 (RFC 9110 15.2).
+        let continue_wanted = head.expect_continue && announced && head.version == head::Version::Http11;
+        if continue_wanted && !conn.write(b"HTTP/1.1 100 Continue\r\n\r\n", limits).await {
             return Outcome::Closed;
         }
         let body = match head.body {
@@ -416,6 +429,8 @@ where
                         log::debug!("front door: refused a chunked body: {why}");
                         (400, "bad_request")
                     }
+                    // Only a head is checked for line ends; listed for completeness.
+                    Err(ReadError::BareLf) => (400, "bad_request"),
                     Err(ReadError::TimedOut) => (408, "timeout"),
                     Err(ReadError::Closed) => return Outcome::Closed,
                 };

@@ -86,6 +86,22 @@ pub fn find_end(buf: &[u8]) -> Option<(usize, usize)> {
     Some((start, start + end + 4))
 }
 
+/// Whether `buf` (a head not yet complete) has a line ending in a bare LF. RFC 9112 2.2 lets a
+/// server take LF alone as a line end; imgate refuses it (400) at once instead, as it refuses
+/// every other laxness that lets two parsers read one head differently.
+pub fn has_bare_lf(buf: &[u8]) -> bool {
+    buf.iter()
+        .enumerate()
+        .any(|(i, &b)| b == b'\n' && (i == 0 || buf[i - 1] != b'\r'))
+}
+
+/// RFC 9112 3.2 and RFC 3986 3.2.2: a Host is a host name, an IPv4 or bracketed IPv6 address,
+/// and an optional port; no spaces, no other characters.
+fn valid_host(h: &str) -> bool {
+    h.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:[]%".contains(&b))
+}
+
 /// Parses the head `buf` (the request line through the blank line, CRLFs included).
 pub fn parse(buf: &[u8]) -> Result<Head, Refusal> {
     if buf.len() > MAX_HEAD {
@@ -189,6 +205,9 @@ pub fn parse(buf: &[u8]) -> Result<Head, Refusal> {
         0 if version == Version::Http11 => return refuse(400, "an HTTP/1.1 request without Host"),
         0 | 1 => {}
         _ => return refuse(400, "two Host headers"),
+    }
+    if all("host").any(|h| !valid_host(h)) {
+        return refuse(400, "a malformed Host");
     }
     let lengths: Vec<&str> = all("content-length").collect();
     let codings: Vec<&str> = all("transfer-encoding").collect();

@@ -183,6 +183,23 @@ impl FrontDoor {
         }
     }
 
+    /// A provider route's answer from the head alone (unknown endpoint, wrong secret), given
+    /// before the body is read or invited by `100 Continue`.
+    fn screen(&self, head: &Head, route: &str) -> Option<Answer> {
+        let app = self.app.upgrade()?;
+        let provider = app.providers.for_route(&head.method, route)?;
+        let refused = provider.screen(&HttpRequest {
+            method: &head.method,
+            path: route,
+            headers: &head.headers,
+            body: &[],
+        })?;
+        if refused.status == 401 {
+            stats::note(Cause::Unauthorized, &format!("{} {route}", head.method));
+        }
+        Some(Answer::json(refused.status, json::to_string(&refused.body)))
+    }
+
     /// Reads a body of at most `cap` bytes, held against `budget`.
     fn read(&self, head: &Head, cap: u64, budget: &Arc<Budget>) -> Plan {
         let size = match head.body {
@@ -302,7 +319,7 @@ impl Service for FrontDoor {
     fn plan(&self, head: &Head) -> Plan {
         let route = self.route(&head.path);
         if route == "/ws" && matches!(head.method.as_str(), "GET" | "HEAD") {
-            return Plan::Upgrade;
+            return ws_plan(head);
         }
         if route == "/files/uploads" && head.method == "POST" {
             // Authenticated before a byte of a file is read.
@@ -311,6 +328,9 @@ impl Service for FrontDoor {
                 return Plan::Answer(Answer::error(401, "unauthorized"));
             }
             return self.read(head, self.upload_cap, &self.uploads);
+        }
+        if let Some(refused) = self.screen(head, route) {
+            return Plan::Answer(refused);
         }
         self.read(head, self.max_body, &self.bodies)
     }
@@ -339,6 +359,25 @@ impl Service for FrontDoor {
             Refused::SlowBody => stats::note(Cause::SlowBody, "request body stalled or too slow"),
         }
     }
+}
+
+/// A request to `/ws`: an upgrade only when it is a handshake by the RFCs. RFC 6455 4.2.1: a GET
+/// of HTTP/1.1; RFC 9110 7.8: `Upgrade` means nothing in HTTP/1.0, and `HEAD` is answered as
+/// the GET of a non-handshake would be (426). A handshake has no body: bytes after its head are
+/// the client's first frames, so a body there would be run as frames (RFC 9112 6.3). Refused
+/// before the `101`.
+fn ws_plan(head: &Head) -> Plan {
+    if head.method != "GET" || head.version != head::Version::Http11 {
+        stats::note(Cause::WsRefused, "a WebSocket handshake that is not a GET of HTTP/1.1");
+        let mut a = Answer::error(426, "websocket_upgrade_required").closing();
+        a.headers.push(("Upgrade", "websocket".into()));
+        return Plan::Answer(a);
+    }
+    if head.body != Framing::None && head.body != Framing::Length(0) {
+        stats::note(Cause::WsRefused, "a WebSocket handshake with a request body");
+        return Plan::Answer(Answer::error(400, "bad_request").closing());
+    }
+    Plan::Upgrade
 }
 
 /// Frees a connection slot when the connection ends, however it ends.

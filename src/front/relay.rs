@@ -33,7 +33,7 @@ const MAX_HEAD: usize = 16 * 1024;
 /// Request headers tiny_http's routes read; nothing else is passed on.
 const PASSED: [&str; 3] = ["Authorization", "Content-Type", "X-XAgent-Connector-Channel-ID"];
 /// Answer headers passed back to the client.
-const RETURNED: [&str; 2] = ["Content-Type", "Content-Disposition"];
+const RETURNED: [&str; 3] = ["Content-Type", "Content-Disposition", "Allow"];
 
 /// Why tiny_http gave no usable answer.
 #[derive(Debug, PartialEq)]

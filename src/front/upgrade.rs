@@ -59,10 +59,10 @@ pub fn accept_key(key: &str) -> String {
 fn check(app: &App, head: &Head) -> Result<String, Box<(Answer, &'static str)>> {
     let refuse = |a: Answer, why| Err(Box::new((a.closing(), why)));
     if !head.has_token("Upgrade", "websocket") || !head.has_token("Connection", "upgrade") {
-        return refuse(
-            Answer::error(426, "websocket_upgrade_required"),
-            "not a WebSocket upgrade",
-        );
+        // RFC 9110 15.5.22: a 426 names the protocol to upgrade to.
+        let mut a = Answer::error(426, "websocket_upgrade_required");
+        a.headers.push(("Upgrade", "websocket".into()));
+        return refuse(a, "not a WebSocket upgrade");
     }
     if let Some(key) = &app.config.server.api_key {
         let given = head.header("Authorization").and_then(ids::bearer).unwrap_or("");

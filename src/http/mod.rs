@@ -93,6 +93,15 @@ fn error(status: u16, code: &str) -> Response<std::io::Cursor<Vec<u8>>> {
     json_response(status, &obj([("error", s(code))]))
 }
 
+/// 405 with the methods the route takes (RFC 9110 15.5.6: a 405 carries `Allow`).
+fn not_allowed(methods: &str) -> Response<std::io::Cursor<Vec<u8>>> {
+    let r = error(405, "method_not_allowed");
+    match header_of("Allow", methods) {
+        Some(h) => r.with_header(h),
+        None => r,
+    }
+}
+
 /// Bearer check for the routes that need the system API key (when one is configured).
 fn authorized(app: &App, req: &Request) -> bool {
     match &app.config.server.api_key {
@@ -277,10 +286,8 @@ fn handle(app: &App, mut req: Request) {
         }
         (Method::Post, "/files/uploads") if authorized(app, &req) => upload(app, &mut req),
         (Method::Post, "/files/uploads") => error(401, "unauthorized"),
-        (_, "/connector-card.json" | "/skill.md" | "/health" | "/status" | "/metrics") => {
-            error(405, "method_not_allowed")
-        }
-        (_, p) if app.providers.has_path(p) => error(405, "method_not_allowed"),
+        (_, "/connector-card.json" | "/skill.md" | "/health" | "/status" | "/metrics") => not_allowed("GET, HEAD"),
+        (_, p) if app.providers.has_path(p) => not_allowed("POST"),
         _ => error(404, "not_found"),
     };
     let status = response.status_code().0;

@@ -285,6 +285,13 @@ pub trait Provider: Send + Sync {
         &[]
     }
 
+    /// The answer a request to one of its routes gets from its head alone (an unknown name, a
+    /// wrong secret), before its body is read or a `100 Continue` invites it; `None` when the
+    /// body is needed (`req.body` is empty here).
+    fn screen(&self, _req: &HttpRequest) -> Option<HttpAnswer> {
+        None
+    }
+
     /// Answers a request to one of its routes.
     fn handle(&self, _req: &HttpRequest) -> Reply {
         Reply::Now(HttpAnswer::error(404, "not_found"))

@@ -19,6 +19,7 @@ use crate::json::{self, arr, b, obj, opt_s, s, Object, Value};
 use crate::outbox::{Enqueued, NewMessage, ReplyRef};
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{code, TOOL_REPLY, TOOL_SEND};
+use crate::quiet::{self, Quiet};
 use crate::source::Source;
 use crate::store::StoreError;
 
@@ -29,6 +30,8 @@ const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY];
 const FLOW: &str = "webhook_binding";
 /// Outbound POSTs to a `reply_url`: no answer within this is `upstream_unreachable`.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
+/// Stale messages are refused as often as a sender sends them: one line a minute.
+static STALE_LOG: std::sync::Mutex<Quiet> = std::sync::Mutex::new(Quiet::new());
 
 pub const REGISTRATION: Registration = Registration {
     reader: Reader {
@@ -260,10 +263,12 @@ impl Webhooks {
         let now = ids::now_ms();
         let ttl = self.host.ttl_ms();
         if m.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
-            log::info!(
-                "webhook {name}: message {} is stale (event_time older than the ttl)",
-                m.message_id
-            );
+            if let Some(more) = quiet::admit(&STALE_LOG) {
+                log::info!(
+                    "webhook {name}: message {} is stale (event_time older than the ttl){more}",
+                    quiet::shown(&m.message_id)
+                );
+            }
             let body = obj([("error", s("stale")), ("message_id", s(&m.message_id))]);
             return Reply::Now(HttpAnswer::new(409, body));
         }
@@ -570,6 +575,18 @@ impl Provider for Webhooks {
             path: "/hooks/",
             prefix: true,
         }]
+    }
+
+    fn screen(&self, req: &HttpRequest) -> Option<HttpAnswer> {
+        let name = req.path.strip_prefix("/hooks/").unwrap_or_default();
+        let Some(hook) = self.endpoints().get(name) else {
+            return Some(HttpAnswer::error(404, "unknown_endpoint"));
+        };
+        let auth = req.header("Authorization");
+        if auth.and_then(ids::bearer).is_none() && req.header("X-Imgate-Signature").is_some() {
+            return None; // a signature covers the body
+        }
+        (!authorized(hook, auth, None, &[])).then(|| HttpAnswer::error(401, "unauthorized"))
     }
 
     fn handle(&self, req: &HttpRequest) -> Reply {

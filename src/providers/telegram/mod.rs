@@ -300,12 +300,12 @@ impl Telegram {
         }
     }
 
-    /// `POST /telegram/webhook`: one Update, answered 200 only after its commit (Telegram retries
-    /// anything else).
-    fn webhook_update(&self, req: &HttpRequest) -> Reply {
-        let (Some(bot_id), Some(token)) = (self.webhook_bot(), self.settings.bot_token.clone()) else {
-            return Reply::Now(HttpAnswer::error(404, "not_found"));
-        };
+    /// What the head of a webhook call alone refuses: webhook mode off (404), a missing or wrong
+    /// secret token (401).
+    fn webhook_refusal(&self, req: &HttpRequest) -> Option<HttpAnswer> {
+        if self.webhook_bot().is_none() || self.settings.bot_token.is_none() {
+            return Some(HttpAnswer::error(404, "not_found"));
+        }
         let expected = self
             .settings
             .webhook_secret
@@ -315,8 +315,20 @@ impl Telegram {
         let given = req.header("X-Telegram-Bot-Api-Secret-Token").unwrap_or("");
         if expected.is_empty() || !crate::ids::secret_eq(given, expected) {
             log::debug!("telegram: webhook call with a missing or wrong secret refused");
-            return Reply::Now(HttpAnswer::error(401, "unauthorized"));
+            return Some(HttpAnswer::error(401, "unauthorized"));
         }
+        None
+    }
+
+    /// `POST /telegram/webhook`: one Update, answered 200 only after its commit (Telegram retries
+    /// anything else).
+    fn webhook_update(&self, req: &HttpRequest) -> Reply {
+        if let Some(refused) = self.webhook_refusal(req) {
+            return Reply::Now(refused);
+        }
+        let (Some(bot_id), Some(token)) = (self.webhook_bot(), self.settings.bot_token.clone()) else {
+            return Reply::Now(HttpAnswer::error(404, "not_found"));
+        };
         let update = std::str::from_utf8(req.body).ok().and_then(|b| json::parse(b).ok());
         let Some(update) = update.filter(|u| json::as_object(u).is_some()) else {
             return Reply::Now(HttpAnswer::error(400, "invalid_payload"));
@@ -736,6 +748,10 @@ impl Provider for Telegram {
             path: "/telegram/webhook",
             prefix: false,
         }]
+    }
+
+    fn screen(&self, req: &HttpRequest) -> Option<HttpAnswer> {
+        self.webhook_refusal(req)
     }
 
     fn handle(&self, req: &HttpRequest) -> Reply {

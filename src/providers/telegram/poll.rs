@@ -75,7 +75,10 @@ impl Pollers {
             let stop = Arc::new(Stop::default());
             running.insert(bot, stop.clone());
             let weak = Arc::downgrade(tg);
-            log::info!("telegram: polling bot @{} ({bot})", info.bot_username);
+            log::info!(
+                "telegram: polling bot @{} ({bot})",
+                crate::quiet::shown(&info.bot_username)
+            );
             let spawned = std::thread::Builder::new()
                 .name(format!("tg-poll-{bot}"))
                 .spawn(move || run(weak, info, stop));
