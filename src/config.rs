@@ -41,6 +41,9 @@ pub struct Server {
     pub state_dir: PathBuf,
     pub public_url: Option<String>,
     pub max_connections: usize,
+    /// Connections one client address may hold: `None` a quarter of `max_connections`,
+    /// `Some(0)` no cap (a reverse proxy in front).
+    pub max_connections_per_client: Option<usize>,
     pub max_body: u64,
     pub log_level: String,
     /// `connector_card_id`: one per device in a fleet.
@@ -522,6 +525,9 @@ fn read_server(s: &mut Server, section: &Section, p: &mut Problems) {
     if let Some(n) = f.count("max_connections", 1, 65_535) {
         s.max_connections = n as usize;
     }
+    if let Some(n) = f.count("max_connections_per_client", 0, 65_535) {
+        s.max_connections_per_client = Some(n as usize);
+    }
     if let Some(n) = f.size("max_body") {
         s.max_body = n;
     }
@@ -704,6 +710,7 @@ impl Config {
                 state_dir: PathBuf::from("./imgate-data"),
                 public_url: None,
                 max_connections: 64,
+                max_connections_per_client: None,
                 max_body: 1 << 20,
                 log_level: "info".into(),
                 card_id: CardId::default(),
@@ -756,6 +763,15 @@ impl Config {
         out.push_str(&format!("api_key:           {}\n", set(&self.server.api_key)));
         out.push_str(&format!("state_dir:         {}\n", self.server.state_dir.display()));
         out.push_str(&format!("max_connections:   {}\n", self.server.max_connections));
+        let per_client = match self.server.max_connections_per_client {
+            None => format!(
+                "{} (a quarter of max_connections)",
+                (self.server.max_connections / 4).max(1)
+            ),
+            Some(0) => "off".to_string(),
+            Some(n) => n.to_string(),
+        };
+        out.push_str(&format!("per client:        {per_client}\n"));
         out.push_str(&format!("max_body:          {}\n", fmt_size(self.server.max_body)));
         out.push_str(&format!(
             "dial:              {}\n",

@@ -268,3 +268,110 @@ fn feishu_long_connection_beside_a_webhook() {
         println!("{kind:<8} {idle:>15} {threads:>13} {wakes:>16.2} {one:>16.0} {burst:>15.0} {after:>17}");
     }
 }
+
+/// A legitimate webhook sender, one request at a time, until `stop`: its latencies.
+fn legitimate_sender(d: &Daemon, tag: &str, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Vec<Duration> {
+    let mut times = Vec::new();
+    let mut i = 0;
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        let started = Instant::now();
+        let (status, _) = d.post_hook(
+            "alerts",
+            &serde_json::json!({"message_id": format!("{tag}-{i}"), "sender_id": "u"}),
+        );
+        times.push(started.elapsed());
+        assert_eq!(status, 202, "the legitimate webhook is accepted");
+        i += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    times
+}
+
+fn quantile(times: &mut [Duration], q: f64) -> Duration {
+    times.sort();
+    times[((times.len() as f64 - 1.0) * q).round() as usize]
+}
+
+/// Peak RSS and a legitimate webhook's latency while a peer with a credential attacks, side by
+/// side with idle; each phase on a fresh daemon so VmHWM is that phase's peak.
+#[test]
+#[ignore = "budgets: cross/budgets.sh"]
+fn hostile_peers_side_by_side_with_idle() {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    const PHASE: Duration = Duration::from_secs(5);
+    println!("binary under test: {}", bin());
+    println!("| phase | peak RSS (VmHWM) | legitimate webhook p50 | worst | requests | attack |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for phase in [
+        "idle",
+        "1 MiB JSON bombs, 2 senders back to back",
+        "a /ws client flooding pings, reading nothing",
+    ] {
+        let dir = temp_dir("hostile");
+        let conf = config_text(free_port(), &dir, None, "").replace("log_level = debug", "log_level = info");
+        let d = Daemon::start_logging(&dir, &conf, "info");
+        let stop = Arc::new(AtomicBool::new(false));
+        let attack_note = std::thread::scope(|scope| {
+            let attackers: Vec<_> = match phase {
+                "idle" => vec![],
+                p if p.starts_with("1 MiB") => (0..2)
+                    .map(|_| {
+                        let (stop, url) = (stop.clone(), d.url("/hooks/alerts"));
+                        scope.spawn(move || {
+                            let bomb = "[".repeat((1 << 20) - 64);
+                            let mut n = 0;
+                            while !stop.load(Ordering::SeqCst) {
+                                let (status, _) =
+                                    http_post(&url, &[("Authorization", &format!("Bearer {HOOK_SECRET}"))], &bomb);
+                                assert_eq!(status, 400);
+                                n += 1;
+                            }
+                            format!("{n} bombs")
+                        })
+                    })
+                    .collect(),
+                _ => {
+                    let (stop, port) = (stop.clone(), d.port);
+                    vec![scope.spawn(move || {
+                        let mut ws = raw_upgrade(port, &format!("Bearer {API_KEY}"));
+                        ws.write_all(&hello_frame()).unwrap();
+                        let _ = next_text(&mut ws);
+                        let ping = text_frame(
+                            serde_json::json!({"schema": "xagent.connector.packet/v1", "packet_id": "p",
+                                               "request_id": "r".repeat(256), "type": "ping"})
+                            .to_string()
+                            .as_bytes(),
+                        );
+                        ws.set_write_timeout(Some(Duration::from_millis(500))).unwrap();
+                        let mut n = 0;
+                        while !stop.load(Ordering::SeqCst) && ws.write_all(&ping).is_ok() {
+                            n += 1;
+                        }
+                        format!("{n} pings until the daemon stopped reading")
+                    })]
+                }
+            };
+            let legit = {
+                let stop = stop.clone();
+                let d = &d;
+                scope.spawn(move || legitimate_sender(d, "legit", stop))
+            };
+            std::thread::sleep(PHASE);
+            stop.store(true, Ordering::SeqCst);
+            let notes: Vec<String> = attackers.into_iter().map(|a| a.join().unwrap()).collect();
+            let mut times = legit.join().unwrap();
+            let (p50, worst) = (quantile(&mut times, 0.5), quantile(&mut times, 1.0));
+            (notes.join(", "), p50, worst, times.len())
+        });
+        let (note, p50, worst, n) = attack_note;
+        println!(
+            "| {phase} | {} KiB | {:.1} ms | {:.1} ms | {n} | {} |",
+            hwm_kib(d.pid()),
+            p50.as_secs_f64() * 1000.0,
+            worst.as_secs_f64() * 1000.0,
+            if note.is_empty() { "none".into() } else { note }
+        );
+    }
+}

@@ -385,29 +385,6 @@ fn finding_7_malformed_heads_are_400_501_bearer_is_any_case_and_head_works() {
     small_findings(&daemon("edge-7"));
 }
 
-/// A WebSocket upgrade over raw TCP; returns the stream after the 101.
-fn raw_upgrade(port: u16, authorization: &str) -> TcpStream {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        s,
-        "GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: {authorization}\r\n\r\n"
-    )
-    .unwrap();
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        s.read_exact(&mut byte).unwrap();
-        head.push(byte[0]);
-    }
-    let head = String::from_utf8(head).unwrap();
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    assert!(
-        head.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo="),
-        "{head}"
-    );
-    s
-}
-
 /// A masked client frame.
 fn frame(first: u8, payload: &[u8]) -> Vec<u8> {
     assert!(payload.len() < 126);
@@ -508,58 +485,6 @@ fn after_the_attacks_no_slot_is_held_and_memory_is_back_within_4_mib() {
 }
 
 // ---------- peers holding a credential (a webhook secret, the API key) ----------
-
-/// A masked client text frame of any length (RFC 6455 5.2).
-fn text_frame(payload: &[u8]) -> Vec<u8> {
-    let mask = [9u8, 8, 7, 6];
-    let mut out = vec![0x81];
-    match payload.len() {
-        n if n < 126 => out.push(0x80 | n as u8),
-        n if n <= 0xffff => {
-            out.push(0x80 | 126);
-            out.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-        n => {
-            out.push(0x80 | 127);
-            out.extend_from_slice(&(n as u64).to_be_bytes());
-        }
-    }
-    out.extend_from_slice(&mask);
-    out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
-    out
-}
-
-/// The payload of the next text frame the server sends (unmasked).
-fn next_text(s: &mut TcpStream) -> String {
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut h = [0u8; 2];
-    s.read_exact(&mut h).unwrap();
-    let len = match h[1] & 0x7f {
-        126 => {
-            let mut l = [0u8; 2];
-            s.read_exact(&mut l).unwrap();
-            u16::from_be_bytes(l) as usize
-        }
-        127 => {
-            let mut l = [0u8; 8];
-            s.read_exact(&mut l).unwrap();
-            u64::from_be_bytes(l) as usize
-        }
-        n => n as usize,
-    };
-    let mut payload = vec![0u8; len];
-    s.read_exact(&mut payload).unwrap();
-    String::from_utf8(payload).unwrap()
-}
-
-fn hello_frame() -> Vec<u8> {
-    text_frame(
-        json!({"schema": "xagent.connector.packet/v1", "packet_id": "h", "request_id": "h", "type": "connector.hello",
-               "payload": {"connector_card_id": "im.imgate", "protocol_version": "3.0", "supported_profiles": ["xagent.im.v1"]}})
-        .to_string()
-        .as_bytes(),
-    )
-}
 
 fn connections(d: &Daemon) -> u64 {
     let status = get_json_with(&d.url("/status"));
@@ -848,4 +773,87 @@ fn peer_3_peer_text_cannot_forge_log_lines_and_repeats_log_one_line_a_minute() {
         log.len()
     );
     assert!(log.len() < 16 * 1024, "the log grew to {} bytes", log.len());
+}
+
+/// A keep-alive connection that has had one answer and now waits: idle.
+fn idle_connection(port: u16) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /connector-card.json HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    // The Card is one JSON object: its answer ends with the closing brace.
+    while !got.ends_with(b"}") {
+        let n = s.read(&mut chunk).unwrap();
+        assert!(n > 0, "the answer comes");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    s
+}
+
+fn closed_by_server(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    matches!(s.read(&mut [0u8; 64]), Ok(0) | Err(_))
+}
+
+#[test]
+fn peer_4_idle_keep_alive_connections_make_room_and_one_address_holds_only_its_share() {
+    let dir = temp_dir("peer-slots");
+    let conf = config_text(free_port(), &dir, None, "").replace(
+        "max_connections_per_client = 0",
+        "max_connections = 4\nmax_connections_per_client = 0",
+    );
+    let d = Daemon::start(&dir, &conf);
+    std::thread::sleep(Duration::from_millis(200)); // the harness's readiness probe lets go of its slot
+    let mut idle: Vec<TcpStream> = Vec::new();
+    for _ in 0..4 {
+        idle.push(idle_connection(d.port));
+        std::thread::sleep(Duration::from_millis(20)); // each waits a little longer than the next
+    }
+    // Every slot is held by an idle client: a newcomer is served, the longest idle closed.
+    let (status, _) = http_get(&d.url("/connector-card.json"), &[]);
+    assert_eq!(status, 200, "a new client is served while idle ones hold every slot");
+    assert!(closed_by_server(&mut idle[0]), "the longest-idle connection made room");
+    assert!(metric(&d, "imgate_http_idle_closed_total ") >= 1);
+    drop(idle);
+    drop(d);
+
+    // One address holds at most its share; the default share is a quarter of the slots.
+    let dir = temp_dir("peer-per-client");
+    let conf =
+        config_text(free_port(), &dir, None, "").replace("max_connections_per_client = 0\n", "max_connections = 8\n");
+    let d = Daemon::start(&dir, &conf);
+    std::thread::sleep(Duration::from_millis(200));
+    let held: Vec<TcpStream> = (0..2)
+        .map(|_| TcpStream::connect(("127.0.0.1", d.port)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let (answer, closed) = exchange(d.port, b"", Duration::from_secs(5));
+    assert!(
+        answer.starts_with("HTTP/1.1 503") && closed,
+        "a third connection from one address: {answer:?}"
+    );
+    assert!(metric_after_release(&d, held) >= 1);
+}
+
+/// `imgate_http_refused_total{cause="too_many_from_client"}` once `held` let go of their slots.
+fn metric_after_release(d: &Daemon, held: Vec<TcpStream>) -> u64 {
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (status, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+        if status == 200 {
+            return text
+                .lines()
+                .find_map(|l| l.strip_prefix("imgate_http_refused_total{cause=\"too_many_from_client\"} "))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/metrics answers once the held slots are free"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

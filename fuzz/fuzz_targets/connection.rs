@@ -76,5 +76,5 @@ fuzz_target!(|data: &[u8]| {
         next: 0,
         written: 0,
     };
-    let _ = smol::block_on(conn::serve(stream, &StandIn, &imgate::front::LIMITS));
+    let _ = smol::block_on(conn::serve(stream, &StandIn, &imgate::front::LIMITS, &conn::Untracked));
 });

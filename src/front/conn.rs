@@ -111,6 +111,21 @@ pub trait Service: Sync {
     fn refused(&self, why: Refused);
 }
 
+/// What the front door follows of one connection (its slot, `front::slots`).
+pub trait Lifecycle: Sync {
+    /// Waiting between two requests (`true`: it may be closed to make room), or reading one.
+    fn idle(&self, _idle: bool) {}
+    /// Whether a request with this head may be served on this connection.
+    fn admits(&self, _head: &Head) -> bool {
+        true
+    }
+}
+
+/// A connection nobody follows (the fuzz target, tests).
+pub struct Untracked;
+
+impl Lifecycle for Untracked {}
+
 /// How a connection ended.
 pub enum Outcome<S> {
     Closed,
@@ -159,9 +174,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
 
     /// The next head: all of it within `head` (the first request of a connection), or its
     /// first byte within `idle` and the rest within `head` of that (a keep-alive request).
-    async fn head(&mut self, first: bool, idle: Duration, head: Duration) -> Result<Vec<u8>, ReadError> {
+    async fn head(
+        &mut self,
+        first: bool,
+        idle: Duration,
+        head: Duration,
+        life: &dyn Lifecycle,
+    ) -> Result<Vec<u8>, ReadError> {
         let mut started = first || !self.buf.is_empty();
         let mut deadline = Instant::now() + if started { head } else { idle };
+        if !started {
+            life.idle(true);
+        }
+        let mut checked = 0;
         loop {
             if let Some((start, end)) = head::find_end(&self.buf) {
                 let bytes = self.buf[start..end].to_vec();
@@ -171,12 +196,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             if self.buf.len() > MAX_HEAD + 4 {
                 return Err(ReadError::TooLarge);
             }
-            if head::has_bare_lf(&self.buf) {
+            if head::has_bare_lf(&self.buf, checked) {
                 return Err(ReadError::BareLf);
             }
+            checked = self.buf.len();
             self.fill(deadline).await?;
             if !started {
                 started = true;
+                life.idle(false);
                 deadline = Instant::now() + head;
             }
         }
@@ -326,7 +353,7 @@ where
 }
 
 /// Serves requests on `io` until the client or a limit ends the connection, or it upgrades.
-pub async fn serve<S, V>(io: S, service: &V, limits: &Limits) -> Outcome<S>
+pub async fn serve<S, V>(io: S, service: &V, limits: &Limits, life: &dyn Lifecycle) -> Outcome<S>
 where
     S: AsyncRead + AsyncWrite + Unpin,
     V: Service,
@@ -337,7 +364,7 @@ where
     };
     let mut first = true;
     loop {
-        let bytes = match conn.head(first, limits.idle, limits.head).await {
+        let bytes = match conn.head(first, limits.idle, limits.head, life).await {
             Ok(b) => b,
             Err(ReadError::Closed) => return Outcome::Closed,
             Err(ReadError::TimedOut) => {
@@ -380,6 +407,12 @@ where
                 return Outcome::Closed;
             }
         };
+        if !life.admits(&head) {
+            // Admitted past the slots for the data plane only (`front::slots`).
+            let a = Answer::error(503, "too_many_connections").closing();
+            write_answer(&mut conn, a, head.method == "HEAD", limits).await;
+            return Outcome::Closed;
+        }
         let head_only = head.method == "HEAD";
         let announced = head.body != Framing::None && head.body != Framing::Length(0);
         let cap = match service.plan(&head) {

@@ -86,13 +86,12 @@ pub fn find_end(buf: &[u8]) -> Option<(usize, usize)> {
     Some((start, start + end + 4))
 }
 
-/// Whether `buf` (a head not yet complete) has a line ending in a bare LF. RFC 9112 2.2 lets a
-/// server take LF alone as a line end; imgate refuses it (400) at once instead, as it refuses
-/// every other laxness that lets two parsers read one head differently.
-pub fn has_bare_lf(buf: &[u8]) -> bool {
-    buf.iter()
-        .enumerate()
-        .any(|(i, &b)| b == b'\n' && (i == 0 || buf[i - 1] != b'\r'))
+/// Whether `buf` (a head not yet complete) has a line ending in a bare LF at or after `from`
+/// (what was checked before need not be again: a head trickled byte by byte costs linear time).
+/// RFC 9112 2.2 lets a server take LF alone as a line end; imgate refuses it (400) at once
+/// instead, as it refuses every other laxness that lets two parsers read one head differently.
+pub fn has_bare_lf(buf: &[u8], from: usize) -> bool {
+    (from..buf.len()).any(|i| buf[i] == b'\n' && (i == 0 || buf[i - 1] != b'\r'))
 }
 
 /// RFC 9112 3.2 and RFC 3986 3.2.2: a Host is a host name, an IPv4 or bracketed IPv6 address,
@@ -267,6 +266,21 @@ impl Head {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_bare_lf_is_found_in_what_was_not_checked_before() {
+        assert!(has_bare_lf(b"GET / HTTP/1.1\nHost: x", 0));
+        assert!(!has_bare_lf(b"GET / HTTP/1.1\r\nHost: x\r\n", 0));
+        // The CR of a CRLF split across two reads: the LF is checked against it.
+        assert!(!has_bare_lf(b"GET / HTTP/1.1\r\n", 15));
+        assert!(has_bare_lf(b"\nGET", 0));
+        assert!(
+            !has_bare_lf(b"GET / HTTP/1.1\nHost", 15),
+            "before `from` was checked already"
+        );
+        assert!(valid_host("[::1]:8787") && valid_host("imgate.local") && !valid_host("a b"));
+    }
+
     use super::*;
 
     fn head(text: &str) -> Result<Head, Refusal> {

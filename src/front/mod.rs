@@ -15,6 +15,7 @@ pub mod body;
 pub mod conn;
 pub mod head;
 pub mod relay;
+pub mod slots;
 pub mod stats;
 pub mod upgrade;
 
@@ -140,6 +141,8 @@ pub struct FrontDoor {
     max_body: u64,
     upload_cap: u64,
     api_key: Option<crate::config::Secret>,
+    /// `[server] max_connections_per_client`: `None` unset, `Some(0)` off.
+    per_client: Option<usize>,
     bodies: Arc<Budget>,
     uploads: Arc<Budget>,
 }
@@ -155,6 +158,7 @@ impl FrontDoor {
             max_body: s.max_body,
             upload_cap,
             api_key: s.api_key.clone(),
+            per_client: s.max_connections_per_client,
             bodies: Arc::new(Budget {
                 used: AtomicU64::new(0),
                 limit: BODY_BUDGET.max(s.max_body.saturating_mul(4)),
@@ -164,6 +168,15 @@ impl FrontDoor {
                 limit: upload_cap.saturating_mul(UPLOADS_AT_ONCE),
             }),
         })
+    }
+
+    /// The cap per client address for `max` slots: a quarter of them unless configured.
+    fn per_client(&self, max: usize) -> Option<usize> {
+        match self.per_client {
+            None => Some((max / 4).max(1)),
+            Some(0) => None,
+            Some(n) => Some(n),
+        }
     }
 
     /// The path below `public_url`'s prefix.
@@ -380,15 +393,6 @@ fn ws_plan(head: &Head) -> Plan {
     Plan::Upgrade
 }
 
-/// Frees a connection slot when the connection ends, however it ends.
-struct Slot;
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        stats::CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// `max_connections`, lowered to what the file descriptors carry.
 pub fn connection_limit(configured: usize, fds: Option<u64>) -> usize {
     match fds {
@@ -403,8 +407,11 @@ pub fn connection_limit(configured: usize, fds: Option<u64>) -> usize {
     }
 }
 
-/// Accepts connections until the future is dropped (shutdown).
+/// Accepts connections until the future is dropped (shutdown). `max` slots, shared as
+/// `front::slots` says: a cap per address, idle connections closed to make room, a reserve
+/// for the data plane.
 pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize) {
+    let slots = slots::Slots::new(max, door.per_client(max));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(v) => v,
@@ -417,30 +424,50 @@ pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize) {
         };
         // Packets and answers are small writes; Nagle's delay would add ~40 ms to each.
         let _ = stream.set_nodelay(true);
-        if stats::CONNECTIONS.fetch_add(1, Ordering::SeqCst) >= max {
-            stats::CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
-            stats::note(
-                Cause::TooManyConnections,
-                &format!("{max} connections open; refusing {peer} with 503"),
-            );
-            crate::runtime::spawn(async move {
-                let mut s = stream;
-                let _ = s.write_all(&conn::error_bytes(503, "too_many_connections")).await;
-            })
-            .detach();
-            continue;
-        }
+        let held = match slots.admit(peer.ip(), &stream) {
+            Ok(held) => held,
+            Err(why) => {
+                slots::note_refusal(&why, peer.ip(), max);
+                crate::runtime::spawn(async move {
+                    let mut s = stream;
+                    let _ = s.write_all(&conn::error_bytes(503, "too_many_connections")).await;
+                })
+                .detach();
+                continue;
+            }
+        };
         let door = door.clone();
         crate::runtime::spawn(async move {
-            let _slot = Slot;
-            connection(door, stream, peer).await;
+            connection(door, stream, peer, held).await;
         })
         .detach();
     }
 }
 
-async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr) {
-    let (head, stream, early) = match conn::serve(stream, &*door, &LIMITS).await {
+/// One connection as its slot follows it.
+struct Tracked<'a> {
+    held: &'a slots::Held,
+    door: &'a FrontDoor,
+}
+
+impl conn::Lifecycle for Tracked<'_> {
+    fn idle(&self, idle: bool) {
+        self.held.idle(idle);
+    }
+
+    /// A connection in the reserve is there for the data plane: an authenticated `/ws` only.
+    fn admits(&self, head: &Head) -> bool {
+        !self.held.in_reserve()
+            || (head.method == "GET" && self.door.route(&head.path) == "/ws" && self.door.authorized(head))
+    }
+}
+
+async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, held: slots::Held) {
+    let life = Tracked {
+        held: &held,
+        door: &door,
+    };
+    let (head, stream, early) = match conn::serve(stream, &*door, &LIMITS, &life).await {
         conn::Outcome::Closed => return,
         conn::Outcome::Upgrade(head, stream, early) => (head, stream, early),
     };

@@ -8,8 +8,10 @@ use std::sync::Mutex;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Cause {
-    /// More connections than `max_connections`: 503.
+    /// More connections than `max_connections`, none idle, the reserve full: 503.
     TooManyConnections,
+    /// One address over `max_connections_per_client`: 503.
+    TooManyFromClient,
     /// `accept` failed (no file descriptors left): the listener backs off.
     AcceptFailed,
     /// A malformed request head (400, 431, 501, 505) or the HTTP/2 preface.
@@ -28,8 +30,9 @@ pub enum Cause {
     Busy,
 }
 
-const CAUSES: [Cause; 9] = [
+const CAUSES: [Cause; 10] = [
     Cause::TooManyConnections,
+    Cause::TooManyFromClient,
     Cause::AcceptFailed,
     Cause::BadRequest,
     Cause::BadBody,
@@ -48,6 +51,7 @@ impl Cause {
     fn label(self) -> &'static str {
         match self {
             Cause::TooManyConnections => "too_many_connections",
+            Cause::TooManyFromClient => "too_many_from_client",
             Cause::AcceptFailed => "accept_failed",
             Cause::BadRequest => "bad_request",
             Cause::BadBody => "bad_body",
@@ -63,8 +67,10 @@ impl Cause {
 static COUNTS: [AtomicU64; CAUSES.len()] = [const { AtomicU64::new(0) }; CAUSES.len()];
 /// Per cause: when it was last logged and how many happened since.
 static LOGGED: Mutex<[Quiet; CAUSES.len()]> = Mutex::new([Quiet::new(); CAUSES.len()]);
-/// Connections open now (each holds a slot of `max_connections`).
+/// Connections open now (on a slot of `max_connections`, or in the reserve for `/ws`).
 pub static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
+/// Idle keep-alive connections closed to admit a new one.
+pub static IDLE_CLOSED: AtomicU64 = AtomicU64::new(0);
 
 /// Counts one refusal and logs it unless its cause was logged within the last minute.
 pub fn note(cause: Cause, detail: &str) {
@@ -75,7 +81,7 @@ pub fn note(cause: Cause, detail: &str) {
         None => return,
     };
     match cause {
-        Cause::TooManyConnections | Cause::AcceptFailed | Cause::Busy => {
+        Cause::TooManyConnections | Cause::TooManyFromClient | Cause::AcceptFailed | Cause::Busy => {
             log::warn!("front door: {}: {detail}{more}", cause.label())
         }
         _ => log::info!("front door: {}: {detail}{more}", cause.label()),
@@ -88,6 +94,11 @@ pub fn metrics(out: &mut String) {
     out.push_str(&format!(
         "imgate_http_connections {}\n",
         CONNECTIONS.load(Ordering::Relaxed)
+    ));
+    out.push_str("# TYPE imgate_http_idle_closed_total counter\n");
+    out.push_str(&format!(
+        "imgate_http_idle_closed_total {}\n",
+        IDLE_CLOSED.load(Ordering::Relaxed)
     ));
     out.push_str("# TYPE imgate_http_refused_total counter\n");
     for c in CAUSES {

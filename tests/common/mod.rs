@@ -7,7 +7,7 @@ pub mod botapi;
 pub mod ext4;
 pub mod feishu;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -116,10 +116,12 @@ pub const API_KEY: &str = "test-api-key-7f3a";
 pub const HOOK_SECRET: &str = "hook-secret-91bc";
 
 /// A config with an API key, one webhook endpoint `alerts` (with `reply_url` when given) and `extra`.
+/// Every client of a test is 127.0.0.1, one address: the cap per client is off here and tested
+/// on its own (`edge::peer_4_…`).
 pub fn config_text(port: u16, dir: &Path, reply_url: Option<&str>, extra: &str) -> String {
     let reply = reply_url.map(|u| format!("reply_url = {u}\n")).unwrap_or_default();
     format!(
-        "[server]\nlisten = 127.0.0.1:{port}\napi_key = {API_KEY}\nstate_dir = {}\nlog_level = debug\n\n\
+        "[server]\nlisten = 127.0.0.1:{port}\napi_key = {API_KEY}\nstate_dir = {}\nlog_level = debug\nmax_connections_per_client = 0\n\n\
          [webhook.alerts]\nsecret = {HOOK_SECRET}\nlabel = Alerts\n{reply}\n{extra}",
         dir.join("state").display()
     )
@@ -856,4 +858,81 @@ pub fn upload(d: &Daemon, channel: &str, key: &str, filename: &str, mime: &str, 
 /// `upload` with the right key.
 pub fn upload_as(d: &Daemon, channel: &str, filename: &str, mime: &str, bytes: &[u8]) -> (u16, Value) {
     upload(d, channel, API_KEY, filename, mime, bytes)
+}
+
+// ---------- the data plane over raw TCP, for clients that misbehave ----------
+
+/// A WebSocket upgrade over raw TCP; returns the stream after the 101.
+pub fn raw_upgrade(port: u16, authorization: &str) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: {authorization}\r\n\r\n"
+    )
+    .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut byte).unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(
+        head.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo="),
+        "{head}"
+    );
+    s
+}
+
+/// A masked client text frame of any length (RFC 6455 5.2).
+pub fn text_frame(payload: &[u8]) -> Vec<u8> {
+    let mask = [9u8, 8, 7, 6];
+    let mut out = vec![0x81];
+    match payload.len() {
+        n if n < 126 => out.push(0x80 | n as u8),
+        n if n <= 0xffff => {
+            out.push(0x80 | 126);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            out.push(0x80 | 127);
+            out.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    out.extend_from_slice(&mask);
+    out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    out
+}
+
+/// The payload of the next text frame the server sends (unmasked).
+pub fn next_text(s: &mut TcpStream) -> String {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut h = [0u8; 2];
+    s.read_exact(&mut h).unwrap();
+    let len = match h[1] & 0x7f {
+        126 => {
+            let mut l = [0u8; 2];
+            s.read_exact(&mut l).unwrap();
+            u16::from_be_bytes(l) as usize
+        }
+        127 => {
+            let mut l = [0u8; 8];
+            s.read_exact(&mut l).unwrap();
+            u64::from_be_bytes(l) as usize
+        }
+        n => n as usize,
+    };
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload).unwrap();
+    String::from_utf8(payload).unwrap()
+}
+
+pub fn hello_frame() -> Vec<u8> {
+    text_frame(
+        json!({"schema": "xagent.connector.packet/v1", "packet_id": "h", "request_id": "h", "type": "connector.hello",
+               "payload": {"connector_card_id": "im.imgate", "protocol_version": "3.0", "supported_profiles": ["xagent.im.v1"]}})
+        .to_string()
+        .as_bytes(),
+    )
 }
