@@ -5,12 +5,12 @@
 //! `attempts + 1` and the next connection pushes it again. The barrier doubles as keepalive.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use smol::future::FutureExt;
 
 use super::blocking;
-use super::out::Out;
+use super::out::{Missed, Out};
 use super::session::{lock, State};
 use crate::app::App;
 use crate::ids;
@@ -102,21 +102,26 @@ pub(super) async fn run(
         }
         *lock(&state.in_flight) = round.clone();
 
-        // The barrier doubles as keepalive: one ping per round, answered by one pong.
+        // The barrier doubles as keepalive: one ping per round, answered by one pong. Its timer
+        // runs from now, while the ping waits in a full queue too.
         let request_id = ids::short("req_");
         let (tx, rx) = smol::channel::bounded::<()>(1);
         lock(&state.barriers).insert(request_id.clone(), tx);
         let mut ping = Packet::new("ping");
         ping.request_id = Some(request_id.clone());
-        if out.send(ping).await.is_err() {
-            return;
-        }
-        let answered = async { rx.recv().await.is_ok() }
-            .or(async {
-                smol::Timer::after(BARRIER_TIMEOUT).await;
-                false
-            })
-            .await;
+        let due = Instant::now() + BARRIER_TIMEOUT;
+        let answered = match out.send_by(ping, due).await {
+            Err(Missed::Ended) => return,
+            Err(Missed::Late) => false,
+            Ok(()) => {
+                async { rx.recv().await.is_ok() }
+                    .or(async {
+                        smol::Timer::at(due).await;
+                        false
+                    })
+                    .await
+            }
+        };
         lock(&state.barriers).remove(&request_id);
         if !answered {
             log::warn!("data plane: session {id}: no pong within {BARRIER_TIMEOUT:?}; closing the connection");

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use smol::future::FutureExt;
 
 use super::blocking;
-use super::out::Out;
+use super::out::{Missed, Out};
 use super::session::{lock, State};
 use crate::app::App;
 use crate::ids;
@@ -298,8 +298,15 @@ pub(super) async fn run(
             lock(&state.barriers).insert(request_id.clone(), tx);
             let mut p = Packet::new("ping");
             p.request_id = Some(request_id.clone());
-            if out.send(p).await.is_err() {
-                return;
+            // The pong's timer runs from now, while the ping waits in a full queue too.
+            match out.send_by(p, now + PONG_TIMEOUT).await {
+                Err(Missed::Ended) => return,
+                Err(Missed::Late) => {
+                    log::warn!("data plane: session {id}: no pong within {PONG_TIMEOUT:?}; closing the connection");
+                    let _ = stop.try_send(format!("no pong within {PONG_TIMEOUT:?}"));
+                    return;
+                }
+                Ok(()) => {}
             }
             ping = Some((request_id, rx, now + PONG_TIMEOUT));
         }

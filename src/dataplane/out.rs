@@ -37,6 +37,14 @@ pub enum Outgoing {
 #[derive(Debug)]
 pub struct Ended;
 
+/// Why `send_by` did not queue its packet.
+#[derive(Debug, PartialEq)]
+pub enum Missed {
+    Ended,
+    /// Not even queued by the deadline: the peer is not reading.
+    Late,
+}
+
 /// The sending side, cloned by everything that sends to one session.
 #[derive(Clone)]
 pub struct Out {
@@ -112,6 +120,17 @@ impl Out {
             self.queued.fetch_sub(n, Ordering::SeqCst);
             Ended
         })
+    }
+
+    /// `send`, given up at `deadline`. The keepalive uses it: its timer runs from when the ping
+    /// is due, not from when a full queue lets it in.
+    pub async fn send_by(&self, p: Packet, deadline: std::time::Instant) -> Result<(), Missed> {
+        async { self.send(p).await.map_err(|_| Missed::Ended) }
+            .or(async {
+                smol::Timer::at(deadline).await;
+                Err(Missed::Late)
+            })
+            .await
     }
 
     /// Queues `p` if there is room now; false otherwise or when the session ended.
@@ -215,6 +234,16 @@ mod tests {
             };
             drop(rx);
             assert!(waiting.await.is_err());
+        });
+    }
+
+    #[test]
+    fn a_keepalive_that_cannot_be_queued_by_its_deadline_is_late() {
+        smol::block_on(async {
+            let (out, _rx) = queue();
+            out.send(packet(BUDGET)).await.unwrap();
+            let deadline = std::time::Instant::now() + Duration::from_millis(100);
+            assert_eq!(out.send_by(packet(10), deadline).await, Err(Missed::Late));
         });
     }
 
