@@ -626,21 +626,9 @@ fn peer_5_only_a_bodiless_get_of_http_1_1_upgrades_to_the_data_plane() {
 /// Sends a head with `Expect: 100-continue`, then what the server said before any body.
 fn expect_continue(port: u16, head: &str) -> (TcpStream, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.write_all(head.as_bytes()).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let mut got = Vec::new();
-    let mut chunk = [0u8; 1024];
     // A 100 or a final answer comes at once; nothing within 3 s means the server waits for the body.
-    while let Ok(n) = s.read(&mut chunk) {
-        if n == 0 {
-            break;
-        }
-        got.extend_from_slice(&chunk[..n]);
-        if got.windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
-        }
-    }
-    (s, String::from_utf8_lossy(&got).into_owned())
+    let said = send_and_read_head(&mut s, head.as_bytes(), Duration::from_secs(3));
+    (s, said)
 }
 
 #[test]

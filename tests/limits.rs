@@ -99,25 +99,6 @@ fn a_second_connection_takes_a_channel_over() {
     assert_eq!(a["error"]["code"], "channel_not_open", "nor answers for the channel");
 }
 
-/// Reads what the daemon answers on `s` within 5 s.
-fn answer_on(s: &mut std::net::TcpStream, request: &str) -> String {
-    use std::io::Write;
-    let _ = s.write_all(request.as_bytes());
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut answer = Vec::new();
-    let mut chunk = [0u8; 1024];
-    while let Ok(n) = s.read(&mut chunk) {
-        if n == 0 {
-            break;
-        }
-        answer.extend_from_slice(&chunk[..n]);
-        if answer.windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
-        }
-    }
-    String::from_utf8_lossy(&answer).into_owned()
-}
-
 #[test]
 fn past_max_connections_only_an_authenticated_ws_upgrade_gets_in_and_then_503() {
     let dir = temp_dir("maxconn");
@@ -131,7 +112,7 @@ fn past_max_connections_only_an_authenticated_ws_upgrade_gets_in_and_then_503() 
     std::thread::sleep(Duration::from_millis(200));
     let connect = || std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
     let card = "GET /connector-card.json HTTP/1.1\r\nHost: x\r\n\r\n";
-    let answer = answer_on(&mut connect(), card);
+    let answer = send_and_read_head(&mut connect(), card.as_bytes(), Duration::from_secs(5));
     assert!(
         answer.starts_with("HTTP/1.1 503"),
         "past the slots, a webhook or a card is refused: {answer:?}"
@@ -141,13 +122,13 @@ fn past_max_connections_only_an_authenticated_ws_upgrade_gets_in_and_then_503() 
             "GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: xagent.connector.packet.v1\r\nAuthorization: Bearer {key}\r\n\r\n"
         )
     };
-    let answer = answer_on(&mut connect(), &ws("wrong-key"));
+    let answer = send_and_read_head(&mut connect(), ws("wrong-key").as_bytes(), Duration::from_secs(5));
     assert!(
         answer.starts_with("HTTP/1.1 503"),
         "a /ws without the key is refused: {answer:?}"
     );
     let mut xagent = connect();
-    let answer = answer_on(&mut xagent, &ws(API_KEY));
+    let answer = send_and_read_head(&mut xagent, ws(API_KEY).as_bytes(), Duration::from_secs(5));
     assert!(
         answer.starts_with("HTTP/1.1 101"),
         "xAgent's /ws gets in past the slots: {answer:?}"

@@ -936,3 +936,22 @@ pub fn hello_frame() -> Vec<u8> {
         .as_bytes(),
     )
 }
+
+/// Writes `bytes` on `s`, then reads until an answer's head is complete, `s` closes, or `wait`
+/// passes with nothing more: what arrived by then.
+pub fn send_and_read_head(s: &mut TcpStream, bytes: &[u8], wait: Duration) -> String {
+    let _ = s.write_all(bytes);
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while let Ok(n) = s.read(&mut chunk) {
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(&chunk[..n]);
+        if got.windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
