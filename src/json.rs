@@ -88,9 +88,17 @@ pub fn check_shape(text: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
+/// Inputs larger than this are never parsed on the executor thread (debug builds assert it).
+pub const INLINE_PARSE: usize = 16 * 1024;
+
 /// Parses outside bytes: their shape is checked first (`check_shape`), then miniserde parses.
 /// The `Err` says which, readably, for a 400's `detail` or an `invalid_packet`.
 pub fn parse(text: &str) -> Result<Value, String> {
+    debug_assert!(
+        text.len() <= INLINE_PARSE || !crate::runtime::on_executor(),
+        "{} bytes of JSON parsed on the executor thread",
+        text.len()
+    );
     check_shape(text.as_bytes())?;
     miniserde::json::from_str::<Value>(text).map_err(|_| NOT_JSON.to_string())
 }

@@ -793,7 +793,7 @@ fn peer_4_idle_keep_alive_connections_make_room_and_one_address_holds_only_its_s
         "max_connections = 4\nmax_connections_per_client = 0",
     );
     let d = Daemon::start(&dir, &conf);
-    std::thread::sleep(Duration::from_millis(200)); // the harness's readiness probe lets go of its slot
+    wait_until_alone(&d);
     let mut idle: Vec<TcpStream> = Vec::new();
     for _ in 0..4 {
         idle.push(idle_connection(d.port));
@@ -812,11 +812,9 @@ fn peer_4_idle_keep_alive_connections_make_room_and_one_address_holds_only_its_s
     let conf =
         config_text(free_port(), &dir, None, "").replace("max_connections_per_client = 0\n", "max_connections = 8\n");
     let d = Daemon::start(&dir, &conf);
-    std::thread::sleep(Duration::from_millis(200));
-    let held: Vec<TcpStream> = (0..2)
-        .map(|_| TcpStream::connect(("127.0.0.1", d.port)).unwrap())
-        .collect();
-    std::thread::sleep(Duration::from_millis(200));
+    wait_until_alone(&d);
+    // Each has had an answer: admitted for certain.
+    let held: Vec<TcpStream> = (0..2).map(|_| idle_connection(d.port)).collect();
     let (answer, closed) = exchange(d.port, b"", Duration::from_secs(5));
     assert!(
         answer.starts_with("HTTP/1.1 503") && closed,

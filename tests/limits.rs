@@ -105,11 +105,11 @@ fn past_max_connections_only_an_authenticated_ws_upgrade_gets_in_and_then_503() 
     let conf =
         config_text(free_port(), &dir, None, "").replace("log_level = debug", "log_level = debug\nmax_connections = 2");
     let d = Daemon::start(&dir, &conf);
-    std::thread::sleep(Duration::from_millis(200)); // the harness's readiness probe lets go of its slot
-                                                    // Two clients in the middle of a request (no head yet): not idle, nothing to close.
+    wait_until_alone(&d);
+    // Two clients in the middle of a request (no head yet): not idle, nothing to close. The
+    // daemon accepts in the order of the connects, so they hold the slots.
     let _a = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
     let _b = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
     let connect = || std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
     let card = "GET /connector-card.json HTTP/1.1\r\nHost: x\r\n\r\n";
     let answer = send_and_read_head(&mut connect(), card.as_bytes(), Duration::from_secs(5));

@@ -176,7 +176,7 @@ where
             Some(Err(e)) => break (format!("read error: {e}"), closing_error(&e)),
             Some(Ok(Message::Text(text))) => {
                 // A large frame is parsed on the pool, as large request bodies are (front door).
-                let parsed = if text.len() <= crate::front::INLINE_PARSE {
+                let parsed = if text.len() <= json::INLINE_PARSE {
                     Packet::parse(text.as_str())
                 } else {
                     crate::runtime::unblock(move || Packet::parse(text.as_str())).await

@@ -55,10 +55,10 @@ const SMALL_BODY: u64 = 64 * 1024;
 const UPLOADS_AT_ONCE: u64 = 2;
 /// Room for the multipart framing around an uploaded file.
 const MULTIPART_ROOM: u64 = 64 * 1024;
-/// A provider route's body up to this size is handled (parsed) on the executor: that takes
-/// microseconds. A larger one is handled on the blocking pool, so one client's parse never holds
-/// up another client, the data plane or a commit's answer.
-pub const INLINE_PARSE: usize = 16 * 1024;
+// A provider route's body up to `INLINE_PARSE` is handled (parsed) on the executor: that takes
+// microseconds. A larger one is handled on the blocking pool, so one client's parse never holds
+// up another client, the data plane or a commit's answer.
+use crate::json::INLINE_PARSE;
 /// tiny_http answers up to this size are read whole and written with their head at once.
 const INLINE_ANSWER: u64 = 64 * 1024;
 /// File descriptors kept for everything but client connections (the database, the internal

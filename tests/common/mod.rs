@@ -937,6 +937,23 @@ pub fn hello_frame() -> Vec<u8> {
     )
 }
 
+/// Waits until the daemon has no connection but the one asking (`/metrics`): the harness's own
+/// probes have let go of their slots.
+pub fn wait_until_alone(d: &Daemon) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+        if status == 200 && text.lines().any(|l| l == "imgate_http_connections 1") {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the daemon still holds other connections:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Writes `bytes` on `s`, then reads until an answer's head is complete, `s` closes, or `wait`
 /// passes with nothing more: what arrived by then.
 pub fn send_and_read_head(s: &mut TcpStream, bytes: &[u8], wait: Duration) -> String {
