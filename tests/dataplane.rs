@@ -61,7 +61,7 @@ fn ws_upgrade_needs_the_api_key_and_the_packet_subprotocol() {
     assert_eq!(try_connect(d.port, Some("wrong"), Some(SUBPROTOCOL)).err(), Some(401));
     assert_eq!(try_connect(d.port, Some(API_KEY), None).err(), Some(400));
     assert!(try_connect(d.port, Some(API_KEY), Some(SUBPROTOCOL)).is_ok());
-    assert!(d.log().contains("missing or wrong API key"));
+    assert!(d.log_shows("missing or wrong API key", Duration::from_secs(5)));
 }
 
 #[test]

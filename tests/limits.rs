@@ -33,7 +33,7 @@ fn channels_are_unregistered_after_a_continuous_offline_lease_and_pending_messag
         std::thread::sleep(Duration::from_millis(100));
     }
     assert!(
-        d.log().contains("channel(s) unregistered"),
+        d.log_shows("channel(s) unregistered", Duration::from_secs(5)),
         "the unregistration is logged"
     );
     let s = get_json(&d.url("/status"));
@@ -225,7 +225,11 @@ fn slow_clients_are_cut_off_by_the_head_and_body_timeouts() {
         "{}",
         d.log()
     );
-    assert!(d.log().contains("request head not complete in time"), "{}", d.log());
+    assert!(
+        d.log_shows("request head not complete in time", Duration::from_secs(5)),
+        "{}",
+        d.log()
+    );
 }
 
 #[test]

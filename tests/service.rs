@@ -75,7 +75,7 @@ fn sigterm_closes_websockets_finishes_and_exits_0_after_ready_and_stopping() {
     let status = d.wait_exit(Duration::from_secs(5)).expect("exits within 5 s");
     assert!(status.success(), "exit 0, got {status:?}");
     println!("SIGTERM to exit: {:?}", t.elapsed());
-    assert!(d.log().contains("stopped cleanly"), "{}", d.log());
+    assert!(d.log_shows("stopped cleanly", Duration::from_secs(5)), "{}", d.log());
 
     // Nothing was lost: the restart still knows the channel and its state.
     let d = d.restart();
@@ -94,7 +94,7 @@ fn sighup_is_logged_and_changes_nothing() {
         "SIGHUP does not stop imgate"
     );
     assert_eq!(http_get(&d.url("/connector-card.json"), &[]).0, 200);
-    assert!(d.log().contains("SIGHUP"), "{}", d.log());
+    assert!(d.log_shows("SIGHUP", Duration::from_secs(5)), "{}", d.log());
 }
 
 #[test]
@@ -143,7 +143,11 @@ fn log_level_from_the_config_applies_and_rust_log_overrides_it() {
     let d = Daemon::start_env(&dir, &conf, "debug", &[]);
     http_get(&d.url("/connector-card.json"), &[]);
     std::thread::sleep(Duration::from_millis(200));
-    assert!(d.log().contains("DEBUG"), "RUST_LOG wins: {}", d.log());
+    assert!(
+        d.log_shows("DEBUG", Duration::from_secs(5)),
+        "RUST_LOG wins: {}",
+        d.log()
+    );
 }
 
 #[test]

@@ -673,7 +673,7 @@ fn a_stalled_bot_api_gets_a_tool_error_in_time_and_a_stalled_poll_is_retried() {
         .expect("the message arrives after the stalled poll");
     assert_eq!(p["payload"]["raw_text"], "while the API hung");
     assert!(
-        d.log().contains("getUpdates failed: Telegram unreachable"),
+        d.log_shows("getUpdates failed: Telegram unreachable", Duration::from_secs(5)),
         "{}",
         d.log()
     );

@@ -103,7 +103,11 @@ fn a_crash_at_each_step_of_the_write_path_loses_no_accepted_message() {
             d.wait_exit(Duration::from_secs(5)).is_some(),
             "{point}: the planned crash did not happen (fault points need a debug build)"
         );
-        assert!(d.log().contains(&format!("killed at {point}")), "{point}: {}", d.log());
+        assert!(
+            d.log_shows(&format!("killed at {point}"), Duration::from_secs(5)),
+            "{point}: {}",
+            d.log()
+        );
         assert!(accepted.len() >= 10, "{point}: only {} accepted", accepted.len());
 
         let d = d.restart_env(&[]);
@@ -113,7 +117,10 @@ fn a_crash_at_each_step_of_the_write_path_loses_no_accepted_message() {
         let pushed = pushes_until(&d, &cch, &want);
         assert_nothing_lost_and_in_order(&pushed, &accepted, point);
         if torn {
-            assert!(d.log().contains("is unreadable"), "{point}: the torn record is logged");
+            assert!(
+                d.log_shows("is unreadable", Duration::from_secs(5)),
+                "{point}: the torn record is logged"
+            );
         }
     }
 }
