@@ -9,7 +9,7 @@
 # 2. The amd64 .deb through its life on this machine: install (the user, the modes, one API key,
 #    the unit enabled, the service user able to run imgate and answer /health with the key),
 #    reinstall and upgrade with an edited config, remove (config and state kept), purge
-#    (nothing left).
+#    (nothing left), and an install over a group a cut-short purge left behind.
 # --install adds lintian from Debian when it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -178,4 +178,12 @@ done
 getent passwd imgate >/dev/null && fail "purge left the user"
 getent group imgate >/dev/null && fail "purge left the group"
 dpkg -s imgate >/dev/null 2>&1 && fail "dpkg still knows imgate after purge"
+
+# A group left behind (a purge cut short) is taken as it is, and purged with the rest.
+groupadd --system imgate
+dpkg -i "$deb" > "$work/regroup.log"
+expect "imgate's group over a leftover group" imgate "$(id -gn imgate)"
+dpkg -P imgate > /dev/null
+getent passwd imgate >/dev/null && fail "purge left the user"
+getent group imgate >/dev/null && fail "purge left the group"
 echo "package-test: every package inspected; install, reinstall, upgrade, remove and purge as expected"
