@@ -50,6 +50,18 @@ pub struct Server {
     pub card_id: CardId,
 }
 
+impl Server {
+    /// The connections one client address may hold when `max` are served: a quarter of them
+    /// unless configured; `None` when the cap is off (`max_connections_per_client = 0`).
+    pub fn per_client_cap(&self, max: usize) -> Option<usize> {
+        match self.max_connections_per_client {
+            None => Some((max / 4).max(1)),
+            Some(0) => None,
+            Some(n) => Some(n),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Xagent {
     pub dial: Option<String>,
@@ -763,12 +775,11 @@ impl Config {
         out.push_str(&format!("api_key:           {}\n", set(&self.server.api_key)));
         out.push_str(&format!("state_dir:         {}\n", self.server.state_dir.display()));
         out.push_str(&format!("max_connections:   {}\n", self.server.max_connections));
-        let per_client = match self.server.max_connections_per_client {
-            None => format!(
-                "{} (a quarter of max_connections)",
-                (self.server.max_connections / 4).max(1)
-            ),
-            Some(0) => "off".to_string(),
+        let per_client = match self.server.per_client_cap(self.server.max_connections) {
+            None => "off".to_string(),
+            Some(n) if self.server.max_connections_per_client.is_none() => {
+                format!("{n} (a quarter of max_connections)")
+            }
             Some(n) => n.to_string(),
         };
         out.push_str(&format!("per client:        {per_client}\n"));
@@ -865,6 +876,15 @@ mod tests {
         assert_eq!(c.queue.max_bytes_total, 64 << 20);
         assert_eq!(c.queue.overflow, Overflow::DropOldest);
         assert_eq!(c.server.card_id.as_str(), "im.imgate");
+    }
+
+    #[test]
+    fn the_cap_per_client_is_a_quarter_of_the_slots_unless_set_and_0_turns_it_off() {
+        let cap = |text: &str, max| parse(text, "t.conf", None, &[]).unwrap().server.per_client_cap(max);
+        assert_eq!(cap("", 64), Some(16));
+        assert_eq!(cap("", 3), Some(1), "at least one");
+        assert_eq!(cap("[server]\nmax_connections_per_client = 0\n", 64), None);
+        assert_eq!(cap("[server]\nmax_connections_per_client = 5\n", 64), Some(5));
     }
 
     #[test]

@@ -232,7 +232,8 @@ fn run(cfg: config::Config) -> ExitCode {
     // Listener bound, outbox open, internal HTTP server running: ready.
     service::notify("READY=1");
     let why = runtime::block_on(async {
-        let serve = front::serve(door, listener, max_connections);
+        let per_client = app.config.server.per_client_cap(max_connections);
+        let serve = front::serve(door, listener, max_connections, per_client);
         let stop = service::stop_signal(signals);
         async {
             serve.await;

@@ -141,8 +141,6 @@ pub struct FrontDoor {
     max_body: u64,
     upload_cap: u64,
     api_key: Option<crate::config::Secret>,
-    /// `[server] max_connections_per_client`: `None` unset, `Some(0)` off.
-    per_client: Option<usize>,
     bodies: Arc<Budget>,
     uploads: Arc<Budget>,
 }
@@ -158,7 +156,6 @@ impl FrontDoor {
             max_body: s.max_body,
             upload_cap,
             api_key: s.api_key.clone(),
-            per_client: s.max_connections_per_client,
             bodies: Arc::new(Budget {
                 used: AtomicU64::new(0),
                 limit: BODY_BUDGET.max(s.max_body.saturating_mul(4)),
@@ -168,15 +165,6 @@ impl FrontDoor {
                 limit: upload_cap.saturating_mul(UPLOADS_AT_ONCE),
             }),
         })
-    }
-
-    /// The cap per client address for `max` slots: a quarter of them unless configured.
-    fn per_client(&self, max: usize) -> Option<usize> {
-        match self.per_client {
-            None => Some((max / 4).max(1)),
-            Some(0) => None,
-            Some(n) => Some(n),
-        }
     }
 
     /// The path below `public_url`'s prefix.
@@ -408,10 +396,10 @@ pub fn connection_limit(configured: usize, fds: Option<u64>) -> usize {
 }
 
 /// Accepts connections until the future is dropped (shutdown). `max` slots, shared as
-/// `front::slots` says: a cap per address, idle connections closed to make room, a reserve
-/// for the data plane.
-pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize) {
-    let slots = slots::Slots::new(max, door.per_client(max));
+/// `front::slots` says: at most `per_client` per address (`None`: no cap), idle connections
+/// closed to make room, a reserve for the data plane.
+pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize, per_client: Option<usize>) {
+    let slots = slots::Slots::new(max, per_client);
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(v) => v,
