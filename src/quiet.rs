@@ -33,9 +33,19 @@ pub fn shown(text: &str) -> String {
     out
 }
 
-/// `Quiet::admit` on a `Quiet` shared by one log site.
-pub fn admit(q: &Mutex<Quiet>) -> Option<String> {
-    q.lock().unwrap_or_else(|e| e.into_inner()).admit()
+/// One log site's `Quiet`, shareable as a `static`.
+#[derive(Default)]
+pub struct Site(Mutex<Quiet>);
+
+impl Site {
+    pub const fn new() -> Site {
+        Site(Mutex::new(Quiet::new()))
+    }
+
+    /// `Quiet::admit` for this site.
+    pub fn admit(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).admit()
+    }
 }
 
 /// A subject is logged at most this often.

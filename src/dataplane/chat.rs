@@ -26,7 +26,7 @@ use crate::protocol::{code, Packet};
 use crate::providers::{Activity, Delta, Failure, Outbound};
 
 /// xAgent's messages that a provider could not deliver: one line a minute (xAgent sends at will).
-static UNDELIVERED: Mutex<crate::quiet::Quiet> = Mutex::new(crate::quiet::Quiet::new());
+static UNDELIVERED: crate::quiet::Site = crate::quiet::Site::new();
 use crate::source::Source;
 use crate::store::{self, Db};
 
@@ -438,7 +438,7 @@ pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
                 let id = m.message_id.clone();
                 let outcome = blocking(app, move |app| deliver(app, &cch, &m)).await;
                 if let Outcome::Rejected(f) = &outcome {
-                    if let Some(more) = crate::quiet::admit(&UNDELIVERED) {
+                    if let Some(more) = UNDELIVERED.admit() {
                         let (id, why) = (crate::quiet::shown(&id), crate::quiet::shown(&f.message));
                         log::info!("data plane: message {id} not delivered: {} ({why}){more}", f.code);
                     }

@@ -28,17 +28,17 @@ use crate::json::{self, obj, s, Object, Value};
 use crate::protocol::descriptor::{self, Target, ToolState};
 use crate::protocol::{code, version_at_least, CardId, Packet, Profile, PROTOCOL_VERSION};
 use crate::providers::Failure;
-use crate::quiet::{self, Quiet};
+use crate::quiet;
 use crate::source::Source;
 
 /// Chat packets queued per channel at most; beyond it xAgent is told the channel is busy.
 const CHAT_QUEUE: usize = 64;
 /// Lines xAgent can cause at will, each logged at most once a minute: its `error` packets, a
 /// hello naming another connector_id, failed auth flows and failed tool calls.
-static PEER_ERRORS: Mutex<Quiet> = Mutex::new(Quiet::new());
-static OTHER_CONNECTOR_ID: Mutex<Quiet> = Mutex::new(Quiet::new());
-static AUTH_FAILURES: Mutex<Quiet> = Mutex::new(Quiet::new());
-static TOOL_FAILURES: Mutex<Quiet> = Mutex::new(Quiet::new());
+static PEER_ERRORS: quiet::Site = quiet::Site::new();
+static OTHER_CONNECTOR_ID: quiet::Site = quiet::Site::new();
+static AUTH_FAILURES: quiet::Site = quiet::Site::new();
+static TOOL_FAILURES: quiet::Site = quiet::Site::new();
 
 /// Per-session state shared by the reader and the delivery loop.
 #[derive(Default)]
@@ -268,7 +268,7 @@ async fn handle(
         }
         "error" => {
             // xAgent may send these as fast as it likes: one line a minute, its text shown safely.
-            if let Some(more) = quiet::admit(&PEER_ERRORS) {
+            if let Some(more) = PEER_ERRORS.admit() {
                 let (c, m) = p.error.clone().unwrap_or_default();
                 log::warn!(
                     "data plane: session {id}: peer reported error {}: {}{more}",
@@ -456,7 +456,7 @@ async fn hello(app: &Arc<App>, id: u64, state: &State, p: &Packet) -> Packet {
         );
     }
     if let Some(prev) = json::get_str(pl, "connector_id").filter(|c| !c.is_empty() && *c != app.connector_id) {
-        if let Some(more) = quiet::admit(&OTHER_CONNECTOR_ID) {
+        if let Some(more) = OTHER_CONNECTOR_ID.admit() {
             log::info!(
                 "data plane: xAgent knew connector_id {}; this device's state says {}{more}",
                 quiet::shown(prev),
@@ -645,7 +645,7 @@ async fn auth_start(app: &Arc<App>, state: &State, p: &Packet, cch: &str, profil
             }
         }
         Err(f) => {
-            if let Some(more) = quiet::admit(&AUTH_FAILURES) {
+            if let Some(more) = AUTH_FAILURES.admit() {
                 log::info!(
                     "data plane: channel {cch}: auth flow `{}` failed: {}{more}",
                     quiet::shown(&flow_id),
@@ -747,7 +747,7 @@ fn tool_invoke(app: &Arc<App>, p: &Packet, cch: String, out: Out) {
         let ack = match outcome {
             Ok(result) => ack.with_payload(obj([("tool_id", s(&tool_id)), ("result", result)])),
             Err(f) => {
-                if let Some(more) = quiet::admit(&TOOL_FAILURES) {
+                if let Some(more) = TOOL_FAILURES.admit() {
                     log::info!(
                         "data plane: channel {cch}: {} failed: {} ({}){more}",
                         quiet::shown(&tool_id),

@@ -93,7 +93,7 @@ fn text(args: &Object) -> Result<&str, Failure> {
 
 /// Runs a tool on channel `cch`; blocking (the provider's call), so never on the executor.
 /// Repeated calls are xAgent's to make as often as it likes: one line a minute.
-static REPEATED_CALLS: std::sync::Mutex<crate::quiet::Quiet> = std::sync::Mutex::new(crate::quiet::Quiet::new());
+static REPEATED_CALLS: crate::quiet::Site = crate::quiet::Site::new();
 
 pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&str>) -> Result<Value, Failure> {
     let rec = app.channels.channel(cch).map_err(Failure::storage)?;
@@ -107,7 +107,7 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
     let key = call_id.map(|c| format!("{cch}:{tool_id}:{c}"));
     if let Some(k) = &key {
         if let Some(prev) = app.tool_results.get(k).map_err(Failure::storage)? {
-            if let Some(more) = crate::quiet::admit(&REPEATED_CALLS) {
+            if let Some(more) = REPEATED_CALLS.admit() {
                 let tool = crate::quiet::shown(tool_id);
                 log::info!("data plane: {tool} call repeated; answering with the first result{more}");
             }

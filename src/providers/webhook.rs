@@ -19,7 +19,7 @@ use crate::json::{self, arr, b, obj, opt_s, s, Object, Value};
 use crate::outbox::{Enqueued, NewMessage, ReplyRef};
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{code, TOOL_REPLY, TOOL_SEND};
-use crate::quiet::{self, Quiet};
+use crate::quiet;
 use crate::source::Source;
 use crate::store::StoreError;
 
@@ -31,7 +31,7 @@ const FLOW: &str = "webhook_binding";
 /// Outbound POSTs to a `reply_url`: no answer within this is `upstream_unreachable`.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
 /// Stale messages are refused as often as a sender sends them: one line a minute.
-static STALE_LOG: std::sync::Mutex<Quiet> = std::sync::Mutex::new(Quiet::new());
+static STALE_LOG: quiet::Site = quiet::Site::new();
 
 pub const REGISTRATION: Registration = Registration {
     reader: Reader {
@@ -263,7 +263,7 @@ impl Webhooks {
         let now = ids::now_ms();
         let ttl = self.host.ttl_ms();
         if m.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
-            if let Some(more) = quiet::admit(&STALE_LOG) {
+            if let Some(more) = STALE_LOG.admit() {
                 log::info!(
                     "webhook {name}: message {} is stale (event_time older than the ttl){more}",
                     quiet::shown(&m.message_id)

@@ -40,7 +40,7 @@ use crate::outbox::{Enqueued, NewMessage, ReplyRef, Ticket};
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
-use crate::quiet::Quiet;
+use crate::quiet::Site;
 use crate::source::Source;
 use crate::store::{self, StoreError};
 
@@ -144,8 +144,8 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         recent: Mutex::new(VecDeque::new()),
         unbound_events: AtomicU64::new(0),
         unreadable_events: AtomicU64::new(0),
-        unreadable_log: Mutex::new(Quiet::new()),
-        full_log: Mutex::new(Quiet::new()),
+        unreadable_log: Site::new(),
+        full_log: Site::new(),
     })))
 }
 
@@ -177,9 +177,9 @@ pub struct Feishu {
     unbound_events: AtomicU64,
     /// Event payloads that could not be read (answered, so Feishu does not send them again).
     unreadable_events: AtomicU64,
-    unreadable_log: Mutex<Quiet>,
+    unreadable_log: Site,
     /// Events refused by full caps (`reject_new`), logged once a minute.
-    full_log: Mutex<Quiet>,
+    full_log: Site,
 }
 
 /// A name Feishu will not dedupe against another message: at most 50 characters.
@@ -256,7 +256,7 @@ impl Feishu {
                         true
                     }
                     Ok(Enqueued::CapacityExceeded) => {
-                        let admitted = self.full_log.lock().unwrap_or_else(|e| e.into_inner()).admit();
+                        let admitted = self.full_log.admit();
                         if let Some(more) = admitted {
                             log::warn!("feishu: {source}: queue full; Feishu will deliver the message again{more}");
                         }
@@ -277,7 +277,7 @@ impl Feishu {
             Ok(ev) => ev,
             Err(why) => {
                 self.unreadable_events.fetch_add(1, Ordering::Relaxed);
-                let admitted = self.unreadable_log.lock().unwrap_or_else(|e| e.into_inner()).admit();
+                let admitted = self.unreadable_log.admit();
                 if let Some(more) = admitted {
                     log::warn!("feishu: app {app_id}: an event was dropped: {why}{more}");
                 }
