@@ -153,7 +153,8 @@ impl Out {
     }
 
     /// Bytes queued and not yet written.
-    pub fn queued(&self) -> usize {
+    #[cfg(test)]
+    fn queued(&self) -> usize {
         self.queued.load(Ordering::SeqCst)
     }
 }
