@@ -1,14 +1,15 @@
-//! What every part of the daemon above the providers shares: the layers below (`Host`), the
-//! running providers, the data-plane hub and the connector's identity.
+//! The wiring below the layers that serve xAgent and the port: the layers below the providers
+//! (`Host`), the running providers, the hub of data-plane sessions and the connector's identity.
+//! The data plane, the HTTP routes and the front door each hold an `App`; nothing here knows
+//! them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::channels::Channels;
 use crate::config::Config;
-use crate::dataplane::tools::ToolResults;
-use crate::dataplane::Hub;
 use crate::files::Files;
+use crate::hub::Hub;
 use crate::outbox::{Outbox, Policy};
 use crate::providers::{Host, Registry};
 use crate::store::{Db, StoreError};
@@ -18,9 +19,6 @@ pub struct App {
     pub providers: Registry,
     pub hub: Arc<Hub>,
     pub connector_id: String,
-    pub tool_results: ToolResults,
-    /// IM profile v2: xAgent's completed messages and streams.
-    pub chats: crate::dataplane::chat::Chats,
     /// Set on SIGTERM: workers finish what they hold and exit.
     stopping: AtomicBool,
 }
@@ -48,22 +46,21 @@ impl App {
             channels: Channels::open(db.clone())?,
             outbox: Outbox::open(db.clone(), policy)?,
             files: Files::open(db.clone(), &config.server.state_dir, config.files.clone())?,
-            db: db.clone(),
+            db,
             config,
         });
         let connector_id = host.channels.connector_id()?;
         let hub = Arc::new(Hub::default());
-        // A committed message wakes the session that holds its channel.
-        let (wake, weak_host) = (Arc::downgrade(&hub), Arc::downgrade(&host));
+        // A committed message wakes the session that holds its channel (the hub answers from
+        // memory: this runs on the committer thread).
+        let wake = Arc::downgrade(&hub);
         host.outbox.on_accepted(move |source| {
-            if let (Some(hub), Some(host)) = (wake.upgrade(), weak_host.upgrade()) {
-                hub.notify_source(&host.channels, source);
+            if let Some(hub) = wake.upgrade() {
+                hub.notify_source(source);
             }
         });
         Ok(Arc::new(App {
             providers: Registry::start(&host)?,
-            tool_results: ToolResults::open(db.clone())?,
-            chats: crate::dataplane::chat::Chats::open(db)?,
             host,
             hub,
             connector_id,

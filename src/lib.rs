@@ -9,6 +9,7 @@ pub mod faults;
 pub mod files;
 pub mod front;
 pub mod http;
+pub mod hub;
 pub mod ids;
 pub mod json;
 pub mod maintenance;

@@ -160,7 +160,8 @@ fn run(cfg: config::Config) -> ExitCode {
         log::warn!("{w}");
     }
     let opening = std::time::Instant::now();
-    let app = match app::App::open(cfg) {
+    let opened = app::App::open(cfg).and_then(|app| Ok((dataplane::Plane::open(app.clone())?, app)));
+    let (plane, app) = match opened {
         Ok(a) => a,
         Err(e) => {
             log::error!("cannot open the database in {}: {e}", state_dir.display());
@@ -209,14 +210,14 @@ fn run(cfg: config::Config) -> ExitCode {
     if app.config.server.api_key.is_none() && !app.config.server.listen.ip().is_loopback() {
         log::warn!("api_key is empty on a non-loopback listener: anyone who can reach it can act as xAgent");
     }
-    runtime::spawn(maintenance::run(Arc::downgrade(&app))).detach();
+    runtime::spawn(maintenance::run(Arc::downgrade(&plane))).detach();
     app.providers.bindings_changed(&app.channels);
     let dial = app
         .config
         .xagent
         .dial
         .clone()
-        .map(|url| runtime::spawn(dataplane::dial::run(app.clone(), url)));
+        .map(|url| runtime::spawn(dataplane::dial::run(plane.clone(), url)));
     if let Some(every) = service::watchdog_interval() {
         runtime::spawn(service::watchdog(every)).detach();
     }
@@ -228,7 +229,7 @@ fn run(cfg: config::Config) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let door = front::FrontDoor::new(&app, front::relay::Backend::new(socket.clone(), dispatch), prefix);
+    let door = front::FrontDoor::new(&plane, front::relay::Backend::new(socket.clone(), dispatch), prefix);
     // Listener bound, outbox open, internal HTTP server running: ready.
     service::notify("READY=1");
     let why = runtime::block_on(async {
@@ -242,12 +243,18 @@ fn run(cfg: config::Config) -> ExitCode {
         .or(stop)
         .await
     });
-    shutdown(app, dial, why, &socket)
+    shutdown(plane, app, dial, why, &socket)
 }
 
 /// Graceful stop: no new connections, WebSockets closed with a close frame, requests being
 /// answered are finished, then the database is closed cleanly (next start needs no repair).
-fn shutdown(app: Arc<app::App>, dial: Option<smol::Task<()>>, why: &str, socket: &Path) -> ExitCode {
+fn shutdown(
+    plane: Arc<dataplane::Plane>,
+    app: Arc<app::App>,
+    dial: Option<smol::Task<()>>,
+    why: &str,
+    socket: &Path,
+) -> ExitCode {
     log::info!("{why}: stopping");
     service::notify("STOPPING=1");
     // The executor keeps running while the sessions close and the answers go out.
@@ -258,7 +265,10 @@ fn shutdown(app: Arc<app::App>, dial: Option<smol::Task<()>>, why: &str, socket:
         // The listener is closed; requests already sent are answered first.
         runtime::until(deadline, || front::requests_in_flight() == 0).await;
         app.stop();
-        // Every session and task holds the app; the last one out closes the database.
+        // Every session and task holds the plane or the app; the last one out closes the
+        // database.
+        runtime::until(deadline, || Arc::strong_count(&plane) == 1).await;
+        drop(plane);
         runtime::until(deadline, || Arc::strong_count(&app) == 1).await;
     });
     let _ = std::fs::remove_file(socket);

@@ -8,19 +8,22 @@ use std::time::{Duration, Instant};
 
 use smol::future::FutureExt;
 
-use crate::app::App;
+use crate::dataplane::Plane;
 use crate::{config, ids};
 
 /// A pending reopen is tried this often.
 const RECOVER_EVERY: Duration = Duration::from_secs(1);
 
-pub async fn run(app: Weak<App>) {
-    let Some((every, trouble)) = app.upgrade().map(|a| (a.config.queue.cleanup_interval, a.db.trouble())) else {
+pub async fn run(plane: Weak<Plane>) {
+    let Some((every, trouble)) = plane
+        .upgrade()
+        .map(|a| (a.config.queue.cleanup_interval, a.db.trouble()))
+    else {
         return;
     };
     let mut next_sweep = Instant::now() + every;
     loop {
-        let Some(a) = app.upgrade().filter(|a| !a.is_stopping()) else {
+        let Some(a) = plane.upgrade().filter(|a| !a.is_stopping()) else {
             return;
         };
         let sweep = Instant::now() >= next_sweep;
@@ -43,46 +46,41 @@ pub async fn run(app: Weak<App>) {
 
 /// One round: reopen after an I/O error, the lease, the sweeps when due. Returns how long the
 /// lease has left at least, and whether a reopen is still pending.
-fn work(app: &Arc<App>, sweep: bool) -> (Duration, bool) {
+fn work(plane: &Arc<Plane>, sweep: bool) -> (Duration, bool) {
     // A disk that was full or read-only may be back.
-    app.outbox.recover();
-    let lease_left = check_lease(app);
+    plane.outbox.recover();
+    let lease_left = check_lease(plane);
     if sweep {
         let now = ids::now_ms();
-        if let Err(e) = app.outbox.sweep_expired(now) {
+        if let Err(e) = plane.outbox.sweep_expired(now) {
             log::error!("outbox: sweep failed: {e}");
         }
-        if let Err(e) = app.outbox.sweep_reply_refs(now) {
+        if let Err(e) = plane.outbox.sweep_reply_refs(now) {
             log::error!("outbox: reply reference sweep failed: {e}");
         }
-        if let Err(e) = app.tool_results.sweep(now) {
-            log::error!("data plane: tool result sweep failed: {e}");
-        }
-        if let Err(e) = app.chats.sweep(now) {
-            log::error!("data plane: completed-message sweep failed: {e}");
-        }
-        app.files.sweep(now);
+        plane.sweep(now);
+        plane.files.sweep(now);
     }
-    (lease_left, app.outbox.needs_recovery())
+    (lease_left, plane.outbox.needs_recovery())
 }
 
 /// Common protocol 8.2: one continuous offline `lease` unregisters the `connector_id`'s
 /// channels. Returns how long until the lease could run out (at the soonest).
-fn check_lease(app: &Arc<App>) -> Duration {
-    let lease = app.config.xagent.lease;
+fn check_lease(plane: &Arc<Plane>) -> Duration {
+    let lease = plane.config.xagent.lease;
     let now = ids::now_ms();
-    match app.channels.expire_lease(now, lease.as_millis() as u64) {
+    match plane.channels.expire_lease(now, lease.as_millis() as u64) {
         Ok(None) | Ok(Some(0)) => {}
         Ok(Some(n)) => {
             log::warn!(
                 "lease: no xAgent for {}; {n} channel(s) unregistered (their pending messages stay unbound until their TTL)",
                 config::fmt_duration(lease)
             );
-            app.providers.bindings_changed(&app.channels);
+            plane.providers.bindings_changed(&plane.channels);
         }
         Err(e) => log::error!("lease: cannot unregister channels: {e}"),
     }
-    match app.channels.offline_since() {
+    match plane.channels.offline_since() {
         // Running: it ends at `since + lease`. Not running (xAgent connected): a lease that
         // starts later ends later than a whole lease from now.
         Ok(Some(since)) => Duration::from_millis(since.saturating_add(lease.as_millis() as u64).saturating_sub(now)),

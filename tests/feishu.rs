@@ -344,7 +344,7 @@ fn full_caps_under_reject_new_answer_500_so_feishu_keeps_the_event() {
 
 #[test]
 fn a_sigkill_between_an_event_and_its_commit_loses_nothing_and_stores_it_once() {
-    let (mut d, sim) = feishu("fs-crash", &[("IMGATE_TEST_CRASH", "feishu-before-commit:1")]);
+    let (mut d, sim) = feishu("fs-crash", &[("IMGATE_TEST_CRASH", "intake-before-commit:1")]);
     let (_, cch) = bound(&d, &sim);
     let frame = sim.push_event(APP, &text_event("om_300", "survive me"), 1);
     assert!(

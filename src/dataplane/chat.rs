@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use redb::{ReadableTable, TableDefinition};
 
-use crate::app::App;
+use super::Plane;
 use crate::ids;
 use crate::json::{self, b, obj, s, Object, Value};
 use crate::protocol::{code, Packet};
@@ -330,22 +330,23 @@ impl Chats {
             .and_then(|st| st.handle.clone())
     }
 
-    /// Streams held now (for tests and `/status`).
-    pub fn streams(&self) -> usize {
+    /// Streams held now.
+    #[cfg(test)]
+    fn streams(&self) -> usize {
         self.lock().len()
     }
 }
 
 /// The bound source of a channel and its provider, or the rejection that says why not.
-fn binding(app: &App, cch: &str) -> Result<(Source, Arc<dyn crate::providers::Provider>), Failure> {
-    let rec = app.channels.channel(cch).map_err(Failure::storage)?;
+fn binding(plane: &Plane, cch: &str) -> Result<(Source, Arc<dyn crate::providers::Provider>), Failure> {
+    let rec = plane.channels.channel(cch).map_err(Failure::storage)?;
     let source = rec.and_then(|r| r.source()).ok_or_else(|| {
         Failure::new(
             code::CONNECTION_NOT_AUTHENTICATED,
             "the channel is not bound; complete an auth flow first",
         )
     })?;
-    let provider = app
+    let provider = plane
         .providers
         .of(&source)
         .cloned()
@@ -354,9 +355,9 @@ fn binding(app: &App, cch: &str) -> Result<(Source, Arc<dyn crate::providers::Pr
 }
 
 /// Sends xAgent's message to the conversation (blocking: the provider's call).
-fn deliver(app: &App, cch: &str, m: &ChatMessage) -> Outcome {
+fn deliver(plane: &Plane, cch: &str, m: &ChatMessage) -> Outcome {
     let fp = fingerprint(m);
-    match app.chats.completed(cch, &m.message_id) {
+    match plane.chats.completed(cch, &m.message_id) {
         Ok(Some(known)) if known == fp => return Outcome::Duplicate,
         Ok(Some(_)) => {
             return Outcome::Rejected(Failure::new(
@@ -367,13 +368,13 @@ fn deliver(app: &App, cch: &str, m: &ChatMessage) -> Outcome {
         Ok(None) => {}
         Err(e) => return Outcome::Rejected(Failure::storage(e)),
     }
-    let (source, provider) = match binding(app, cch) {
+    let (source, provider) = match binding(plane, cch) {
         Ok(b) => b,
         Err(f) => return Outcome::Rejected(f),
     };
     let mut files = Vec::with_capacity(m.file_refs.len());
     for r in &m.file_refs {
-        match app.files.get(r) {
+        match plane.files.get(r) {
             Ok(Some(f)) if f.0.direction == "out" && f.0.source == source.as_str() => files.push(f),
             Ok(_) => {
                 return Outcome::Rejected(Failure::new(
@@ -384,7 +385,7 @@ fn deliver(app: &App, cch: &str, m: &ChatMessage) -> Outcome {
             Err(e) => return Outcome::Rejected(Failure::storage(e)),
         }
     }
-    let streamed = app.chats.handle_of(cch, &m.message_id);
+    let streamed = plane.chats.handle_of(cch, &m.message_id);
     let out = Outbound {
         text: &m.text,
         reply_to: None,
@@ -395,11 +396,11 @@ fn deliver(app: &App, cch: &str, m: &ChatMessage) -> Outcome {
     };
     match provider.send(&source, &out) {
         Ok(_) => {
-            app.chats.end(cch, &m.message_id);
+            plane.chats.end(cch, &m.message_id);
             provider.activity(&source, Activity::Idle);
             // Remembered before the ack: a message acked `accepted` is never sent again. (Should
             // this write fail, the ack still says accepted; a retransmission could repeat it.)
-            if let Err(e) = app.chats.complete(cch, &m.message_id, &fp) {
+            if let Err(e) = plane.chats.complete(cch, &m.message_id, &fp) {
                 log::error!("data plane: cannot remember completed message on {cch}: {e}");
             }
             Outcome::Accepted
@@ -426,7 +427,7 @@ fn ack(p: &Packet, message_id: &str, outcome: &Outcome) -> Packet {
 
 /// Runs blocking work for one chat packet off the executor.
 /// One chat packet of channel `cch`, in its turn; the packet to send back, if any.
-pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
+pub async fn handle(plane: &Arc<Plane>, cch: &str, p: Packet) -> Option<Packet> {
     let cch = cch.to_string();
     match p.kind.as_str() {
         "chat.message" => match parse_message(&p.payload) {
@@ -436,7 +437,7 @@ pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
             }),
             Ok(m) => {
                 let id = m.message_id.clone();
-                let outcome = blocking(app, move |app| deliver(app, &cch, &m)).await;
+                let outcome = blocking(plane, move |plane| deliver(plane, &cch, &m)).await;
                 if let Outcome::Rejected(f) = &outcome {
                     if let Some(more) = UNDELIVERED.admit() {
                         let (id, why) = (crate::quiet::shown(&id), crate::quiet::shown(&f.message));
@@ -454,12 +455,12 @@ pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
             // A delta after the final (or a restart) must not start a second message.
             let (c, id) = (cch.clone(), d.message_id.clone());
             if matches!(
-                blocking(app, move |app| app.chats.completed(&c, &id)).await,
+                blocking(plane, move |plane| plane.chats.completed(&c, &id)).await,
                 Ok(Some(_))
             ) {
                 return None;
             }
-            let (text, handle) = match app.chats.apply(&cch, &d) {
+            let (text, handle) = match plane.chats.apply(&cch, &d) {
                 Err(code) => {
                     let why = format!("delta {} of message {} refused", d.sequence, d.message_id);
                     return Some(Packet::error_for(Some(&p), code, why));
@@ -467,8 +468,8 @@ pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
                 Ok(Applied::Repeat) => return None,
                 Ok(Applied::Show { text, handle }) => (text, handle),
             };
-            blocking(app, move |app| {
-                let Ok((source, provider)) = binding(app, &cch) else {
+            blocking(plane, move |plane| {
+                let Ok((source, provider)) = binding(plane, &cch) else {
                     return;
                 };
                 let delta = Delta {
@@ -483,7 +484,7 @@ pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
                             // Visible text replaces the activity.
                             provider.activity(&source, Activity::Idle);
                         }
-                        app.chats.set_handle(&cch, &d.message_id, h);
+                        plane.chats.set_handle(&cch, &d.message_id, h);
                     }
                     Ok(None) => {}
                     Err(f) => log::debug!("data plane: a delta could not be shown: {} ({})", f.code, f.message),
@@ -497,8 +498,8 @@ pub async fn handle(app: &Arc<App>, cch: &str, p: Packet) -> Option<Packet> {
                 Ok(a) => a,
                 Err(why) => return Some(Packet::error_for(Some(&p), code::INVALID_PACKET, why)),
             };
-            blocking(app, move |app| {
-                if let Ok((source, provider)) = binding(app, &cch) {
+            blocking(plane, move |plane| {
+                if let Ok((source, provider)) = binding(plane, &cch) {
                     provider.activity(&source, activity);
                 }
             })

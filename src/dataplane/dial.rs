@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_tungstenite::tungstenite::http::HeaderValue;
 
-use crate::app::App;
+use super::Plane;
 use crate::ids;
 use crate::protocol::SUBPROTOCOL;
 use crate::wsclient;
@@ -16,11 +16,11 @@ const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_CAP: Duration = Duration::from_secs(60);
 
 /// Dials forever.
-pub async fn run(app: Arc<App>, url: String) {
+pub async fn run(plane: Arc<Plane>, url: String) {
     let mut backoff = BACKOFF_START;
     let mut last_failure: Option<String> = None;
     loop {
-        match connect(&app, &url).await {
+        match connect(&plane, &url).await {
             Ok(()) => {
                 // A session ran; start the next attempt quickly.
                 backoff = BACKOFF_START;
@@ -40,20 +40,20 @@ pub async fn run(app: Arc<App>, url: String) {
 }
 
 /// One connection attempt; on success runs the session to its end.
-async fn connect(app: &Arc<App>, url: &str) -> Result<(), String> {
+async fn connect(plane: &Arc<Plane>, url: &str) -> Result<(), String> {
     let target = wsclient::parse_url(url)?;
     let mut request = wsclient::request(url)?;
     let headers = request.headers_mut();
     headers.insert("Sec-WebSocket-Protocol", HeaderValue::from_static(SUBPROTOCOL));
-    if let Some(key) = &app.config.xagent.dial_api_key {
+    if let Some(key) = &plane.config.xagent.dial_api_key {
         let value = HeaderValue::from_str(&format!("Bearer {}", key.expose()))
             .map_err(|_| "dial_api_key contains characters not allowed in a header".to_string())?;
         headers.insert("Authorization", value);
     }
-    let ca_file = app.config.xagent.ca_file.as_deref();
+    let ca_file = plane.config.xagent.ca_file.as_deref();
     let ws = wsclient::connect(&target, request, ca_file, super::ws_config()).await?;
     log::info!("dial: connected to {url}");
-    super::session::run(app.clone(), ws, url.to_string()).await;
+    super::session::run(plane.clone(), ws, url.to_string()).await;
     log::info!("dial: disconnected from {url}");
     Ok(())
 }

@@ -1,16 +1,26 @@
 //! The data plane: one packet engine (`session`) behind two transports: xAgent dials our `/ws`
-//! (upgraded by the front door, `crate::front::upgrade`), or we dial out (`dial`). The `Hub`
-//! knows which session holds which channel.
+//! (upgraded by the front door, `crate::front::upgrade`), or we dial out (`dial`).
 //!
-//! Invariant: a channel is open on at most one session; the newest `channel.open` takes it over.
+//! The session is a router: it reads each packet once (`request`) and hands it to the module
+//! that owns its state: `control` (hello, channels, Descriptors), `auth` (the login state
+//! machine), `tools`, `chat` (IM v2, xAgent's own messages), `delivery` (the outbox to xAgent,
+//! one handle per profile). `Plane` holds what outlives a connection: the app below, the tool
+//! results, xAgent's completed messages, the auth sessions.
 
-pub mod chat;
-mod deliver_v1;
-mod deliver_v2;
+pub(crate) mod auth;
+pub(crate) mod chat;
+mod control;
+mod delivery;
 pub mod dial;
-pub mod out;
+pub(crate) mod out;
+mod request;
 pub mod session;
-pub mod tools;
+pub(crate) mod tools;
+
+use std::sync::{Arc, Mutex};
+
+use crate::app::App;
+use crate::store::StoreError;
 
 /// Largest data-plane packet; a bigger message closes that connection (1009), not the process.
 pub const MAX_PACKET: usize = 1 << 20;
@@ -22,144 +32,55 @@ pub fn ws_config() -> async_tungstenite::tungstenite::protocol::WebSocketConfig 
         .max_frame_size(Some(MAX_PACKET))
 }
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-
-use crate::app::App;
-use crate::channels::Channels;
-use crate::protocol::Packet;
-
-/// What the hub needs to reach a session.
-#[derive(Clone)]
-pub struct SessionLink {
-    /// Wakes the session's delivery loop (capacity 1: wake-ups coalesce).
-    pub wake: smol::channel::Sender<()>,
-    /// The session's outgoing packet queue.
-    pub out: out::Out,
-    /// Ends the session, with the reason to log and put in the close frame.
-    pub stop: smol::channel::Sender<String>,
+/// The data plane's state across connections, over the app it serves.
+pub struct Plane {
+    pub app: Arc<App>,
+    /// Answers of tool calls, for repeated `tool_call_id`s (`tool_calls`, owned by `tools`).
+    pub(crate) tool_results: tools::ToolResults,
+    /// IM profile v2: xAgent's completed messages and streams (`chat_completed`, owned by `chat`).
+    pub(crate) chats: chat::Chats,
+    /// Auth sessions, kept across reconnects.
+    pub(crate) logins: auth::Logins,
 }
 
-#[derive(Default)]
-pub struct Hub {
-    inner: Mutex<Inner>,
+impl std::ops::Deref for Plane {
+    type Target = App;
+
+    fn deref(&self) -> &App {
+        &self.app
+    }
 }
 
-#[derive(Default)]
-struct Inner {
-    next_id: u64,
-    sessions: HashMap<u64, SessionLink>,
-    /// Sessions that completed `connector.hello`: the `connector_id` lease runs while none do.
-    authenticated: std::collections::HashSet<u64>,
-    /// channel ID → session holding it open.
-    open: HashMap<String, u64>,
-}
-
-impl Hub {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        // A panic elsewhere must not take the data plane down with a poisoned lock.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+impl Plane {
+    /// Opens the data plane's tables on the app's database.
+    pub fn open(app: Arc<App>) -> Result<Arc<Plane>, StoreError> {
+        Ok(Arc::new(Plane {
+            tool_results: tools::ToolResults::open(app.db.clone())?,
+            chats: chat::Chats::open(app.db.clone())?,
+            logins: auth::Logins::default(),
+            app,
+        }))
     }
 
-    pub fn register(&self, link: SessionLink) -> u64 {
-        let mut g = self.lock();
-        g.next_id += 1;
-        let id = g.next_id;
-        g.sessions.insert(id, link);
-        id
-    }
-
-    /// Removes a session and every channel it held open. True when it was the last session
-    /// that had completed hello (the lease starts).
-    pub fn unregister(&self, session: u64) -> bool {
-        let mut g = self.lock();
-        g.sessions.remove(&session);
-        g.open.retain(|_, s| *s != session);
-        g.authenticated.remove(&session) && g.authenticated.is_empty()
-    }
-
-    /// A session completed hello. True when it is the first one (the lease is cancelled).
-    pub fn authenticated(&self, session: u64) -> bool {
-        let mut g = self.lock();
-        let first = g.authenticated.is_empty();
-        g.authenticated.insert(session) && first
-    }
-
-    /// Opens `cch` on `session`; returns the session that held it before, if another one did.
-    pub fn open(&self, cch: &str, session: u64) -> Option<u64> {
-        let mut g = self.lock();
-        g.open.insert(cch.to_string(), session).filter(|s| *s != session)
-    }
-
-    pub fn close(&self, cch: &str, session: u64) -> bool {
-        let mut g = self.lock();
-        if g.open.get(cch) == Some(&session) {
-            g.open.remove(cch);
-            true
-        } else {
-            false
+    /// The periodic sweep of the data plane's tables.
+    pub fn sweep(&self, now: u64) {
+        if let Err(e) = self.tool_results.sweep(now) {
+            log::error!("data plane: tool result sweep failed: {e}");
         }
-    }
-
-    pub fn is_open_on(&self, cch: &str, session: u64) -> bool {
-        self.lock().open.get(cch) == Some(&session)
-    }
-
-    pub fn is_open(&self, cch: &str) -> bool {
-        self.lock().open.contains_key(cch)
-    }
-
-    pub fn channels_of(&self, session: u64) -> Vec<String> {
-        let g = self.lock();
-        let mut v: Vec<String> = g
-            .open
-            .iter()
-            .filter(|(_, s)| **s == session)
-            .map(|(c, _)| c.clone())
-            .collect();
-        v.sort();
-        v
-    }
-
-    /// Ends every session (shutdown): each sends a close frame and stops.
-    pub fn close_all(&self, reason: &str) {
-        for link in self.lock().sessions.values() {
-            let _ = link.stop.try_send(reason.to_string());
-        }
-    }
-
-    pub fn connections(&self) -> usize {
-        self.lock().sessions.len()
-    }
-
-    /// Wakes the delivery loop of the session that holds `cch`.
-    pub fn wake_channel(&self, cch: &str) {
-        let g = self.lock();
-        if let Some(link) = g.open.get(cch).and_then(|s| g.sessions.get(s)) {
-            let _ = link.wake.try_send(());
-        }
-    }
-
-    /// A message was accepted for `source`: wake whoever delivers it.
-    pub fn notify_source(&self, channels: &Channels, source: &str) {
-        if let Ok(Some(cch)) = channels.bound_channel(source) {
-            self.wake_channel(&cch);
-        }
-    }
-
-    /// Queues a packet to the session holding `cch`; false when the channel is not open anywhere.
-    pub fn send_to_channel(&self, cch: &str, packet: Packet) -> bool {
-        let g = self.lock();
-        match g.open.get(cch).and_then(|s| g.sessions.get(s)) {
-            Some(link) => link.out.try_send(packet),
-            None => false,
+        if let Err(e) = self.chats.sweep(now) {
+            log::error!("data plane: completed-message sweep failed: {e}");
         }
     }
 }
 
-/// Runs `f` with the app on the blocking pool: the data plane's store reads and commits never
-/// run on the executor.
-async fn blocking<T: Send + 'static>(app: &Arc<App>, f: impl FnOnce(&App) -> T + Send + 'static) -> T {
-    let app = app.clone();
-    crate::runtime::unblock(move || f(&app)).await
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic elsewhere must not take the data plane down with a poisoned lock.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs `f` on the blocking pool: the data plane's store reads, commits and provider calls
+/// never run on the executor.
+async fn blocking<T: Send + 'static>(plane: &Arc<Plane>, f: impl FnOnce(&Plane) -> T + Send + 'static) -> T {
+    let plane = plane.clone();
+    crate::runtime::unblock(move || f(&plane)).await
 }

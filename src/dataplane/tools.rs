@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use redb::TableDefinition;
 
-use crate::app::App;
+use super::Plane;
 use crate::ids;
 use crate::json::{self, obj, s, Object, Value};
 use crate::protocol::{code, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
@@ -95,8 +95,8 @@ fn text(args: &Object) -> Result<&str, Failure> {
 /// Repeated calls are xAgent's to make as often as it likes: one line a minute.
 static REPEATED_CALLS: crate::quiet::Site = crate::quiet::Site::new();
 
-pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&str>) -> Result<Value, Failure> {
-    let rec = app.channels.channel(cch).map_err(Failure::storage)?;
+pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Option<&str>) -> Result<Value, Failure> {
+    let rec = plane.channels.channel(cch).map_err(Failure::storage)?;
     let Some(source) = rec.and_then(|r| r.source()) else {
         return Err(Failure::new(
             code::CONNECTION_NOT_AUTHENTICATED,
@@ -106,7 +106,7 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
     // A repeated tool_call_id answers with the first result and sends nothing.
     let key = call_id.map(|c| format!("{cch}:{tool_id}:{c}"));
     if let Some(k) = &key {
-        if let Some(prev) = app.tool_results.get(k).map_err(Failure::storage)? {
+        if let Some(prev) = plane.tool_results.get(k).map_err(Failure::storage)? {
             if let Some(more) = REPEATED_CALLS.admit() {
                 let tool = crate::quiet::shown(tool_id);
                 log::info!("data plane: {tool} call repeated; answering with the first result{more}");
@@ -115,13 +115,13 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
                 .map_err(|_| Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable"));
         }
     }
-    if !app.providers.tools().contains(&tool_id) {
+    if !plane.providers.tools().contains(&tool_id) {
         return Err(Failure::new(
             code::UNKNOWN_TOOL,
             format!("tool `{tool_id}` is not declared by this connector"),
         ));
     }
-    let provider = app
+    let provider = plane
         .providers
         .of(&source)
         .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the channel's provider is not enabled"))?;
@@ -135,7 +135,7 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
             if !provider.tools().contains(&TOOL_FILE_SEND) {
                 return Err(cannot());
             }
-            file = app
+            file = plane
                 .files
                 .get(file_ref)
                 .map_err(Failure::storage)?
@@ -158,7 +158,7 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
         _ => {
             if tool_id == TOOL_REPLY {
                 let reference = required(args, "reply_ref")?;
-                reply_to = app
+                reply_to = plane
                     .outbox
                     .reply_ref(reference)
                     .map_err(Failure::storage)?
@@ -190,7 +190,7 @@ pub fn run(app: &App, cch: &str, tool_id: &str, args: &Object, call_id: Option<&
     let message_id = provider.send(&source, &out)?;
     let result = obj([("status", s("sent")), ("message_id", s(message_id))]);
     if let Some(k) = &key {
-        if let Err(e) = app.tool_results.save(k, &json::to_string(&result)) {
+        if let Err(e) = plane.tool_results.save(k, &json::to_string(&result)) {
             log::error!("data plane: cannot remember result of {tool_id}: {e}");
         }
     }

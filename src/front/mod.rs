@@ -31,7 +31,7 @@ use self::conn::{Answer, Body, Limits, Plan, Refused, Reply, Service};
 use self::head::{Framing, Head};
 use self::relay::{Backend, Outgoing, RelayError};
 use self::stats::Cause;
-use crate::app::App;
+use crate::dataplane::Plane;
 use crate::ids;
 use crate::json;
 use crate::providers::{HttpRequest, Reply as ProviderReply};
@@ -74,7 +74,7 @@ pub const LIMITS: Limits = Limits {
 };
 
 /// Requests between their head and their answer, over all connections. Shutdown waits for it
-/// to reach zero before it lets go of the app.
+/// to reach zero before it lets go of the plane.
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 
 pub fn requests_in_flight() -> usize {
@@ -135,7 +135,7 @@ struct Hold(#[allow(dead_code)] InFlight, #[allow(dead_code)] Option<Taken>);
 
 pub struct FrontDoor {
     /// Held weakly: a connection that is only reading never delays a shutdown.
-    app: Weak<App>,
+    plane: Weak<Plane>,
     prefix: String,
     backend: Arc<Backend>,
     max_body: u64,
@@ -146,11 +146,11 @@ pub struct FrontDoor {
 }
 
 impl FrontDoor {
-    pub fn new(app: &Arc<App>, backend: Arc<Backend>, prefix: String) -> Arc<FrontDoor> {
-        let s = &app.config.server;
-        let upload_cap = app.config.files.max_file_bytes + MULTIPART_ROOM;
+    pub fn new(plane: &Arc<Plane>, backend: Arc<Backend>, prefix: String) -> Arc<FrontDoor> {
+        let s = &plane.config.server;
+        let upload_cap = plane.config.files.max_file_bytes + MULTIPART_ROOM;
         Arc::new(FrontDoor {
-            app: Arc::downgrade(app),
+            plane: Arc::downgrade(plane),
             prefix,
             backend,
             max_body: s.max_body,
@@ -187,8 +187,8 @@ impl FrontDoor {
     /// A provider route's answer from the head alone (unknown endpoint, wrong secret), given
     /// before the body is read or invited by `100 Continue`.
     fn screen(&self, head: &Head, route: &str) -> Option<Answer> {
-        let app = self.app.upgrade()?;
-        let provider = app.providers.for_route(&head.method, route)?;
+        let plane = self.plane.upgrade()?;
+        let provider = plane.providers.for_route(&head.method, route)?;
         let refused = provider.screen(&HttpRequest {
             method: &head.method,
             path: route,
@@ -338,15 +338,15 @@ impl Service for FrontDoor {
 
     fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>) -> Reply<'a> {
         Box::pin(async move {
-            let Some(app) = self.app.upgrade() else {
+            let Some(plane) = self.plane.upgrade() else {
                 return Answer::error(503, "stopping").closing();
             };
             let route = self.route(&head.path);
-            if let Some(provider) = app.providers.for_route(&head.method, route).cloned() {
-                drop(app);
+            if let Some(provider) = plane.providers.for_route(&head.method, route).cloned() {
+                drop(plane);
                 return self.provider_answer(provider, head, route, body).await;
             }
-            drop(app);
+            drop(plane);
             self.relay_answer(head, body).await
         })
     }
@@ -459,12 +459,12 @@ async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, h
         conn::Outcome::Closed => return,
         conn::Outcome::Upgrade(head, stream, early) => (head, stream, early),
     };
-    let Some(app) = door.app.upgrade().filter(|a| !a.is_stopping()) else {
+    let Some(plane) = door.plane.upgrade().filter(|a| !a.is_stopping()) else {
         let mut s = stream;
         let _ = s.write_all(&conn::error_bytes(503, "stopping")).await;
         return;
     };
-    if let Some(why) = upgrade::upgrade(app, head, stream, early, peer.to_string()).await {
+    if let Some(why) = upgrade::upgrade(plane, head, stream, early, peer.to_string()).await {
         stats::note(Cause::WsRefused, &format!("{peer}: {why}"));
     }
 }

@@ -11,7 +11,7 @@ use smol::net::TcpStream;
 
 use super::conn::{head_bytes, Answer, Body};
 use super::head::Head;
-use crate::app::App;
+use crate::dataplane::Plane;
 use crate::ids;
 use crate::protocol::SUBPROTOCOL;
 
@@ -56,7 +56,7 @@ pub fn accept_key(key: &str) -> String {
 }
 
 /// Why an upgrade is refused, as its answer and the cause counted.
-fn check(app: &App, head: &Head) -> Result<String, Box<(Answer, &'static str)>> {
+fn check(plane: &Plane, head: &Head) -> Result<String, Box<(Answer, &'static str)>> {
     let refuse = |a: Answer, why| Err(Box::new((a.closing(), why)));
     if !head.has_token("Upgrade", "websocket") || !head.has_token("Connection", "upgrade") {
         // RFC 9110 15.5.22: a 426 names the protocol to upgrade to.
@@ -64,7 +64,7 @@ fn check(app: &App, head: &Head) -> Result<String, Box<(Answer, &'static str)>> 
         a.headers.push(("Upgrade", "websocket".into()));
         return refuse(a, "not a WebSocket upgrade");
     }
-    if let Some(key) = &app.config.server.api_key {
+    if let Some(key) = &plane.config.server.api_key {
         let given = head.header("Authorization").and_then(ids::bearer).unwrap_or("");
         if !ids::secret_eq(given, key.expose()) {
             return refuse(Answer::error(401, "unauthorized"), "missing or wrong API key");
@@ -88,13 +88,13 @@ fn check(app: &App, head: &Head) -> Result<String, Box<(Answer, &'static str)>> 
 /// Completes (or refuses) an upgrade and runs the data-plane session on it. The refusal's
 /// cause is returned for counting.
 pub async fn upgrade(
-    app: Arc<App>,
+    plane: Arc<Plane>,
     head: Head,
     mut stream: TcpStream,
     early: Vec<u8>,
     peer: String,
 ) -> Option<&'static str> {
-    let accept = match check(&app, &head) {
+    let accept = match check(&plane, &head) {
         Ok(accept) => accept,
         Err(refused) => {
             let (answer, why) = *refused;
@@ -114,7 +114,7 @@ pub async fn upgrade(
     }
     let ws =
         WebSocketStream::from_partially_read(stream, early, Role::Server, Some(crate::dataplane::ws_config())).await;
-    crate::dataplane::session::run(app, ws, peer).await;
+    crate::dataplane::session::run(plane, ws, peer).await;
     None
 }
 

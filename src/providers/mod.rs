@@ -12,9 +12,11 @@
 
 pub mod feishu;
 pub mod inbound;
+pub mod intake;
 pub mod keyfiles;
 pub mod telegram;
 pub mod webhook;
+pub mod workers;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -120,6 +122,43 @@ impl Failure {
             false => Failure::new(code::TOOL_INVOKE_FAILED, message),
         }
     }
+}
+
+/// Where an auth flow stands after `auth_start` or `auth_poll`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AuthStep {
+    /// Done: bind the channel to this source.
+    Bound(Source),
+    /// The user has something left to do (scan a QR code, confirm on the phone).
+    Waiting(Prompt),
+    /// The login's material ran out (a QR code nobody scanned) and it cannot go on.
+    Expired(String),
+}
+
+/// What a waiting login shows the user, as `auth.start.ack` and `auth.status.ack` carry it
+/// (common protocol 8.8).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prompt {
+    /// The provider's own handle for this login (never shown to xAgent).
+    pub login: String,
+    pub stage: Stage,
+    pub qr_code_text: Option<String>,
+    pub qr_code_image: Option<String>,
+    /// Unix ms after which this login is expired (bounded again by the auth sessions' own cap).
+    pub expires_at: Option<u64>,
+    pub poll_interval_millis: Option<u64>,
+    pub message: String,
+}
+
+/// How far a waiting login got.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Stage {
+    /// Shown, not yet acted on.
+    Pending,
+    /// Scanned; waiting for the user to confirm.
+    Scanned,
+    /// The material must be renewed (`auth.status` with `refresh`).
+    RefreshRequired,
 }
 
 /// A channel as its Descriptor shows it.
@@ -257,8 +296,25 @@ pub trait Provider: Send + Sync {
     /// The tools its channels can use (the Card declares the union over all providers).
     fn tools(&self) -> &'static [&'static str];
 
-    /// Runs one of its auth flows; on success, the source to bind the channel to.
-    fn bind(&self, flow_id: &str, input: &Object) -> Result<Source, Failure>;
+    /// Starts one of its auth flows: a form finishes here (`AuthStep::Bound`), a login the
+    /// user completes elsewhere (a QR code) answers `AuthStep::Waiting` and is polled.
+    fn auth_start(&self, flow_id: &str, input: &Object) -> Result<AuthStep, Failure>;
+
+    /// Asks a waiting login again (`login` is what its `Prompt` named); `refresh`: new
+    /// material (a new QR code) is wanted. Only flows that wait are ever polled.
+    fn auth_poll(&self, _flow_id: &str, _login: &str, _refresh: bool) -> Result<AuthStep, Failure> {
+        Err(Failure::new(
+            code::AUTH_SESSION_NOT_FOUND,
+            "this flow finishes in auth.start",
+        ))
+    }
+
+    /// A waiting login is given up (cancelled, expired, or pushed out by newer ones): forget it.
+    fn auth_cancel(&self, _flow_id: &str, _login: &str) {}
+
+    /// `auth.logout`: the binding of `source` is gone; forget the credentials only it used.
+    /// (Stored credentials no binding uses are also forgotten in `bindings_changed`.)
+    fn logout(&self, _source: &Source) {}
 
     /// The Descriptor of a channel bound to `source`. `Err` only when the store cannot tell.
     fn describe(&self, source: &Source) -> Result<Description, StoreError>;

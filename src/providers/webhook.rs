@@ -10,13 +10,15 @@ use std::time::Duration;
 use ring::hmac;
 
 use super::inbound::Inbound;
+use super::intake::{Arrival, Intake, WhenStale};
 use super::{
-    Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply, Route,
+    AuthStep, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply,
+    Route,
 };
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::ids;
 use crate::json::{self, arr, b, obj, opt_s, s, Object, Value};
-use crate::outbox::{Enqueued, NewMessage, ReplyRef};
+use crate::outbox::Enqueued;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{code, TOOL_REPLY, TOOL_SEND};
 use crate::quiet;
@@ -260,42 +262,29 @@ impl Webhooks {
                 return Reply::Now(invalid(detail));
             }
         };
-        let now = ids::now_ms();
-        let ttl = self.host.ttl_ms();
-        if m.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
-            if let Some(more) = STALE_LOG.admit() {
-                log::info!(
-                    "webhook {name}: message {} is stale (event_time older than the ttl){more}",
-                    quiet::shown(&m.message_id)
-                );
-            }
-            let body = obj([("error", s("stale")), ("message_id", s(&m.message_id))]);
-            return Reply::Now(HttpAnswer::new(409, body));
-        }
-        let source = Source::new(NAME, name).to_string();
-        let expires_at = now + ttl;
-        let message = NewMessage {
-            source: source.clone(),
-            message_id: m.message_id.clone(),
-            payload: miniserde::json::to_string(&m),
-            // A reply is possible within the message's TTL, delivered or not; the reference
-            // leaves with the message's dedupe entry.
-            reply_ref: hook.reply_url.as_ref().map(|_| {
-                (
-                    ids::token("rr_"),
-                    ReplyRef {
-                        source,
-                        message_id: m.message_id.clone(),
-                        expires_at,
-                    },
-                )
-            }),
-            accepted_at: now,
-            expires_at,
+        let id = m.message_id.clone();
+        let arrival = Arrival {
+            source: Source::new(NAME, name),
+            inbound: m,
+            file: None,
+            reply_ref: hook.reply_url.is_some(),
             cursor: None,
+            when_stale: WhenStale::Refuse,
         };
-        let (name, id) = (name.to_string(), m.message_id);
-        let ticket = self.host.outbox.submit(message);
+        let ticket = match self.host.intake(arrival) {
+            Intake::Submitted(ticket) => ticket,
+            Intake::Stale => {
+                if let Some(more) = STALE_LOG.admit() {
+                    log::info!(
+                        "webhook {name}: message {} is stale (event_time older than the ttl){more}",
+                        quiet::shown(&id)
+                    );
+                }
+                let body = obj([("error", s("stale")), ("message_id", s(&id))]);
+                return Reply::Now(HttpAnswer::new(409, body));
+            }
+        };
+        let name = name.to_string();
         Reply::AfterCommit(
             ticket,
             Box::new(move |outcome| {
@@ -412,6 +401,28 @@ fn flow() -> Value {
     ])
 }
 
+impl Webhooks {
+    /// Its form flow: the source the filled-in form names, checked.
+    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+        let endpoint = json::get_str(input, "endpoint").map(str::trim).unwrap_or_default();
+        let secret = json::get_str(input, "secret").unwrap_or_default();
+        if endpoint.is_empty() || secret.is_empty() {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                "both `endpoint` and `secret` are required",
+            ));
+        }
+        match self.endpoints().get(endpoint) {
+            Some(hook) if ids::secret_eq(secret, hook.secret.expose()) => Ok(Source::new(NAME, endpoint)),
+            // One answer for both cases, so the form cannot be used to probe endpoint names.
+            _ => Err(Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                "no webhook endpoint with that name and secret is configured on this device",
+            )),
+        }
+    }
+}
+
 impl Provider for Webhooks {
     fn name(&self) -> &'static str {
         NAME
@@ -439,23 +450,8 @@ impl Provider for Webhooks {
     }
 
     /// `webhook_binding`: the endpoint must exist and the secret must be that endpoint's.
-    fn bind(&self, _flow_id: &str, input: &Object) -> Result<Source, Failure> {
-        let endpoint = json::get_str(input, "endpoint").map(str::trim).unwrap_or_default();
-        let secret = json::get_str(input, "secret").unwrap_or_default();
-        if endpoint.is_empty() || secret.is_empty() {
-            return Err(Failure::new(
-                code::INVALID_ARGUMENTS,
-                "both `endpoint` and `secret` are required",
-            ));
-        }
-        match self.endpoints().get(endpoint) {
-            Some(hook) if ids::secret_eq(secret, hook.secret.expose()) => Ok(Source::new(NAME, endpoint)),
-            // One answer for both cases, so the form cannot be used to probe endpoint names.
-            _ => Err(Failure::new(
-                code::CONNECTION_NOT_AUTHENTICATED,
-                "no webhook endpoint with that name and secret is configured on this device",
-            )),
-        }
+    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
+        self.bind_form(input).map(AuthStep::Bound)
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {

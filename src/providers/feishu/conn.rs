@@ -14,20 +14,20 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use async_tungstenite::tungstenite::protocol::WebSocketConfig;
 use async_tungstenite::tungstenite::Message;
 use smol::future::FutureExt;
 use smol::stream::StreamExt;
-use smol::Task;
 
 use super::event::{self, Event};
 use super::frame::{Frame, MAX_FRAME};
 use super::longconn::{self, ClientConfig, Endpoint, EndpointError, Reassembly, Received};
 use super::Feishu;
 use crate::ids;
+use crate::providers::workers::{Worker, Workers};
 use crate::quiet::Quiet;
 use crate::runtime;
 use crate::wsclient;
@@ -47,39 +47,37 @@ const MIN_EVENT_COST: usize = 1024;
 const LANE_BATCH: usize = 64;
 
 /// The running connections, by app ID.
-#[derive(Default)]
 pub struct Connections {
-    running: Mutex<HashMap<String, Task<()>>>,
+    running: Workers<String>,
     /// Connections whose WebSocket is up now.
     up: Arc<AtomicUsize>,
+}
+
+impl Default for Connections {
+    fn default() -> Connections {
+        Connections {
+            running: Workers::new("feishu: app", "long connection"),
+            up: Arc::default(),
+        }
+    }
 }
 
 impl Connections {
     /// Starts a connection for every app in `wanted` and stops the others.
     pub fn sync(&self, feishu: &Arc<Feishu>, wanted: &[String]) {
-        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        running.retain(|app, _| {
-            let keep = wanted.contains(app);
-            if !keep {
-                log::info!("feishu: app {app} has no binding left; its long connection stops");
-            }
-            keep
+        self.running.sync(wanted, |app| {
+            let task = runtime::spawn(run(Arc::downgrade(feishu), app.clone(), self.up.clone()));
+            Some(Worker::Task(task))
         });
-        for app in wanted {
-            if !running.contains_key(app) {
-                let task = runtime::spawn(run(Arc::downgrade(feishu), app.clone(), self.up.clone()));
-                running.insert(app.clone(), task);
-            }
-        }
     }
 
     /// Shutdown: every connection stops (dropping a task cancels it).
     pub fn stop_all(&self) {
-        self.running.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.running.stop_all();
     }
 
     pub fn count(&self) -> usize {
-        self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.running.count()
     }
 
     pub fn up(&self) -> usize {

@@ -28,15 +28,17 @@ use redb::TableDefinition;
 
 use self::api::{Api, ApiError, AppCreds};
 use super::inbound::{self, FileItem};
+use super::intake::{Arrival, Fetch, Intake, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::{
-    multipart, split_text, with_retry, Description, Failure, Host, Outbound, Provider, Registration, Transient,
+    multipart, split_text, with_retry, AuthStep, Description, Failure, Host, Outbound, Provider, Registration,
+    Transient,
 };
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::files::FileRecord;
 use crate::ids;
 use crate::json::{self, arr, b, obj, s, Object, Value};
-use crate::outbox::{Enqueued, NewMessage, ReplyRef, Ticket};
+use crate::outbox::{Enqueued, Ticket};
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
@@ -292,7 +294,7 @@ impl Feishu {
             return Handled::Answer(true);
         };
         let source = source_of(app_id, &message.chat_id);
-        let mut inbound = message.inbound;
+        let inbound = message.inbound;
         if self.was_stored(&ev.event_id, &inbound.message_id) {
             return Handled::Answer(true);
         }
@@ -308,47 +310,25 @@ impl Feishu {
                 return Handled::Answer(false);
             }
         }
-        let now = ids::now_ms();
-        let ttl = self.host.ttl_ms();
-        if inbound.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
-            // Delivered again after a long outage: older than the TTL, never pushed.
-            if let Err(e) = self.host.outbox.record_expired(source.as_str(), 1) {
-                log::error!("feishu: {e}");
-            }
-            return Handled::Answer(true);
-        }
-        if let Some(res) = &message.resource {
-            // Fetched now: the resource API needs the app's token, our file cache does not.
-            match self.fetch(app_id, &inbound.message_id, res, &source) {
-                Ok(item) => inbound.files = Some(vec![item]),
-                Err(why) => {
-                    log::warn!("feishu: {source}: {} not cached: {why}", res.kind);
-                    inbound.text = format!("{} [{} not available: {why}]", inbound.text, res.kind)
-                        .trim()
-                        .to_string();
-                }
-            }
-        }
-        crate::faults::crash_at("feishu-before-commit");
-        let expires_at = now + ttl;
         let message_id = inbound.message_id.clone();
-        let new = NewMessage {
-            source: source.to_string(),
-            message_id: message_id.clone(),
-            payload: miniserde::json::to_string(&inbound),
-            reply_ref: Some((
-                ids::token("rr_"),
-                ReplyRef {
-                    source: source.to_string(),
-                    message_id: message_id.clone(),
-                    expires_at,
-                },
-            )),
-            accepted_at: now,
-            expires_at,
+        let (of_message, of_source) = (message_id.clone(), source.clone());
+        let arrival = Arrival {
+            source: source.clone(),
+            file: message.resource.map(|res| Fetch {
+                kind: res.kind.to_string(),
+                // The resource API needs the app's token; our file cache does not.
+                fetch: Box::new(move || self.fetch(app_id, &of_message, &res, &of_source)),
+            }),
+            inbound,
+            reply_ref: true,
             cursor: None,
+            when_stale: WhenStale::CountExpired,
         };
-        Handled::Commit(self.host.outbox.submit(new), source, ev.event_id, message_id)
+        match self.host.intake(arrival) {
+            // Delivered again after a long outage: older than the TTL, never pushed.
+            Intake::Stale => Handled::Answer(true),
+            Intake::Submitted(ticket) => Handled::Commit(ticket, source, ev.event_id, message_id),
+        }
     }
 
     /// Whether this event, or another delivery of its message, was stored lately.
@@ -595,38 +575,9 @@ fn flow(default_app: bool) -> Value {
     ])
 }
 
-impl Provider for Feishu {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn target(&self) -> Value {
-        obj([
-            ("target_type", s("im")),
-            ("provider", s(NAME)),
-            ("label", s(self.label_text())),
-            (
-                "description",
-                s("A Feishu / Lark self-built app's bot in a private chat or a group."),
-            ),
-        ])
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow(self.settings.app_id.is_some())]
-    }
-
-    fn flow_ids(&self) -> &'static [&'static str] {
-        &[FLOW]
-    }
-
-    fn tools(&self) -> &'static [&'static str] {
-        TOOLS
-    }
-
-    /// `feishu_app_binding`: checks the credentials (a fresh token), that the app may open a
-    /// long connection (the endpoint request), and the chat (the bot must be in it).
-    fn bind(&self, _flow_id: &str, input: &Object) -> Result<Source, Failure> {
+impl Feishu {
+    /// Its form flow: the source the filled-in form names, checked.
+    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).filter(|v| !v.is_empty());
         let default_id = self.settings.app_id.as_deref();
         let app_id = given("app_id").or(default_id).ok_or_else(|| {
@@ -727,6 +678,42 @@ impl Provider for Feishu {
             })
             .map_err(Failure::storage)?;
         Ok(source)
+    }
+}
+
+impl Provider for Feishu {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn target(&self) -> Value {
+        obj([
+            ("target_type", s("im")),
+            ("provider", s(NAME)),
+            ("label", s(self.label_text())),
+            (
+                "description",
+                s("A Feishu / Lark self-built app's bot in a private chat or a group."),
+            ),
+        ])
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow(self.settings.app_id.is_some())]
+    }
+
+    fn flow_ids(&self) -> &'static [&'static str] {
+        &[FLOW]
+    }
+
+    fn tools(&self) -> &'static [&'static str] {
+        TOOLS
+    }
+
+    /// `feishu_app_binding`: checks the credentials (a fresh token), that the app may open a
+    /// long connection (the endpoint request), and the chat (the bot must be in it).
+    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
+        self.bind_form(input).map(AuthStep::Bound)
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {

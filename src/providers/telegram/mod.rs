@@ -21,8 +21,8 @@ use self::api::{Api, ApiError};
 use super::keyfiles::KeyFiles;
 use super::{inbound, multipart, with_retry};
 use super::{
-    Activity, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply,
-    Route,
+    Activity, AuthStep, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration,
+    Reply, Route,
 };
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::json::{self, arr, b, obj, s, Object, Value};
@@ -153,8 +153,8 @@ pub struct ChatInfo {
     pub own_token: bool,
 }
 
-pub fn source_of(bot_id: u64, chat_id: i64) -> String {
-    Source::new(NAME, &format!("{bot_id}:{chat_id}")).to_string()
+pub fn source_of(bot_id: u64, chat_id: i64) -> Source {
+    Source::new(NAME, &format!("{bot_id}:{chat_id}"))
 }
 
 pub struct Telegram {
@@ -179,7 +179,7 @@ fn redact_id(id: i64) -> String {
 /// "typing" kept up in one chat while the agent is busy.
 struct Typing {
     until: Mutex<Instant>,
-    stop: poll::Stop,
+    stop: crate::providers::workers::Stop,
 }
 
 /// The first `MAX_TEXT` characters: what a streamed message can show.
@@ -540,34 +540,9 @@ fn flow(default_bot: bool) -> Value {
     ])
 }
 
-impl Provider for Telegram {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn target(&self) -> Value {
-        obj([
-            ("target_type", s("im")),
-            ("provider", s(NAME)),
-            ("label", s("Telegram")),
-            ("description", s("A Telegram bot in a private chat or a group.")),
-        ])
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow(self.settings.bot_token.is_some())]
-    }
-
-    fn flow_ids(&self) -> &'static [&'static str] {
-        &[FLOW]
-    }
-
-    fn tools(&self) -> &'static [&'static str] {
-        TOOLS
-    }
-
-    /// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
-    fn bind(&self, _flow_id: &str, input: &Object) -> Result<Source, Failure> {
+impl Telegram {
+    /// Its form flow: the source the filled-in form names, checked.
+    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
         let given = json::get_str(input, "bot_token")
             .map(str::trim)
             .filter(|t| !t.is_empty());
@@ -640,6 +615,38 @@ impl Provider for Telegram {
         let source = Source::new(NAME, &format!("{bot_id}:{chat_id}"));
         self.save_chat_info(source.as_str(), &info)?;
         Ok(source)
+    }
+}
+
+impl Provider for Telegram {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn target(&self) -> Value {
+        obj([
+            ("target_type", s("im")),
+            ("provider", s(NAME)),
+            ("label", s("Telegram")),
+            ("description", s("A Telegram bot in a private chat or a group.")),
+        ])
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow(self.settings.bot_token.is_some())]
+    }
+
+    fn flow_ids(&self) -> &'static [&'static str] {
+        &[FLOW]
+    }
+
+    fn tools(&self) -> &'static [&'static str] {
+        TOOLS
+    }
+
+    /// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
+    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
+        self.bind_form(input).map(AuthStep::Bound)
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
@@ -734,7 +741,7 @@ impl Provider for Telegram {
                 }
                 let t = Arc::new(Typing {
                     until: Mutex::new(Instant::now() + TYPING_LIMIT),
-                    stop: poll::Stop::default(),
+                    stop: crate::providers::workers::Stop::default(),
                 });
                 typing.insert(info.chat_id, t.clone());
                 crate::runtime::spawn_blocking(move || me.keep_typing(&info, &token, &t));
@@ -786,7 +793,7 @@ impl Provider for Telegram {
             let Ok((info, token)) = me.route(&source) else { return };
             let t = Arc::new(Typing {
                 until: Mutex::new(Instant::now()),
-                stop: poll::Stop::default(),
+                stop: crate::providers::workers::Stop::default(),
             });
             {
                 let mut typing = me.typing.lock().unwrap_or_else(|e| e.into_inner());

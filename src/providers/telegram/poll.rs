@@ -7,49 +7,25 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::api::{Api, POLL_SECONDS};
 use super::{source_of, ChatInfo, Telegram};
-use crate::ids;
 use crate::json::{self, obj, strs, Value};
-use crate::outbox::{Enqueued, NewMessage, ReplyRef};
+use crate::outbox::Enqueued;
 use crate::providers::inbound::{FileItem, Inbound};
+use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::workers::{Stop, Worker, Workers};
 use crate::store;
 
-/// Tells one poll loop to stop; the loop's pauses wait on it, so a stop is seen at once.
-#[derive(Default)]
-pub(super) struct Stop {
-    stopped: Mutex<bool>,
-    wake: Condvar,
-}
-
-impl Stop {
-    pub(super) fn stop(&self) {
-        *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.wake.notify_all();
-    }
-
-    fn is_stopped(&self) -> bool {
-        *self.stopped.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Sleeps for `wait` unless stopped first; true when stopped.
-    pub(super) fn pause(&self, wait: Duration) -> bool {
-        let g = self.stopped.lock().unwrap_or_else(|e| e.into_inner());
-        let (g, _) = self
-            .wake
-            .wait_timeout_while(g, wait, |stopped| !*stopped)
-            .unwrap_or_else(|e| e.into_inner());
-        *g
-    }
-}
-
 /// The running poll loops, by bot ID.
-#[derive(Default)]
-pub struct Pollers {
-    running: Mutex<HashMap<u64, Arc<Stop>>>,
+pub struct Pollers(Workers<u64>);
+
+impl Default for Pollers {
+    fn default() -> Pollers {
+        Pollers(Workers::new("telegram: bot", "poller"))
+    }
 }
 
 pub(super) fn offset_key(bot_id: u64) -> String {
@@ -59,44 +35,25 @@ pub(super) fn offset_key(bot_id: u64) -> String {
 impl Pollers {
     /// Starts a loop for every bot in `wanted` and stops the loops of the others.
     pub(super) fn sync(&self, tg: &Arc<Telegram>, wanted: HashMap<u64, ChatInfo>) {
-        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        running.retain(|bot, stop| {
-            let keep = wanted.contains_key(bot);
-            if !keep {
-                stop.stop();
-                log::info!("telegram: bot {bot} has no binding left; its poller stops");
-            }
-            keep
-        });
-        for (bot, info) in wanted {
-            if running.contains_key(&bot) {
-                continue;
-            }
-            let stop = Arc::new(Stop::default());
-            running.insert(bot, stop.clone());
-            let weak = Arc::downgrade(tg);
+        let bots: Vec<u64> = wanted.keys().copied().collect();
+        self.0.sync(&bots, |bot| {
+            let info = wanted.get(bot)?.clone();
             log::info!(
                 "telegram: polling bot @{} ({bot})",
                 crate::quiet::shown(&info.bot_username)
             );
-            let spawned = std::thread::Builder::new()
-                .name(format!("tg-poll-{bot}"))
-                .spawn(move || run(weak, info, stop));
-            if let Err(e) = spawned {
-                log::error!("telegram: cannot start the poller: {e}");
-            }
-        }
+            let weak = Arc::downgrade(tg);
+            Worker::thread(format!("tg-poll-{bot}"), move |stop| run(weak, info, stop))
+        });
     }
 
     /// Shutdown: every loop stops (one in a long poll leaves when it returns).
     pub(super) fn stop_all(&self) {
-        for stop in self.running.lock().unwrap_or_else(|e| e.into_inner()).values() {
-            stop.stop();
-        }
+        self.0.stop_all();
     }
 
     pub fn count(&self) -> usize {
-        self.running.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.0.count()
     }
 }
 
@@ -173,8 +130,6 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
 pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
     let host = &tg.host;
     let key = offset_key(info.bot_id);
-    let ttl = host.ttl_ms();
-    let now = ids::now_ms();
     let mut next = 0;
     for update in updates.iter().filter_map(json::as_object).filter_map(read_update) {
         let after = update.after;
@@ -183,7 +138,7 @@ pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Val
             continue;
         };
         let source = source_of(info.bot_id, message.chat_id);
-        match host.channels.bound_channel(&source) {
+        match host.channels.bound_channel(source.as_str()) {
             Ok(Some(_)) => {}
             Err(e) => {
                 // The store cannot tell: leave the update at Telegram and try again.
@@ -200,46 +155,27 @@ pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Val
                 continue;
             }
         }
-        if message.inbound.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
-            // A backlog after a long outage: older than the TTL, never pushed.
-            if let Err(e) = host.outbox.record_expired(&source, 1) {
-                log::error!("telegram: {e}");
-            }
-            next = next.max(after);
-            continue;
-        }
-        let mut inbound = message.inbound;
-        if let Some(media) = message.media {
-            // Fetched now: Telegram's file URLs carry the token and expire; ours do neither.
-            match fetch(tg, token, &source, &media) {
-                Ok(item) => inbound.files = Some(vec![item]),
-                Err(why) => {
-                    log::warn!("telegram: {source}: {} not cached: {why}", media.kind);
-                    inbound.text = format!("{} [{} not available: {why}]", inbound.text, media.kind)
-                        .trim()
-                        .to_string();
-                }
-            }
-        }
-        let expires_at = now + ttl;
-        let reply_ref = ids::token("rr_");
-        let message = NewMessage {
+        let fetched_for = source.to_string();
+        let arrival = Arrival {
             source: source.clone(),
-            message_id: inbound.message_id.clone(),
-            payload: miniserde::json::to_string(&inbound),
-            reply_ref: Some((
-                reply_ref,
-                ReplyRef {
-                    source: source.clone(),
-                    message_id: inbound.message_id.clone(),
-                    expires_at,
-                },
-            )),
-            accepted_at: now,
-            expires_at,
+            file: message.media.map(|media| Fetch {
+                kind: media.kind.to_string(),
+                fetch: Box::new(move || fetch(tg, token, &fetched_for, &media)),
+            }),
+            inbound: message.inbound,
+            reply_ref: true,
             cursor: Some((key.clone(), after)),
+            when_stale: WhenStale::CountExpired,
         };
-        match host.outbox.enqueue(message) {
+        let ticket = match host.intake(arrival) {
+            // A backlog after a long outage: older than the TTL, never pushed.
+            Intake::Stale => {
+                next = next.max(after);
+                continue;
+            }
+            Intake::Submitted(ticket) => ticket,
+        };
+        match ticket.wait() {
             Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {}
             Ok(Enqueued::CapacityExceeded) => {
                 // reject_new: Telegram keeps the update; stop advancing the offset (backpressure).

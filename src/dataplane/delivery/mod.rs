@@ -1,0 +1,250 @@
+//! Delivery: the outbox of a session's channels to xAgent, one handle per profile.
+//!
+//! Each profile is an I/O-free core (events in, actions out; `v1::Core`, `v2::Core`, unit
+//! tested here) and a small shell that does what the core asks: reads the outbox on the pool,
+//! sends packets, commits outcomes, arms timers. The session hands it the packets it owns
+//! (`pong`, `chat.message.ack`) through `Delivery`; the hub wakes it when a message of one of its
+//! channels is accepted. When the session ends, whatever is unconfirmed goes back to pending
+//! with one more attempt (`Delivery::finish`).
+//!
+//! Both profiles read the outbox the same way (`read_pending`): a stored message this build
+//! cannot read is never sent; it leaves the queue as `failed` (code `unreadable`), counted in
+//! the channel's figures of `/status`.
+
+mod v1;
+mod v2;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use smol::channel::{Receiver, Sender};
+use smol::future::FutureExt;
+
+use super::out::{Missed, Out};
+use super::request::Ack;
+use super::{blocking, Plane};
+use crate::hub::SessionId;
+use crate::ids;
+use crate::outbox::StoredMessage;
+use crate::protocol::{Packet, Profile};
+use crate::providers::inbound::Inbound;
+use crate::source::Source;
+
+/// Inputs queued per session at most (acks and pongs); a flood beyond it is dropped, and a
+/// dropped ack only means the message goes again after its timeout.
+const INPUTS: usize = 256;
+/// A failed commit or read is tried again after this, not at once (a failing disk).
+const PAUSE: Duration = Duration::from_secs(1);
+
+/// What the session tells its delivery.
+enum Input {
+    /// `connector.hello` completed: the channels may be delivered.
+    Ready,
+    Pong(String),
+    Ack(Ack),
+}
+
+/// A pending message this build can read, ready to render.
+pub(super) struct Readable {
+    pub seq: u64,
+    pub stored: StoredMessage,
+    pub inbound: Inbound,
+}
+
+/// The messages sent and not yet confirmed: (source, seqs).
+type InFlight = Arc<Mutex<Vec<(Source, Vec<u64>)>>>;
+
+/// One session's delivery, whichever the profile.
+pub(super) struct Delivery {
+    inputs: Sender<Input>,
+    task: smol::Task<()>,
+    in_flight: InFlight,
+}
+
+/// What a delivery shell needs from its session.
+pub(super) struct Shell {
+    pub plane: Arc<Plane>,
+    pub session: SessionId,
+    pub out: Out,
+    pub wake: Receiver<()>,
+    pub stop: Sender<String>,
+    inputs: Receiver<Input>,
+    in_flight: InFlight,
+}
+
+impl Delivery {
+    pub fn start(
+        plane: Arc<Plane>,
+        session: SessionId,
+        out: Out,
+        wake: Receiver<()>,
+        stop: Sender<String>,
+    ) -> Delivery {
+        let (inputs_tx, inputs) = smol::channel::bounded(INPUTS);
+        let in_flight = InFlight::default();
+        let profile = plane.config.xagent.profile;
+        let shell = Shell {
+            plane,
+            session,
+            out,
+            wake,
+            stop,
+            inputs,
+            in_flight: in_flight.clone(),
+        };
+        let task = match profile {
+            Profile::V1 => crate::runtime::spawn(v1::run(shell)),
+            Profile::V2 => crate::runtime::spawn(v2::run(shell)),
+        };
+        Delivery {
+            inputs: inputs_tx,
+            task,
+            in_flight,
+        }
+    }
+
+    pub fn ready(&self) {
+        let _ = self.inputs.try_send(Input::Ready);
+    }
+
+    pub fn pong(&self, request_id: String) {
+        let _ = self.inputs.try_send(Input::Pong(request_id));
+    }
+
+    pub fn ack(&self, ack: Ack) {
+        if self.inputs.try_send(Input::Ack(ack)).is_err() {
+            log::debug!("data plane: an ack was dropped (too many queued); its message goes again");
+        }
+    }
+
+    /// Stops delivering; what was sent and not confirmed goes back to pending, attempts + 1.
+    pub async fn finish(self, plane: &Arc<Plane>, reason: &str) {
+        self.task.cancel().await;
+        let in_flight = std::mem::take(&mut *super::lock(&self.in_flight));
+        if in_flight.is_empty() {
+            return;
+        }
+        let why = format!("connection lost before the delivery boundary: {reason}");
+        blocking(plane, move |plane| {
+            for (source, seqs) in in_flight {
+                if let Err(e) = plane.outbox.mark_attempt_failed(source.as_str(), &seqs, &why) {
+                    log::error!("outbox: cannot record failed attempt for {source}: {e}");
+                }
+            }
+        })
+        .await;
+    }
+}
+
+/// What the shell waits for next.
+enum Wait {
+    Wake,
+    Input(Input),
+    Timer,
+    /// The session is ending.
+    Closed,
+}
+
+impl Shell {
+    /// The next of: a wake-up, an input, the deadline.
+    async fn next(&self, deadline: Instant) -> Wait {
+        async {
+            match self.wake.recv().await {
+                Ok(()) => Wait::Wake,
+                Err(_) => Wait::Closed,
+            }
+        }
+        .or(async {
+            match self.inputs.recv().await {
+                Ok(i) => Wait::Input(i),
+                Err(_) => Wait::Closed,
+            }
+        })
+        .or(async {
+            smol::Timer::at(deadline).await;
+            Wait::Timer
+        })
+        .await
+    }
+
+    /// Sends a ping whose pong is due by `due`; false when the session must end (its reason
+    /// already given to the session).
+    async fn ping(&self, request_id: String, due: Instant) -> bool {
+        let mut p = Packet::new("ping");
+        p.request_id = Some(request_id);
+        // The pong's timer runs from when the ping is due, also while the queue holds it.
+        match self.out.send_by(p, due).await {
+            Ok(()) => true,
+            Err(Missed::Ended) => false,
+            Err(Missed::Late) => {
+                self.close("no pong within the keepalive timeout (the peer reads nothing)".into());
+                false
+            }
+        }
+    }
+
+    fn close(&self, reason: String) {
+        log::warn!("data plane: session {}: {reason}; closing the connection", self.session);
+        let _ = self.stop.try_send(reason);
+    }
+
+    fn publish(&self, in_flight: Vec<(Source, Vec<u64>)>) {
+        *super::lock(&self.in_flight) = in_flight;
+    }
+}
+
+/// The next `limit` pending messages of each channel, read on the pool. A message this build
+/// cannot read leaves the queue as `failed` here, so neither profile ever sends it.
+async fn read_pending(
+    plane: &Arc<Plane>,
+    channels: Vec<(String, Source)>,
+    limit: usize,
+) -> Vec<(String, Source, Result<Vec<Readable>, ()>)> {
+    blocking(plane, move |plane| {
+        let now = ids::now_ms();
+        channels
+            .into_iter()
+            .map(|(cch, source)| {
+                let pending = match plane.outbox.pending(source.as_str(), limit, now) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        log::debug!("outbox: cannot read {source}: {e}");
+                        return (cch, source, Err(()));
+                    }
+                };
+                let mut readable = Vec::with_capacity(pending.len());
+                for p in pending {
+                    match Inbound::of(&p.message) {
+                        Some(inbound) => readable.push(Readable {
+                            seq: p.seq,
+                            stored: p.message,
+                            inbound,
+                        }),
+                        None => set_aside(plane, &source, p.seq, &p.message.header.message_id),
+                    }
+                }
+                (cch, source, Ok(readable))
+            })
+            .collect()
+    })
+    .await
+}
+
+/// Takes an unreadable stored message out of delivery, counted as failed.
+fn set_aside(plane: &Plane, source: &Source, seq: u64, message_id: &str) {
+    log::error!(
+        "outbox: stored message {} of {source} is unreadable by this build; it is counted as failed and not sent",
+        crate::quiet::shown(message_id)
+    );
+    let why = "the stored message cannot be read by this imgate";
+    if let Err(e) = plane.outbox.mark_failed(source.as_str(), seq, "unreadable", why) {
+        log::error!("outbox: cannot set aside an unreadable message of {source}: {e}");
+    }
+}
+
+/// Providers are told their messages were delivered (typing indicators).
+fn tell_delivered(plane: &Plane, source: &Source) {
+    if let Some(p) = plane.providers.of(source) {
+        p.delivered(source);
+    }
+}

@@ -1,0 +1,104 @@
+//! One intake for every provider: what a provider parsed from its IM system becomes an outbox
+//! message here, the same way for all of them. The stale check (older than the TTL), the
+//! message's file fetched into the file cache or noted in its text as unavailable, the reply
+//! reference, the expiry, the provider's cursor, the hand-over to the group committer.
+//!
+//! The provider keeps what is its own: reading its events, whether a conversation is bound, how
+//! it answers its IM system (`202`, an answer frame, an offset) once the `Ticket` resolves.
+
+use super::inbound::{FileItem, Inbound};
+use super::Host;
+use crate::ids;
+use crate::outbox::{NewMessage, ReplyRef, Ticket};
+use crate::source::Source;
+
+/// A message a provider read, for the outbox.
+pub struct Arrival<'a> {
+    pub source: Source,
+    pub inbound: Inbound,
+    /// A file of the message, fetched before it is stored.
+    pub file: Option<Fetch<'a>>,
+    /// Mint a reply reference (the conversation can be answered).
+    pub reply_ref: bool,
+    /// A consumer cursor (`meta` key, value) advanced in the same transaction.
+    pub cursor: Option<(String, u64)>,
+    pub when_stale: WhenStale,
+}
+
+/// A file to fetch: its kind (`photo`) for the note if it cannot be had, and how to get it
+/// into the file cache (the `Err` says why not).
+pub struct Fetch<'a> {
+    pub kind: String,
+    pub fetch: Box<dyn FnOnce() -> Result<FileItem, String> + 'a>,
+}
+
+/// What a stale message (older than the TTL) means to its provider.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum WhenStale {
+    /// The sender is told (a webhook's 409): nothing is counted.
+    Refuse,
+    /// The IM system delivered a backlog: the message is counted expired and confirmed.
+    CountExpired,
+}
+
+/// What became of an arrival.
+pub enum Intake {
+    /// Older than the TTL: not stored.
+    Stale,
+    /// Handed to the committer; the ticket says how it ended.
+    Submitted(Ticket),
+}
+
+impl Host {
+    /// Takes one message in: stale check, file, reply reference, submit.
+    pub fn intake(&self, a: Arrival) -> Intake {
+        let now = ids::now_ms();
+        let ttl = self.ttl_ms();
+        let source = a.source;
+        if a.inbound.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
+            if a.when_stale == WhenStale::CountExpired {
+                if let Err(e) = self.outbox.record_expired(source.as_str(), 1) {
+                    log::error!("{source}: cannot count a stale message: {e}");
+                }
+            }
+            return Intake::Stale;
+        }
+        let mut inbound = a.inbound;
+        if let Some(f) = a.file {
+            // Fetched now: the IM system's file URLs carry its credentials or expire; ours do
+            // neither.
+            match (f.fetch)() {
+                Ok(item) => inbound.files = Some(vec![item]),
+                Err(why) => {
+                    log::warn!("{source}: {} not cached: {why}", f.kind);
+                    inbound.text = format!("{} [{} not available: {why}]", inbound.text, f.kind)
+                        .trim()
+                        .to_string();
+                }
+            }
+        }
+        crate::faults::crash_at("intake-before-commit");
+        let expires_at = now + ttl;
+        // A reply is possible within the message's TTL, delivered or not; the reference leaves
+        // with the message's dedupe entry.
+        let reply_ref = a.reply_ref.then(|| {
+            (
+                ids::token("rr_"),
+                ReplyRef {
+                    source: source.to_string(),
+                    message_id: inbound.message_id.clone(),
+                    expires_at,
+                },
+            )
+        });
+        Intake::Submitted(self.outbox.submit(NewMessage {
+            source: source.to_string(),
+            message_id: inbound.message_id.clone(),
+            payload: miniserde::json::to_string(&inbound),
+            reply_ref,
+            accepted_at: now,
+            expires_at,
+            cursor: a.cursor,
+        }))
+    }
+}
