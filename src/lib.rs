@@ -1,26 +1,28 @@
-//! imgate's modules. The binary (src/main.rs) is the CLI and the wiring; the library exists so that
-//! the fuzz targets in fuzz/ can call the parsers of outside bytes directly.
+//! imgate's modules. The binary (src/main.rs) runs `cli::main`; the fuzz targets in fuzz/ reach
+//! the parsers of outside bytes through `fuzzing`. Everything else is the crate's own.
 
-pub mod app;
-pub mod channels;
-pub mod config;
-pub mod dataplane;
-pub mod faults;
-pub mod files;
-pub mod front;
-pub mod http;
-pub mod hub;
-pub mod ids;
-pub mod json;
-pub mod maintenance;
-pub mod outbox;
-pub mod protocol;
-pub mod providers;
-pub mod quiet;
-pub mod runtime;
-pub mod service;
-pub mod source;
-pub mod store;
+mod app;
+mod channels;
+pub mod cli;
+mod config;
+mod dataplane;
+mod faults;
+mod files;
+mod front;
+pub mod fuzzing;
+mod http;
+mod hub;
+mod ids;
+mod json;
+mod maintenance;
+mod outbox;
+mod protocol;
+mod providers;
+mod quiet;
+mod runtime;
+mod service;
+mod source;
+mod store;
 #[cfg(test)]
 mod testutil;
-pub mod wsclient;
+mod wsclient;

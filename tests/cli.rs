@@ -143,9 +143,15 @@ fn unknown_commands_and_arguments_exit_2_with_usage() {
 fn a_database_written_by_a_newer_imgate_is_refused_with_a_clear_message() {
     let dir = temp_dir("format");
     let state = dir.join("state");
-    let db = imgate::store::Db::open(&state).unwrap();
-    db.write(|txn| imgate::store::set_meta(txn, "format_version", Some("999")))
-        .unwrap();
+    // The file as a newer imgate would leave it: its `meta` table names a later format.
+    std::fs::create_dir_all(&state).unwrap();
+    let db = redb::Database::create(state.join("imgate.redb")).unwrap();
+    let txn = db.begin_write().unwrap();
+    {
+        let meta: redb::TableDefinition<&str, &str> = redb::TableDefinition::new("meta");
+        txn.open_table(meta).unwrap().insert("format_version", "999").unwrap();
+    }
+    txn.commit().unwrap();
     drop(db);
     let conf = dir.join("imgate.conf");
     let text = format!(

@@ -7,7 +7,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
         // No directory: a `*_file` key can only name a file by absolute path, and a missing one
         // is a config error like any other.
-        if let Ok(cfg) = imgate::config::parse(text, "fuzz.conf", None, &imgate::providers::readers()) {
+        if let Ok(cfg) = imgate::fuzzing::parse_config(text, "fuzz.conf", None, &imgate::fuzzing::config_readers()) {
             let _ = cfg.summary();
         }
     }

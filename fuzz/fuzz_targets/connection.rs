@@ -7,8 +7,8 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use imgate::front::conn::{self, Answer, Plan, Refused, Reply, Service};
-use imgate::front::head::Head;
+use imgate::fuzzing::front::conn::{self, Answer, Plan, Refused, Reply, Service};
+use imgate::fuzzing::front::head::Head;
 use libfuzzer_sys::fuzz_target;
 
 const CAP: u64 = 4096;
@@ -76,5 +76,5 @@ fuzz_target!(|data: &[u8]| {
         next: 0,
         written: 0,
     };
-    let _ = smol::block_on(conn::serve(stream, &StandIn, &imgate::front::LIMITS, &conn::Untracked));
+    let _ = smol::block_on(conn::serve(stream, &StandIn, &imgate::fuzzing::front::LIMITS, &conn::Untracked));
 });

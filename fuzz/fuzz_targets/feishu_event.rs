@@ -2,7 +2,7 @@
 //! `im.message.receive_v1`, message content of every type, mentions, rich text) must never
 //! panic, and what it reads stays within its bounds.
 #![no_main]
-use imgate::providers::feishu::event::{self, MAX_TEXT_BYTES};
+use imgate::fuzzing::feishu::event::{self, MAX_TEXT_BYTES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,6 +1,6 @@
 //! One binary WebSocket message of Feishu/Lark's long connection, as the frame codec reads it.
 #![no_main]
-use imgate::providers::feishu::frame::Frame;
+use imgate::fuzzing::feishu::Frame;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,8 +1,8 @@
 //! Feishu/Lark's long connection as a hostile server could drive it: the endpoint answer, and a
 //! stream of frames (each prefixed with its u16 length) through the reassembly of split events.
 #![no_main]
-use imgate::providers::feishu::frame::Frame;
-use imgate::providers::feishu::longconn::{self, ClientConfig, Reassembly, Received, MAX_PAYLOAD};
+use imgate::fuzzing::feishu::Frame;
+use imgate::fuzzing::feishu::longconn::{self, ClientConfig, Reassembly, Received, MAX_PAYLOAD};
 use libfuzzer_sys::fuzz_target;
 use std::time::{Duration, Instant};
 

@@ -8,7 +8,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(content_type) = std::str::from_utf8(head) else {
         return;
     };
-    if let Some(boundary) = imgate::http::multipart::boundary(content_type) {
-        let _ = imgate::http::multipart::parse(body, &boundary);
+    if let Some(boundary) = imgate::fuzzing::multipart::boundary(content_type) {
+        let _ = imgate::fuzzing::multipart::parse(body, &boundary);
     }
 });

@@ -4,5 +4,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = imgate::outbox::read_log(data);
+    let _ = imgate::fuzzing::read_log(data);
 });

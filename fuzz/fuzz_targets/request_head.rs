@@ -3,8 +3,8 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Some((start, end)) = imgate::front::head::find_end(data) {
-        let _ = imgate::front::head::parse(&data[start..end]);
+    if let Some((start, end)) = imgate::fuzzing::front::head::find_end(data) {
+        let _ = imgate::fuzzing::front::head::parse(&data[start..end]);
     }
-    let _ = imgate::front::head::parse(data);
+    let _ = imgate::fuzzing::front::head::parse(data);
 });

@@ -600,6 +600,18 @@ mod tests {
         })));
         let v = logins.start(&flow, &mut bind, "cch", "qr_login", &Object::new(), 0);
         assert_eq!(v.expires_at, Some(WAIT_CAP.as_millis() as u64));
+        // The provider may find the code expired first.
+        let flow = QrFlow::default()
+            .then(waiting(Stage::Pending, Some("qr")))
+            .then(Ok(AuthStep::Expired("QR code expired".into())));
+        let id = logins
+            .start(&flow, &mut bind, "cch", "qr_login", &Object::new(), 0)
+            .auth_session_id;
+        let v = logins.status(&flow, &mut bind, "cch", &id, false, 1).unwrap();
+        assert_eq!(
+            (v.status, v.message.as_str(), v.qr_code_text),
+            (Status::Expired, "QR code expired", None)
+        );
     }
 
     #[test]

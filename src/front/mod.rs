@@ -190,7 +190,6 @@ impl FrontDoor {
         let plane = self.plane.upgrade()?;
         let provider = plane.providers.for_route(&head.method, route)?;
         let refused = provider.screen(&HttpRequest {
-            method: &head.method,
             path: route,
             headers: &head.headers,
             body: &[],
@@ -235,7 +234,6 @@ impl FrontDoor {
     ) -> Answer {
         let handled = if body.len() <= INLINE_PARSE {
             provider.handle(&HttpRequest {
-                method: &head.method,
                 path: route,
                 headers: &head.headers,
                 body: &body,
@@ -245,7 +243,6 @@ impl FrontDoor {
             let (head, route) = (head.clone(), route.to_string());
             crate::runtime::unblock(move || {
                 provider.handle(&HttpRequest {
-                    method: &head.method,
                     path: &route,
                     headers: &head.headers,
                     body: &body,

@@ -343,10 +343,6 @@ impl Outbox {
         let _ = self.shared.on_accept.set(Box::new(hook));
     }
 
-    pub fn policy(&self) -> Policy {
-        self.shared.policy
-    }
-
     /// After a disk that was full, read-only or failing: reopens the database if an I/O error
     /// asked for it and replays the log into it, or starts a failed log again.
     pub fn recover(&self) {
@@ -382,6 +378,7 @@ impl Outbox {
 
     /// Accepts a message durably (returns once it is on the disk), answers `Duplicate`, or
     /// `CapacityExceeded` with nothing stored.
+    #[cfg(test)]
     pub fn enqueue(&self, message: NewMessage) -> Result<Enqueued> {
         self.submit(message).wait()
     }
@@ -1221,7 +1218,7 @@ mod tests {
                 .unwrap();
             f.set_len(len).unwrap();
         }
-        Outbox::open(Db::open(&to).unwrap(), s.policy()).unwrap()
+        Outbox::open(Db::open(&to).unwrap(), s.shared.policy).unwrap()
     }
 
     /// Fifty accepts (one log record each), two deliveries and a failed attempt, nothing

@@ -42,7 +42,8 @@ impl Stop {
 /// A running worker; dropped, it stops.
 pub enum Worker {
     Thread(Arc<Stop>),
-    Task(smol::Task<()>),
+    /// Held only to be dropped: dropping a task cancels it.
+    Task(#[allow(dead_code)] smol::Task<()>),
 }
 
 impl Drop for Worker {

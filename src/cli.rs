@@ -1,0 +1,397 @@
+//! The command line (`run check init status --version`) and the daemon's wiring: logging, the
+//! app, the data plane, the listener, shutdown.
+
+use crate::{app, config, dataplane, front, http, ids, json, maintenance, protocol, providers, runtime, service};
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use smol::future::FutureExt;
+
+const USAGE: &str = "usage:
+  imgate [run] [--config FILE]   run the daemon in the foreground
+  imgate check [--config FILE]   validate the config and print the effective policy
+  imgate init [FILE|-]           write the commented default config (never overwrites)
+  imgate status [--config FILE]  show channels and queues of the running daemon
+  imgate --version               name, version, git rev, build time";
+
+/// Runs the command the arguments name; the process's exit code.
+pub fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (cmd, rest) = match args.first().map(String::as_str) {
+        None => ("run", &args[..]),
+        Some(a) if a.starts_with('-') && a != "--version" && a != "-V" && a != "--help" && a != "-h" => {
+            ("run", &args[..])
+        }
+        Some(a) => (a, &args[1..]),
+    };
+    match cmd {
+        "--version" | "-V" | "version" => {
+            println!("{}", protocol::card::version_line());
+            ExitCode::SUCCESS
+        }
+        "--help" | "-h" | "help" => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        "init" => init(rest),
+        "run" | "check" | "status" => {
+            let explicit = match config_flag(rest) {
+                Ok(p) => p,
+                Err(msg) => {
+                    eprintln!("imgate: {msg}\n{USAGE}");
+                    return ExitCode::from(2);
+                }
+            };
+            let path = config::locate(explicit.as_deref());
+            let cfg = match config::load(path.as_deref(), &providers::readers()) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match cmd {
+                "check" => {
+                    print!("{}", cfg.summary());
+                    if let Some(w) = service::volatile_state_warning(&cfg.server.state_dir) {
+                        eprintln!("imgate: warning: {w}");
+                    }
+                    println!("config is valid");
+                    ExitCode::SUCCESS
+                }
+                "status" => status(&cfg),
+                _ => run(cfg),
+            }
+        }
+        other => {
+            eprintln!("imgate: unknown command `{other}`\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn config_flag(rest: &[String]) -> Result<Option<PathBuf>, String> {
+    match rest {
+        [] => Ok(None),
+        [flag, file] if flag == "--config" || flag == "-c" => Ok(Some(PathBuf::from(file))),
+        [one] if one.starts_with("--config=") => Ok(Some(PathBuf::from(&one["--config=".len()..]))),
+        _ => Err(format!("unexpected arguments: {}", rest.join(" "))),
+    }
+}
+
+fn init(rest: &[String]) -> ExitCode {
+    let target = rest.first().map(String::as_str).unwrap_or("imgate.conf");
+    if target == "-" {
+        print!("{}", config::TEMPLATE);
+        return ExitCode::SUCCESS;
+    }
+    let path = Path::new(target);
+    let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path);
+    match file.and_then(|mut f| f.write_all(config::TEMPLATE.as_bytes())) {
+        Ok(()) => {
+            println!(
+                "wrote {}; edit it, then `imgate check --config {}`",
+                path.display(),
+                path.display()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            eprintln!("imgate: {} already exists; not overwriting it", path.display());
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("imgate: cannot write {}: {e}", path.display());
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_logging(level: &str) {
+    let mut b = env_logger::Builder::new();
+    match std::env::var("RUST_LOG") {
+        Ok(filters) if !filters.trim().is_empty() => b.parse_filters(&filters),
+        _ => b.parse_filters(level),
+    };
+    // Dependencies log whole packets and request heads (with Bearer keys) at debug and trace;
+    // only their warnings and errors get through, whatever RUST_LOG says.
+    for noisy in [
+        "tungstenite",
+        "async_tungstenite",
+        "tiny_http",
+        "ureq",
+        "ureq_proto",
+        "rustls",
+        "redb",
+    ] {
+        b.filter_module(noisy, log::LevelFilter::Warn);
+    }
+    // journald stamps each line itself.
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        b.format_timestamp(None);
+    }
+    b.target(env_logger::Target::Stderr).init();
+}
+
+fn run(cfg: config::Config) -> ExitCode {
+    init_logging(&cfg.server.log_level);
+    // First of all, so an early SIGTERM or SIGHUP is handled rather than fatal.
+    let signals = match service::signals() {
+        Ok(s) => s,
+        Err(e) => {
+            log::error!("cannot install signal handlers: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if cfg.source == config::EMBEDDED {
+        log::info!("no config file found; running with the embedded defaults");
+    } else {
+        log::info!("config: {}", cfg.source);
+    }
+    log::info!("{}", protocol::card::version_line());
+    let state_dir = cfg.server.state_dir.clone();
+    if let Some(w) = service::volatile_state_warning(&state_dir) {
+        log::warn!("{w}");
+    }
+    let opening = std::time::Instant::now();
+    let opened = app::App::open(cfg).and_then(|app| Ok((dataplane::Plane::open(app.clone())?, app)));
+    let (plane, app) = match opened {
+        Ok(a) => a,
+        Err(e) => {
+            log::error!("cannot open the database in {}: {e}", state_dir.display());
+            return ExitCode::from(1);
+        }
+    };
+    log::debug!("store opened and outbox index loaded in {:?}", opening.elapsed());
+    // Expiry is enforced at startup, not only by the periodic sweep.
+    match app.outbox.sweep_expired(ids::now_ms()) {
+        Ok(0) => {}
+        Ok(n) => log::warn!("outbox: {n} message(s) expired while imgate was stopped"),
+        Err(e) => log::error!("outbox: startup sweep failed: {e}"),
+    }
+    // No xAgent has said hello to this process yet: the lease runs from now unless it already
+    // ran while imgate was stopped.
+    if let Ok(None) = app.channels.offline_since() {
+        if let Err(e) = app.channels.set_offline_since(Some(ids::now_ms())) {
+            log::error!("lease: {e}");
+        }
+    }
+    let listener = match std::net::TcpListener::bind(app.config.server.listen) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("cannot listen on {}: {e}", app.config.server.listen);
+            return ExitCode::from(1);
+        }
+    };
+    let socket = internal_socket(&state_dir);
+    let dispatch = match http::start(&app, &socket) {
+        Ok(d) => d,
+        Err(e) => {
+            log::error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+    // Every connection needs a descriptor: as many as the hard limit allows, and no more
+    // connections than they carry.
+    let max_connections = front::connection_limit(app.config.server.max_connections, service::raise_fd_limit());
+    let names: Vec<&str> = app.providers.all().iter().map(|p| p.name()).collect();
+    log::info!(
+        "listening on {} (connector_id {}, providers: {})",
+        app.config.server.listen,
+        app.connector_id,
+        names.join(", ")
+    );
+    if app.config.server.api_key.is_none() && !app.config.server.listen.ip().is_loopback() {
+        log::warn!("api_key is empty on a non-loopback listener: anyone who can reach it can act as xAgent");
+    }
+    runtime::spawn(maintenance::run(Arc::downgrade(&plane))).detach();
+    app.providers.bindings_changed(&app.channels);
+    let dial = app
+        .config
+        .xagent
+        .dial
+        .clone()
+        .map(|url| runtime::spawn(dataplane::dial::run(plane.clone(), url)));
+    if let Some(every) = service::watchdog_interval() {
+        runtime::spawn(service::watchdog(every)).detach();
+    }
+    let prefix = http::base_path(&app);
+    let listener = match smol::net::TcpListener::try_from(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("cannot use the listener: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let door = front::FrontDoor::new(&plane, front::relay::Backend::new(socket.clone(), dispatch), prefix);
+    // Listener bound, outbox open, internal HTTP server running: ready.
+    service::notify("READY=1");
+    let why = runtime::block_on(async {
+        let per_client = app.config.server.per_client_cap(max_connections);
+        let serve = front::serve(door, listener, max_connections, per_client);
+        let stop = service::stop_signal(signals);
+        async {
+            serve.await;
+            "listener stopped"
+        }
+        .or(stop)
+        .await
+    });
+    shutdown(plane, app, dial, why, &socket)
+}
+
+/// Graceful stop: no new connections, WebSockets closed with a close frame, requests being
+/// answered are finished, then the database is closed cleanly (next start needs no repair).
+fn shutdown(
+    plane: Arc<dataplane::Plane>,
+    app: Arc<app::App>,
+    dial: Option<smol::Task<()>>,
+    why: &str,
+    socket: &Path,
+) -> ExitCode {
+    log::info!("{why}: stopping");
+    service::notify("STOPPING=1");
+    // The executor keeps running while the sessions close and the answers go out.
+    runtime::block_on(async {
+        drop(dial);
+        app.hub.close_all("imgate is stopping");
+        let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
+        // The listener is closed; requests already sent are answered first.
+        runtime::until(deadline, || front::requests_in_flight() == 0).await;
+        app.stop();
+        // Every session and task holds the plane or the app; the last one out closes the
+        // database.
+        runtime::until(deadline, || Arc::strong_count(&plane) == 1).await;
+        drop(plane);
+        runtime::until(deadline, || Arc::strong_count(&app) == 1).await;
+    });
+    let _ = std::fs::remove_file(socket);
+    match Arc::try_unwrap(app) {
+        Ok(app) => {
+            drop(app);
+            log::info!("stopped cleanly");
+        }
+        Err(app) => log::warn!(
+            "stopping with {} task(s) still busy; every accepted message is already on disk",
+            Arc::strong_count(&app) - 1
+        ),
+    }
+    ExitCode::SUCCESS
+}
+
+/// systemd's default stop timeout is 90 s; the contract promises an exit within 5 s.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_millis(4500);
+
+/// The Unix socket between the front door and tiny_http. Under systemd it lives in
+/// `$RUNTIME_DIRECTORY` (a tmpfs): a bound socket pins its file system, and the state disk must be
+/// free to be unmounted, repaired and mounted again while imgate answers 503. Otherwise it is in
+/// the state dir when its path fits `sun_path` (108 bytes), else in the temp dir.
+fn internal_socket(state_dir: &Path) -> PathBuf {
+    let dir = std::env::var_os("RUNTIME_DIRECTORY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| state_dir.to_path_buf());
+    let p = dir.join("http.sock");
+    if p.as_os_str().len() < 100 {
+        p
+    } else {
+        std::env::temp_dir().join(format!("imgate-{}.sock", std::process::id()))
+    }
+}
+
+fn status(cfg: &config::Config) -> ExitCode {
+    let listen = cfg.server.listen;
+    let host = if listen.ip().is_unspecified() {
+        "127.0.0.1".to_string()
+    } else {
+        listen.ip().to_string()
+    };
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    let url = format!("http://{host}:{}/status", listen.port());
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(std::time::Duration::from_secs(5)))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let mut req = agent.get(&url);
+    if let Some(k) = &cfg.server.api_key {
+        req = req.header("Authorization", &format!("Bearer {}", k.expose()));
+    }
+    let mut resp = match req.call() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("imgate: cannot reach the daemon at {url}: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = resp.status().as_u16();
+    let body = resp.body_mut().read_to_string().unwrap_or_default();
+    if code != 200 {
+        eprintln!("imgate: {url} answered HTTP {code}: {body}");
+        return ExitCode::from(1);
+    }
+    match json::parse(&body) {
+        Ok(v) => {
+            print!("{}", render_status(&v));
+            ExitCode::SUCCESS
+        }
+        Err(_) => {
+            eprintln!("imgate: {url} did not answer JSON");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// The human table `imgate status` prints.
+fn render_status(v: &json::Value) -> String {
+    let Some(o) = json::as_object(v) else {
+        return String::new();
+    };
+    let mut out = String::new();
+    let conns = json::get_obj(o, "dataplane")
+        .and_then(|d| json::get_u64(d, "connections"))
+        .unwrap_or(0);
+    out.push_str(&format!(
+        "connector_id {}  data-plane connections {conns}\n",
+        json::get_str(o, "connector_id").unwrap_or("?")
+    ));
+    out.push_str(&format!(
+        "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  last_error\n",
+        "channel", "provider", "status", "pending", "bytes", "delivered", "expired", "evicted", "attempts"
+    ));
+    if let Some(json::Value::Array(chs)) = o.get("channels") {
+        for c in chs.iter().filter_map(json::as_object) {
+            let num = |k: &str| json::get_u64(c, k).unwrap_or(0);
+            out.push_str(&format!(
+                "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  {}\n",
+                json::get_str(c, "connector_channel_id").unwrap_or("?"),
+                json::get_str(c, "provider").unwrap_or("?"),
+                json::get_str(c, "status").unwrap_or("?"),
+                num("pending"),
+                num("pending_bytes"),
+                num("delivered"),
+                num("expired"),
+                num("evicted"),
+                num("attempts"),
+                json::get_str(c, "last_error").unwrap_or("-"),
+            ));
+        }
+    }
+    if let Some(u) = json::get_obj(o, "unbound") {
+        let num = |k: &str| json::get_u64(u, k).unwrap_or(0);
+        out.push_str(&format!(
+            "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7}\n",
+            "(unbound)",
+            "-",
+            "-",
+            num("pending"),
+            num("pending_bytes"),
+            "-",
+            num("expired"),
+            num("evicted")
+        ));
+    }
+    out
+}

@@ -1,0 +1,22 @@
+//! What the fuzz targets in fuzz/ reach, and nothing else does: every parser of outside bytes,
+//! and the front door's connection loop with the types a stand-in service needs.
+
+pub use crate::config::parse as parse_config;
+pub use crate::dataplane::chat::{parse_activity, parse_delta, parse_message};
+pub use crate::http::multipart;
+pub use crate::json::{as_object, parse as parse_json};
+pub use crate::outbox::read_log;
+pub use crate::protocol::Packet;
+pub use crate::providers::readers as config_readers;
+pub use crate::providers::telegram::poll::read_update as read_telegram_update;
+pub use crate::providers::webhook::parse_body as parse_webhook_body;
+
+/// The front door: one connection's request loop and the request-head parser.
+pub mod front {
+    pub use crate::front::{conn, head, LIMITS};
+}
+
+/// Feishu/Lark's long connection: its frame, its protocol, its event payload.
+pub mod feishu {
+    pub use crate::providers::feishu::{event, frame::Frame, longconn};
+}
