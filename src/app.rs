@@ -34,6 +34,14 @@ impl std::ops::Deref for App {
 impl App {
     /// Opens every layer on the database in `[server] state_dir` and starts the providers.
     pub fn open(config: Config) -> Result<Arc<App>, StoreError> {
+        App::open_with(config, Registry::start)
+    }
+
+    /// `open`, with the providers `start` returns (the unit tests' stand-ins).
+    pub(crate) fn open_with(
+        config: Config,
+        start: impl FnOnce(&Arc<Host>) -> Result<Registry, StoreError>,
+    ) -> Result<Arc<App>, StoreError> {
         let db = Db::open(&config.server.state_dir)?;
         let q = &config.queue;
         let policy = Policy {
@@ -60,7 +68,7 @@ impl App {
             }
         });
         Ok(Arc::new(App {
-            providers: Registry::start(&host)?,
+            providers: start(&host)?,
             host,
             hub,
             connector_id,

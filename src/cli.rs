@@ -187,7 +187,7 @@ fn run(cfg: config::Config) -> ExitCode {
         }
     };
     let socket = internal_socket(&state_dir);
-    let dispatch = match http::start(&app, &socket) {
+    let dispatch = match http::start(&app, &socket, front::stats::metrics) {
         Ok(d) => d,
         Err(e) => {
             log::error!("{e}");

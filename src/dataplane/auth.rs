@@ -387,36 +387,12 @@ pub(super) fn run(plane: &Plane, p: &Packet, auth: &super::request::Auth, cch: &
                 .with_error(code::AUTH_SESSION_NOT_FOUND, "no such auth session on this channel"),
         },
         Auth::Cancel { auth_session_id } => {
-            let (status, auth_status, message) = match logins.cancel(flows, cch, auth_session_id, now) {
-                Cancelled::Canceled(v) => ("canceled", Status::Unauthenticated, v.message),
-                Cancelled::Ignored(v) if v.status == Status::Authenticated => {
-                    ("ignored", Status::Authenticated, v.message)
-                }
-                Cancelled::Ignored(v) => ("ignored", Status::Unauthenticated, v.message),
-                Cancelled::NotFound => (
-                    "not_found",
-                    Status::Unauthenticated,
-                    "no such auth session on this channel".into(),
-                ),
-            };
-            Packet::answer(p, "auth.cancel.ack").with_payload(obj([
-                ("connector_channel_id", s(cch)),
-                ("auth_session_id", s(auth_session_id)),
-                ("status", s(status)),
-                ("auth_status", s(auth_status.as_str())),
-                ("message", s(message)),
-                ("connection_descriptor", Value::Null),
-            ]))
+            let cancelled = logins.cancel(flows, cch, auth_session_id, now);
+            cancel_ack(p, cch, auth_session_id, cancelled)
         }
-        Auth::Logout => match plane.channels.unbind(cch) {
-            Ok(old) => {
-                if let Some(src) = old.as_deref().and_then(Source::parse) {
-                    log::info!("data plane: channel {cch} unbound from {src}");
-                    if let Some(provider) = plane.providers.of(&src) {
-                        provider.logout(&src);
-                    }
-                    bound = Some(None);
-                }
+        Auth::Logout => match logout(plane, cch) {
+            Ok(unbound) => {
+                bound = unbound.then_some(None);
                 Packet::answer(p, "auth.logout.ack").with_payload(obj([("status", s("ok"))]))
             }
             Err(e) => {
@@ -431,6 +407,41 @@ pub(super) fn run(plane: &Plane, p: &Packet, auth: &super::request::Auth, cch: &
         bound,
         moved_from,
     }
+}
+
+/// The ack of `auth.cancel` (8.12).
+fn cancel_ack(p: &Packet, cch: &str, auth_session_id: &str, cancelled: Cancelled) -> Packet {
+    let (status, auth_status, message) = match cancelled {
+        Cancelled::Canceled(v) => ("canceled", Status::Unauthenticated, v.message),
+        Cancelled::Ignored(v) if v.status == Status::Authenticated => ("ignored", Status::Authenticated, v.message),
+        Cancelled::Ignored(v) => ("ignored", Status::Unauthenticated, v.message),
+        Cancelled::NotFound => (
+            "not_found",
+            Status::Unauthenticated,
+            "no such auth session on this channel".into(),
+        ),
+    };
+    Packet::answer(p, "auth.cancel.ack").with_payload(obj([
+        ("connector_channel_id", s(cch)),
+        ("auth_session_id", s(auth_session_id)),
+        ("status", s(status)),
+        ("auth_status", s(auth_status.as_str())),
+        ("message", s(message)),
+        ("connection_descriptor", Value::Null),
+    ]))
+}
+
+/// `auth.logout`: the binding goes, and its provider forgets the credentials only it used.
+/// True when there was a binding.
+fn logout(plane: &Plane, cch: &str) -> Result<bool, crate::store::StoreError> {
+    let Some(src) = plane.channels.unbind(cch)?.as_deref().and_then(Source::parse) else {
+        return Ok(false);
+    };
+    log::info!("data plane: channel {cch} unbound from {src}");
+    if let Some(provider) = plane.providers.of(&src) {
+        provider.logout(&src);
+    }
+    Ok(true)
 }
 
 fn note_failure(v: &View) {
@@ -686,5 +697,105 @@ mod tests {
         let flow = QrFlow::default().then(bound());
         logins.start(&flow, &mut bind, "cch", "form", &Object::new(), later);
         assert_eq!(logins.len(), 1);
+    }
+}
+
+/// The state machine through the plane: the store's binding, the provider's hooks.
+#[cfg(test)]
+mod plane_tests {
+    use super::super::request::Auth;
+    use super::*;
+    use crate::dataplane::testing::{plane_with, StandIn};
+    use std::sync::Arc;
+
+    fn status(id: &str) -> Auth {
+        Auth::Status {
+            auth_session_id: id.into(),
+            refresh: false,
+        }
+    }
+
+    #[test]
+    fn a_qr_login_binds_on_its_last_poll_from_a_new_connection_and_logout_tells_the_provider() {
+        let standin = Arc::new(StandIn::default());
+        let plane = plane_with(standin.clone());
+        let (cch, _) = plane.channels.open_channel(None).unwrap();
+        let p = Packet::new("auth.start");
+        let start = Auth::Start {
+            flow_id: "qr".into(),
+            input: Object::new(),
+        };
+        let out = run(&plane, &p, &start, &cch);
+        assert_eq!(json::get_str(&out.answer.payload, "status"), Some("pending"));
+        assert_eq!(json::get_str(&out.answer.payload, "qr_code_text"), Some("qr-1"));
+        assert!(
+            out.answer.payload.contains_key("expires_at") && out.answer.payload.contains_key("poll_interval_millis")
+        );
+        assert!(out.bound.is_none(), "nothing bound while waiting");
+        let id = json::get_str(&out.answer.payload, "auth_session_id")
+            .unwrap()
+            .to_string();
+        // The user scans; then, after xAgent reconnected (the logins are the plane's), it binds.
+        standin
+            .script
+            .lock()
+            .unwrap()
+            .push(StandIn::qr_step(Stage::Scanned, "qr-1"));
+        standin
+            .script
+            .lock()
+            .unwrap()
+            .push(AuthStep::Bound(Source::new("standin", "scanned")));
+        let scanned = run(&plane, &p, &status(&id), &cch);
+        assert_eq!(json::get_str(&scanned.answer.payload, "status"), Some("scanned"));
+        let done = run(&plane, &p, &status(&id), &cch);
+        assert_eq!(json::get_str(&done.answer.payload, "status"), Some("authenticated"));
+        assert_eq!(done.bound, Some(Some(Source::new("standin", "scanned"))));
+        let stored = plane.channels.channel(&cch).unwrap().and_then(|r| r.source());
+        assert_eq!(stored, Some(Source::new("standin", "scanned")));
+        // Another channel polling that session finds nothing.
+        let other = run(&plane, &p, &status(&id), "cch_other");
+        assert!(other.answer.error.is_some());
+        let out = run(&plane, &p, &Auth::Logout, &cch);
+        assert_eq!(out.bound, Some(None));
+        assert_eq!(plane.channels.channel(&cch).unwrap().and_then(|r| r.source()), None);
+        assert_eq!(
+            standin.asked.lock().unwrap().as_slice(),
+            [
+                "start qr",
+                "poll login-1 false",
+                "poll login-1 false",
+                "logout standin:scanned"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_form_binding_moves_a_source_from_the_channel_that_had_it() {
+        let standin = Arc::new(StandIn::default());
+        let plane = plane_with(standin);
+        let (first, _) = plane.channels.open_channel(None).unwrap();
+        let (second, _) = plane.channels.open_channel(None).unwrap();
+        let p = Packet::new("auth.start");
+        let form = Auth::Start {
+            flow_id: "form".into(),
+            input: Object::new(),
+        };
+        assert_eq!(run(&plane, &p, &form, &first).moved_from, None);
+        let moved = run(&plane, &p, &form, &second);
+        assert_eq!(moved.moved_from, Some(first));
+        let id = json::get_str(&moved.answer.payload, "auth_session_id")
+            .unwrap()
+            .to_string();
+        let cancel = Auth::Cancel { auth_session_id: id };
+        let ack = run(&plane, &Packet::new("auth.cancel"), &cancel, &second).answer;
+        assert_eq!(
+            (
+                json::get_str(&ack.payload, "status"),
+                json::get_str(&ack.payload, "auth_status")
+            ),
+            (Some("ignored"), Some("authenticated"))
+        );
+        assert!(wants_descriptor(&ack));
     }
 }

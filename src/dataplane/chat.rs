@@ -425,79 +425,17 @@ fn ack(p: &Packet, message_id: &str, outcome: &Outcome) -> Packet {
     Packet::answer(p, "chat.message.ack").with_payload(payload)
 }
 
-/// Runs blocking work for one chat packet off the executor.
 /// One chat packet of channel `cch`, in its turn; the packet to send back, if any.
 pub async fn handle(plane: &Arc<Plane>, cch: &str, p: Packet) -> Option<Packet> {
-    let cch = cch.to_string();
     match p.kind.as_str() {
-        "chat.message" => match parse_message(&p.payload) {
-            Err(why) => Some(match json::get_str(&p.payload, "message_id") {
-                Some(id) => ack(&p, id, &Outcome::Rejected(Failure::new(code::INVALID_PACKET, why))),
-                None => Packet::error_for(Some(&p), code::INVALID_PACKET, why),
-            }),
-            Ok(m) => {
-                let id = m.message_id.clone();
-                let outcome = blocking(plane, move |plane| deliver(plane, &cch, &m)).await;
-                if let Outcome::Rejected(f) = &outcome {
-                    if let Some(more) = UNDELIVERED.admit() {
-                        let (id, why) = (crate::quiet::shown(&id), crate::quiet::shown(&f.message));
-                        log::info!("data plane: message {id} not delivered: {} ({why}){more}", f.code);
-                    }
-                }
-                Some(ack(&p, &id, &outcome))
-            }
-        },
-        "chat.message.delta" => {
-            let d = match parse_delta(&p.payload) {
-                Ok(d) => d,
-                Err(why) => return Some(Packet::error_for(Some(&p), code::INVALID_PACKET, why)),
-            };
-            // A delta after the final (or a restart) must not start a second message.
-            let (c, id) = (cch.clone(), d.message_id.clone());
-            if matches!(
-                blocking(plane, move |plane| plane.chats.completed(&c, &id)).await,
-                Ok(Some(_))
-            ) {
-                return None;
-            }
-            let (text, handle) = match plane.chats.apply(&cch, &d) {
-                Err(code) => {
-                    let why = format!("delta {} of message {} refused", d.sequence, d.message_id);
-                    return Some(Packet::error_for(Some(&p), code, why));
-                }
-                Ok(Applied::Repeat) => return None,
-                Ok(Applied::Show { text, handle }) => (text, handle),
-            };
-            blocking(plane, move |plane| {
-                let Ok((source, provider)) = binding(plane, &cch) else {
-                    return;
-                };
-                let delta = Delta {
-                    message_id: &d.message_id,
-                    sequence: d.sequence,
-                    piece: &d.text,
-                    text: &text,
-                };
-                match provider.stream(&source, &delta, handle.as_deref()) {
-                    Ok(Some(h)) => {
-                        if handle.is_none() {
-                            // Visible text replaces the activity.
-                            provider.activity(&source, Activity::Idle);
-                        }
-                        plane.chats.set_handle(&cch, &d.message_id, h);
-                    }
-                    Ok(None) => {}
-                    Err(f) => log::debug!("data plane: a delta could not be shown: {} ({})", f.code, f.message),
-                }
-            })
-            .await;
-            None
-        }
+        "chat.message" => Some(message(plane, cch, &p).await),
+        "chat.message.delta" => delta(plane, cch, &p).await,
         "chat.activity" => {
             let activity = match parse_activity(&p.payload) {
                 Ok(a) => a,
                 Err(why) => return Some(Packet::error_for(Some(&p), code::INVALID_PACKET, why)),
             };
+            let cch = cch.to_string();
             blocking(plane, move |plane| {
                 if let Ok((source, provider)) = binding(plane, &cch) {
                     provider.activity(&source, activity);
@@ -508,6 +446,77 @@ pub async fn handle(plane: &Arc<Plane>, cch: &str, p: Packet) -> Option<Packet> 
         }
         _ => None,
     }
+}
+
+/// `chat.message`: delivered to the conversation (on the pool), then acked.
+async fn message(plane: &Arc<Plane>, cch: &str, p: &Packet) -> Packet {
+    let m = match parse_message(&p.payload) {
+        Ok(m) => m,
+        Err(why) => {
+            return match json::get_str(&p.payload, "message_id") {
+                Some(id) => ack(p, id, &Outcome::Rejected(Failure::new(code::INVALID_PACKET, why))),
+                None => Packet::error_for(Some(p), code::INVALID_PACKET, why),
+            }
+        }
+    };
+    let (id, cch) = (m.message_id.clone(), cch.to_string());
+    let outcome = blocking(plane, move |plane| deliver(plane, &cch, &m)).await;
+    if let Outcome::Rejected(f) = &outcome {
+        if let Some(more) = UNDELIVERED.admit() {
+            let (id, why) = (crate::quiet::shown(&id), crate::quiet::shown(&f.message));
+            log::info!("data plane: message {id} not delivered: {} ({why}){more}", f.code);
+        }
+    }
+    ack(p, &id, &outcome)
+}
+
+/// `chat.message.delta`: the message so far, shown where the conversation can show it.
+async fn delta(plane: &Arc<Plane>, cch: &str, p: &Packet) -> Option<Packet> {
+    let d = match parse_delta(&p.payload) {
+        Ok(d) => d,
+        Err(why) => return Some(Packet::error_for(Some(p), code::INVALID_PACKET, why)),
+    };
+    let cch = cch.to_string();
+    // A delta after the final (or a restart) must not start a second message.
+    let (c, id) = (cch.clone(), d.message_id.clone());
+    if matches!(
+        blocking(plane, move |plane| plane.chats.completed(&c, &id)).await,
+        Ok(Some(_))
+    ) {
+        return None;
+    }
+    let (text, handle) = match plane.chats.apply(&cch, &d) {
+        Err(code) => {
+            let why = format!("delta {} of message {} refused", d.sequence, d.message_id);
+            return Some(Packet::error_for(Some(p), code, why));
+        }
+        Ok(Applied::Repeat) => return None,
+        Ok(Applied::Show { text, handle }) => (text, handle),
+    };
+    blocking(plane, move |plane| {
+        let Ok((source, provider)) = binding(plane, &cch) else {
+            return;
+        };
+        let delta = Delta {
+            message_id: &d.message_id,
+            sequence: d.sequence,
+            piece: &d.text,
+            text: &text,
+        };
+        match provider.stream(&source, &delta, handle.as_deref()) {
+            Ok(Some(h)) => {
+                if handle.is_none() {
+                    // Visible text replaces the activity.
+                    provider.activity(&source, Activity::Idle);
+                }
+                plane.chats.set_handle(&cch, &d.message_id, h);
+            }
+            Ok(None) => {}
+            Err(f) => log::debug!("data plane: a delta could not be shown: {} ({})", f.code, f.message),
+        }
+    })
+    .await;
+    None
 }
 
 #[cfg(test)]

@@ -15,6 +15,8 @@ pub mod dial;
 pub(crate) mod out;
 mod request;
 pub mod session;
+#[cfg(test)]
+mod testing;
 pub(crate) mod tools;
 
 use std::sync::{Arc, Mutex};

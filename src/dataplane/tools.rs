@@ -7,11 +7,14 @@ use std::sync::Arc;
 use redb::TableDefinition;
 
 use super::Plane;
+use crate::files::FileRecord;
 use crate::ids;
 use crate::json::{self, obj, s, Object, Value};
-use crate::protocol::{code, TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use crate::protocol::{code, TOOL_FILE_SEND, TOOL_REPLY};
 use crate::providers::{Failure, Outbound};
+use crate::source::Source;
 use crate::store::{self, Db};
+use std::path::PathBuf;
 
 /// `channel:tool:tool_call_id` → `ToolCall` JSON.
 const TOOL_CALLS: TableDefinition<&str, &str> = TableDefinition::new("tool_calls");
@@ -91,10 +94,10 @@ fn text(args: &Object) -> Result<&str, Failure> {
         })
 }
 
-/// Runs a tool on channel `cch`; blocking (the provider's call), so never on the executor.
 /// Repeated calls are xAgent's to make as often as it likes: one line a minute.
 static REPEATED_CALLS: crate::quiet::Site = crate::quiet::Site::new();
 
+/// Runs a tool on channel `cch`; blocking (the provider's call), so never on the executor.
 pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Option<&str>) -> Result<Value, Failure> {
     let rec = plane.channels.channel(cch).map_err(Failure::storage)?;
     let Some(source) = rec.and_then(|r| r.source()) else {
@@ -105,15 +108,13 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
     };
     // A repeated tool_call_id answers with the first result and sends nothing.
     let key = call_id.map(|c| format!("{cch}:{tool_id}:{c}"));
-    if let Some(k) = &key {
-        if let Some(prev) = plane.tool_results.get(k).map_err(Failure::storage)? {
-            if let Some(more) = REPEATED_CALLS.admit() {
-                let tool = crate::quiet::shown(tool_id);
-                log::info!("data plane: {tool} call repeated; answering with the first result{more}");
-            }
-            return json::parse(&prev)
-                .map_err(|_| Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable"));
-        }
+    if let Some(first) = key
+        .as_deref()
+        .map(|k| first_result(plane, k, tool_id))
+        .transpose()?
+        .flatten()
+    {
+        return Ok(first);
     }
     if !plane.providers.tools().contains(&tool_id) {
         return Err(Failure::new(
@@ -125,68 +126,42 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
         .providers
         .of(&source)
         .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the channel's provider is not enabled"))?;
-    let cannot = || Failure::new(code::CHANNEL_UNAVAILABLE, format!("this channel cannot use {tool_id}"));
     let idempotency_key = key.clone().unwrap_or_else(|| ids::token("call_"));
-    let file;
-    let reply_to;
-    let out = match tool_id {
+    let mut out = Outbound {
+        text: "",
+        reply_to: None,
+        files: &[],
+        idempotency_key: &idempotency_key,
+        message_id: None,
+        streamed: None,
+    };
+    let can = || match provider.tools().contains(&tool_id) {
+        true => Ok(()),
+        false => Err(Failure::new(
+            code::CHANNEL_UNAVAILABLE,
+            format!("this channel cannot use {tool_id}"),
+        )),
+    };
+    let (file, reply_to);
+    match tool_id {
         TOOL_FILE_SEND => {
             let file_ref = required(args, "file_ref")?;
-            if !provider.tools().contains(&TOOL_FILE_SEND) {
-                return Err(cannot());
-            }
-            file = plane
-                .files
-                .get(file_ref)
-                .map_err(Failure::storage)?
-                .filter(|(r, _)| r.direction == "out" && r.source == source.as_str())
-                .ok_or_else(|| {
-                    Failure::new(
-                        code::FILE_REF_INVALID,
-                        "file_ref is unknown, expired or was uploaded for another channel",
-                    )
-                })?;
-            Outbound {
-                text: json::get_str(args, "caption").unwrap_or(""),
-                reply_to: None,
-                files: std::slice::from_ref(&file),
-                idempotency_key: &idempotency_key,
-                message_id: None,
-                streamed: None,
-            }
+            can()?;
+            file = file_of(plane, file_ref, &source)?;
+            out.files = std::slice::from_ref(&file);
+            out.text = json::get_str(args, "caption").unwrap_or("");
+        }
+        TOOL_REPLY => {
+            reply_to = answered(plane, required(args, "reply_ref")?, &source)?;
+            can()?;
+            out.reply_to = Some(&reply_to);
+            out.text = text(args)?;
         }
         _ => {
-            if tool_id == TOOL_REPLY {
-                let reference = required(args, "reply_ref")?;
-                reply_to = plane
-                    .outbox
-                    .reply_ref(reference)
-                    .map_err(Failure::storage)?
-                    .filter(|r| r.source == source.as_str() && r.expires_at > ids::now_ms())
-                    .ok_or_else(|| {
-                        Failure::new(
-                            code::REPLY_REF_INVALID,
-                            "reply_ref is unknown, expired or belongs to another channel",
-                        )
-                    })?
-                    .message_id;
-            } else {
-                debug_assert_eq!(tool_id, TOOL_SEND);
-                reply_to = String::new();
-            }
-            if !provider.tools().contains(&tool_id) {
-                return Err(cannot());
-            }
-            Outbound {
-                text: text(args)?,
-                reply_to: Some(reply_to.as_str()).filter(|r| !r.is_empty()),
-                files: &[],
-                idempotency_key: &idempotency_key,
-                message_id: None,
-                streamed: None,
-            }
+            can()?;
+            out.text = text(args)?;
         }
-    };
+    }
     let message_id = provider.send(&source, &out)?;
     let result = obj([("status", s("sent")), ("message_id", s(message_id))]);
     if let Some(k) = &key {
@@ -195,4 +170,95 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
         }
     }
     Ok(result)
+}
+
+/// The result of the first call under `key`, if there was one.
+fn first_result(plane: &Plane, key: &str, tool_id: &str) -> Result<Option<Value>, Failure> {
+    let Some(prev) = plane.tool_results.get(key).map_err(Failure::storage)? else {
+        return Ok(None);
+    };
+    if let Some(more) = REPEATED_CALLS.admit() {
+        let tool = crate::quiet::shown(tool_id);
+        log::info!("data plane: {tool} call repeated; answering with the first result{more}");
+    }
+    json::parse(&prev)
+        .map(Some)
+        .map_err(|_| Failure::new(code::TOOL_INVOKE_FAILED, "stored result is unreadable"))
+}
+
+/// The file uploaded for this channel under `file_ref`, and where its bytes are.
+fn file_of(plane: &Plane, file_ref: &str, source: &Source) -> Result<(FileRecord, PathBuf), Failure> {
+    plane
+        .files
+        .get(file_ref)
+        .map_err(Failure::storage)?
+        .filter(|(r, _)| r.direction == "out" && r.source == source.as_str())
+        .ok_or_else(|| {
+            Failure::new(
+                code::FILE_REF_INVALID,
+                "file_ref is unknown, expired or was uploaded for another channel",
+            )
+        })
+}
+
+/// The provider's ID of the message `reply_ref` answers, if it is this channel's and current.
+fn answered(plane: &Plane, reply_ref: &str, source: &Source) -> Result<String, Failure> {
+    plane
+        .outbox
+        .reply_ref(reply_ref)
+        .map_err(Failure::storage)?
+        .filter(|r| r.source == source.as_str() && r.expires_at > ids::now_ms())
+        .map(|r| r.message_id)
+        .ok_or_else(|| {
+            Failure::new(
+                code::REPLY_REF_INVALID,
+                "reply_ref is unknown, expired or belongs to another channel",
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::testing::{plane_with, StandIn};
+    use crate::json::obj;
+    use crate::protocol::TOOL_SEND;
+    use std::sync::Arc;
+
+    fn args(text: &str) -> Object {
+        match obj([("text", s(text))]) {
+            Value::Object(o) => o,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_tool_sends_once_per_call_id_and_needs_a_bound_channel_and_a_declared_tool() {
+        let standin = Arc::new(StandIn::default());
+        let plane = plane_with(standin.clone());
+        let (cch, _) = plane.channels.open_channel(None).unwrap();
+        let unbound = run(&plane, &cch, TOOL_SEND, &args("hi"), None).unwrap_err();
+        assert_eq!(unbound.code, code::CONNECTION_NOT_AUTHENTICATED);
+        plane.channels.bind(&cch, &Source::new("standin", "room")).unwrap();
+        let first = run(&plane, &cch, TOOL_SEND, &args("hi"), Some("call-1")).unwrap();
+        let again = run(&plane, &cch, TOOL_SEND, &args("hi"), Some("call-1")).unwrap();
+        assert_eq!(
+            json::to_string(&first),
+            json::to_string(&again),
+            "the first result again"
+        );
+        assert_eq!(
+            standin.sent.lock().unwrap().as_slice(),
+            ["standin:room hi"],
+            "sent once"
+        );
+        let unknown = run(&plane, &cch, TOOL_FILE_SEND, &Object::new(), None).unwrap_err();
+        assert_eq!(unknown.code, code::UNKNOWN_TOOL, "no provider declares it");
+        let empty = run(&plane, &cch, TOOL_SEND, &args("  "), None).unwrap_err();
+        assert_eq!(empty.code, code::INVALID_ARGUMENTS);
+        let mut reply = args("re");
+        reply.insert("reply_ref".into(), s("rr_unknown"));
+        let refused = run(&plane, &cch, TOOL_REPLY, &reply, None).unwrap_err();
+        assert_eq!(refused.code, code::REPLY_REF_INVALID);
+    }
 }

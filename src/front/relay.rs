@@ -18,6 +18,8 @@ use smol::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use smol::lock::{Semaphore, SemaphoreGuardArc};
 use smol::net::unix::UnixStream;
 
+use crate::http::Dispatch;
+
 /// Exchanges with tiny_http at once; more wait (up to `WAIT`) for a turn.
 const CONCURRENT: usize = 4;
 /// Idle internal connections kept for the next request.
@@ -45,9 +47,6 @@ pub enum RelayError {
     /// No answer in time: 504.
     Timeout,
 }
-
-/// Called once per request written, so that a handler takes it (tiny_http's `recv`).
-pub type Dispatch = Box<dyn Fn() + Send + Sync>;
 
 pub struct Backend {
     socket: PathBuf,

@@ -18,10 +18,17 @@ use crate::protocol::card;
 /// How long a handler started for a request waits for tiny_http to hand it over.
 const HANDOVER: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Called once per request written to the internal socket, so that a handler takes it
+/// (tiny_http's `recv`).
+pub type Dispatch = Box<dyn Fn() + Send + Sync>;
+
+/// Lines of `/metrics` that layers above this one keep (the front door's refusals).
+pub type MoreMetrics = fn(&mut String);
+
 /// Starts the internal HTTP server on `socket`. It has no worker threads of its own: the front
 /// door calls the returned function once for every request it writes to the socket, and each
 /// call answers one request on a blocking thread (which the pool lets go when idle).
-pub fn start(app: &Arc<App>, socket: &Path) -> Result<crate::front::relay::Dispatch, String> {
+pub fn start(app: &Arc<App>, socket: &Path, more_metrics: MoreMetrics) -> Result<Dispatch, String> {
     let _ = std::fs::remove_file(socket);
     let server =
         Server::http_unix(socket).map_err(|e| format!("cannot bind internal socket {}: {e}", socket.display()))?;
@@ -32,7 +39,7 @@ pub fn start(app: &Arc<App>, socket: &Path) -> Result<crate::front::relay::Dispa
         crate::runtime::spawn_blocking(move || {
             if let Ok(Some(req)) = server.recv_timeout(HANDOVER) {
                 match app.upgrade() {
-                    Some(app) => handle(&app, req),
+                    Some(app) => handle(&app, req, more_metrics),
                     None => {
                         let _ = req.respond(error(503, "stopping"));
                     }
@@ -253,7 +260,7 @@ fn card_of(app: &App) -> Value {
     )
 }
 
-fn handle(app: &App, mut req: Request) {
+fn handle(app: &App, mut req: Request, more_metrics: MoreMetrics) {
     let path = route(app, req.url());
     let method = req.method().clone();
     let response = match (&method, path.as_str()) {
@@ -272,7 +279,7 @@ fn handle(app: &App, mut req: Request) {
                 error(503, "storage_unavailable")
             }
         },
-        (Method::Get, "/metrics") if authorized(app, &req) => match ops::metrics(app) {
+        (Method::Get, "/metrics") if authorized(app, &req) => match ops::metrics(app, more_metrics) {
             Ok(text) => Response::from_data(text.into_bytes())
                 .with_header(content_type("text/plain; version=0.0.4; charset=utf-8")),
             Err(e) => {

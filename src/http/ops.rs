@@ -140,7 +140,7 @@ impl WithNull for Value {
 /// A metric name, its Prometheus type and how to read it from a source's stats.
 type Series = (&'static str, &'static str, fn(&SourceStats) -> u64);
 
-pub fn metrics(app: &App) -> Result<String, StoreError> {
+pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError> {
     let snap = snapshot(app)?;
     let mut out = String::new();
     let q = &app.config.queue;
@@ -148,7 +148,7 @@ pub fn metrics(app: &App) -> Result<String, StoreError> {
     out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
     out.push_str("# TYPE imgate_outbox_bytes gauge\n");
     out.push_str(&format!("imgate_outbox_bytes {}\n", app.outbox.total_bytes()));
-    crate::front::stats::metrics(&mut out);
+    more(&mut out);
     for p in app.providers.all() {
         p.metrics(&mut out);
     }

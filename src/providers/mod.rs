@@ -373,6 +373,12 @@ impl Registry {
         Ok(Registry { providers })
     }
 
+    /// A registry of the given providers (the unit tests' stand-ins).
+    #[cfg(test)]
+    pub fn of_providers(providers: Vec<Arc<dyn Provider>>) -> Registry {
+        Registry { providers }
+    }
+
     pub fn all(&self) -> &[Arc<dyn Provider>] {
         &self.providers
     }

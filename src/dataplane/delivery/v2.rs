@@ -217,59 +217,14 @@ impl<B> Core<B> {
 
     /// What is due now: timers, then sends from memory, then the commit, then reads, then a ping.
     fn step(&mut self, now: Instant, now_ms: u64) -> Vec<Action<B>> {
-        let mut actions = Vec::new();
-        if let Some((_, due)) = &self.ping {
-            if now >= *due {
-                return vec![Action::Close(format!("no pong within {PONG_TIMEOUT:?}"))];
-            }
+        if self.ping.as_ref().is_some_and(|(_, due)| now >= *due) {
+            return vec![Action::Close(format!("no pong within {PONG_TIMEOUT:?}"))];
         }
-        if self.paused_until.is_some_and(|t| now >= t) {
-            self.paused_until = None;
-        }
-        for ch in self.channels.values_mut() {
-            if ch.sent.as_ref().is_some_and(|s| now >= s.at + ACK_TIMEOUT) {
-                if let Some(sent) = ch.sent.take() {
-                    log::warn!(
-                        "data plane: no ack for message {} within {ACK_TIMEOUT:?}; sending it again",
-                        crate::quiet::shown(&sent.message_id)
-                    );
-                    self.done
-                        .retried
-                        .push((ch.source.clone(), sent.seq, "no ack in time".into()));
-                    ch.queue.clear();
-                    ch.drained = false;
-                }
-            }
-            if ch.resume_at.is_some_and(|t| now >= t) {
-                ch.resume_at = None;
-            }
-        }
+        self.timers(now);
         if !self.ready {
-            return actions;
+            return Vec::new();
         }
-        for (cch, ch) in self.channels.iter_mut() {
-            if ch.sent.is_some() || ch.resume_at.is_some() {
-                continue;
-            }
-            // Messages that expired while they waited here are skipped; the sweep counts them.
-            while ch.queue.front().is_some_and(|m| m.expires_at <= now_ms) {
-                ch.queue.pop_front();
-            }
-            if let Some(msg) = ch.queue.pop_front() {
-                let packet_id = ids::short("pkt_");
-                ch.sent = Some(Sent {
-                    packet_id: packet_id.clone(),
-                    seq: msg.seq,
-                    message_id: msg.message_id.clone(),
-                    at: now,
-                });
-                actions.push(Action::Send {
-                    cch: cch.clone(),
-                    packet_id,
-                    msg,
-                });
-            }
-        }
+        let mut actions = self.sends(now, now_ms);
         if !self.done.is_empty() && !self.committing {
             self.committing = true;
             actions.push(Action::Commit(std::mem::take(&mut self.done)));
@@ -297,6 +252,60 @@ impl<B> Core<B> {
             let due = now + PONG_TIMEOUT;
             self.ping = Some((request_id.clone(), due));
             actions.push(Action::Ping { request_id, due });
+        }
+        actions
+    }
+
+    /// Ends what ran out: pauses, backoffs, and acks that are late (their message goes again).
+    fn timers(&mut self, now: Instant) {
+        if self.paused_until.is_some_and(|t| now >= t) {
+            self.paused_until = None;
+        }
+        for ch in self.channels.values_mut() {
+            if ch.sent.as_ref().is_some_and(|s| now >= s.at + ACK_TIMEOUT) {
+                if let Some(sent) = ch.sent.take() {
+                    log::warn!(
+                        "data plane: no ack for message {} within {ACK_TIMEOUT:?}; sending it again",
+                        crate::quiet::shown(&sent.message_id)
+                    );
+                    self.done
+                        .retried
+                        .push((ch.source.clone(), sent.seq, "no ack in time".into()));
+                    ch.queue.clear();
+                    ch.drained = false;
+                }
+            }
+            if ch.resume_at.is_some_and(|t| now >= t) {
+                ch.resume_at = None;
+            }
+        }
+    }
+
+    /// The next message of every channel with none unacked and no backoff running.
+    fn sends(&mut self, now: Instant, now_ms: u64) -> Vec<Action<B>> {
+        let mut actions = Vec::new();
+        for (cch, ch) in self.channels.iter_mut() {
+            if ch.sent.is_some() || ch.resume_at.is_some() {
+                continue;
+            }
+            // Messages that expired while they waited here are skipped; the sweep counts them.
+            while ch.queue.front().is_some_and(|m| m.expires_at <= now_ms) {
+                ch.queue.pop_front();
+            }
+            if let Some(msg) = ch.queue.pop_front() {
+                let packet_id = ids::short("pkt_");
+                ch.sent = Some(Sent {
+                    packet_id: packet_id.clone(),
+                    seq: msg.seq,
+                    message_id: msg.message_id.clone(),
+                    at: now,
+                });
+                actions.push(Action::Send {
+                    cch: cch.clone(),
+                    packet_id,
+                    msg,
+                });
+            }
         }
         actions
     }

@@ -338,17 +338,9 @@ impl Telegram {
         };
         // Media is fetched from Telegram before the commit: blocking work.
         Reply::Blocking(Box::new(move || {
-            let info = ChatInfo {
-                bot_id,
-                bot_username: String::new(),
-                chat_id: 0,
-                chat_title: String::new(),
-                chat_type: String::new(),
-                own_token: false,
-            };
-            match poll::accept(&tg, token.expose(), &info, &[update]) {
-                None => HttpAnswer::new(200, obj([("ok", b(true))])),
-                Some(_) => HttpAnswer::error(503, "storage_unavailable"),
+            match poll::accept(&tg, token.expose(), bot_id, &[update]) {
+                poll::Batch::Confirmed => HttpAnswer::new(200, obj([("ok", b(true))])),
+                poll::Batch::Stopped { .. } => HttpAnswer::error(503, "storage_unavailable"),
             }
         }))
     }

@@ -98,7 +98,10 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                 if stop.is_stopped() {
                     return;
                 }
-                accept(&t, &token, &info, &updates)
+                match accept(&t, &token, info.bot_id, &updates) {
+                    Batch::Confirmed => None,
+                    Batch::Stopped { wait } => Some(wait),
+                }
             }
             Ok(_) => Some(backoff),
             Err(e) => {
@@ -126,10 +129,19 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
     }
 }
 
-/// Accepts one batch of updates; `Some(wait)` when the loop should pause before polling again.
-pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Value]) -> Option<Duration> {
+/// How a batch of updates went.
+pub(super) enum Batch {
+    /// Every update was stored or needs nothing stored: the offset moved past all of them.
+    Confirmed,
+    /// Stopped at an update that could not be stored (a full queue, the store): Telegram keeps
+    /// it and the rest; ask again after `wait`.
+    Stopped { wait: Duration },
+}
+
+/// Accepts one batch of updates of bot `bot_id`.
+pub(super) fn accept(tg: &Telegram, token: &str, bot_id: u64, updates: &[Value]) -> Batch {
     let host = &tg.host;
-    let key = offset_key(info.bot_id);
+    let key = offset_key(bot_id);
     let mut next = 0;
     for update in updates.iter().filter_map(json::as_object).filter_map(read_update) {
         let after = update.after;
@@ -137,20 +149,19 @@ pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Val
             next = next.max(after);
             continue;
         };
-        let source = source_of(info.bot_id, message.chat_id);
+        let source = source_of(bot_id, message.chat_id);
         match host.channels.bound_channel(source.as_str()) {
             Ok(Some(_)) => {}
             Err(e) => {
                 // The store cannot tell: leave the update at Telegram and try again.
                 log::debug!("telegram: {source}: cannot read the binding: {e}");
-                return Some(Duration::from_secs(1));
+                return Batch::Stopped {
+                    wait: Duration::from_secs(1),
+                };
             }
             Ok(None) => {
                 tg.unbound_updates.fetch_add(1, Ordering::Relaxed);
-                log::debug!(
-                    "telegram: bot {}: update from a chat no channel is bound to",
-                    info.bot_id
-                );
+                log::debug!("telegram: bot {}: update from a chat no channel is bound to", bot_id);
                 next = next.max(after);
                 continue;
             }
@@ -180,11 +191,15 @@ pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Val
             Ok(Enqueued::CapacityExceeded) => {
                 // reject_new: Telegram keeps the update; stop advancing the offset (backpressure).
                 log::warn!("telegram: {source}: queue full; leaving updates at Telegram until there is room");
-                return Some(Duration::from_secs(5));
+                return Batch::Stopped {
+                    wait: Duration::from_secs(5),
+                };
             }
             Err(e) => {
                 log::debug!("telegram: {source}: cannot store the update before offset {after}: {e}");
-                return Some(Duration::from_secs(1));
+                return Batch::Stopped {
+                    wait: Duration::from_secs(1),
+                };
             }
         }
         next = next.max(after);
@@ -202,7 +217,7 @@ pub(super) fn accept(tg: &Telegram, token: &str, info: &ChatInfo, updates: &[Val
             log::error!("telegram: cannot store the update offset: {e}");
         }
     }
-    None
+    Batch::Confirmed
 }
 
 /// One update as far as it can be read without the store.
