@@ -509,6 +509,48 @@ fn unconfirmed_pushes_are_redelivered_with_the_same_message_id_after_reconnect()
 }
 
 #[test]
+fn an_auth_session_is_answered_on_a_new_connection_and_cancel_says_what_it_found() {
+    let dir = temp_dir("auth-reconnect");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    let ok = x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    let auth_id = ok["payload"]["auth_session_id"].as_str().unwrap().to_string();
+    let failed = x.bind_webhook(&cch, "alerts", "wrong");
+    let failed_id = failed["payload"]["auth_session_id"].as_str().unwrap().to_string();
+    x.close();
+
+    // xAgent comes back: the same channel, the same auth sessions.
+    let mut y = d.xagent();
+    y.hello(&d.connector_id());
+    y.open(Some(&cch));
+    let st = y.request("auth.status", Some(&cch), json!({"auth_session_id": auth_id}));
+    assert_eq!(st["type"], "auth.status.ack");
+    assert_eq!(st["payload"]["status"], "authenticated", "{st}");
+    assert_eq!(st["payload"]["flow_id"], "webhook_binding");
+    assert_eq!(
+        st["payload"]["connection_descriptor"]["connection"]["status"],
+        "connected"
+    );
+    assert_packet(&st);
+    let st = y.request("auth.status", Some(&cch), json!({"auth_session_id": failed_id}));
+    assert_eq!(st["payload"]["status"], "failed");
+    let cancel = y.request("auth.cancel", Some(&cch), json!({"auth_session_id": failed_id}));
+    assert_eq!(
+        (&cancel["payload"]["status"], &cancel["payload"]["auth_status"]),
+        (&json!("ignored"), &json!("unauthenticated"))
+    );
+    let cancel = y.request("auth.cancel", Some(&cch), json!({"auth_session_id": "auth_nope"}));
+    assert_eq!(cancel["payload"]["status"], "not_found");
+    let logout = y.request("auth.logout", Some(&cch), json!({}));
+    assert_eq!(
+        logout["payload"]["connection_descriptor"]["connection"]["status"],
+        "created"
+    );
+}
+
+#[test]
 fn restart_keeps_bindings_and_accepted_messages() {
     let dir = temp_dir("restart");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
