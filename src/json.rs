@@ -133,6 +133,15 @@ pub fn get_u64(o: &Object, key: &str) -> Option<u64> {
     }
 }
 
+/// A whole number that fits an `i64` (negative codes, chat IDs).
+pub fn get_i64(o: &Object, key: &str) -> Option<i64> {
+    match o.get(key) {
+        Some(Value::Number(Number::I64(n))) => Some(*n),
+        Some(Value::Number(Number::U64(n))) => i64::try_from(*n).ok(),
+        _ => None,
+    }
+}
+
 pub fn get_obj<'a>(o: &'a Object, key: &str) -> Option<&'a Object> {
     o.get(key).and_then(as_object)
 }

@@ -18,3 +18,4 @@ mod telegram;
 mod tls;
 mod v2;
 mod wal;
+mod wechat;

@@ -18,25 +18,6 @@ use crate::protocol::SUBPROTOCOL;
 /// RFC 6455 1.3.
 const GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |acc, (i, b)| acc | u32::from(*b) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
 /// A `Sec-WebSocket-Key`: base64 of 16 bytes (24 characters, two of them padding).
 fn valid_key(key: &str) -> bool {
     key.len() == 24
@@ -52,7 +33,7 @@ pub fn accept_key(key: &str) -> String {
         &ring::digest::SHA1_FOR_LEGACY_USE_ONLY,
         format!("{key}{GUID}").as_bytes(),
     );
-    base64(digest.as_ref())
+    ids::base64(digest.as_ref())
 }
 
 /// Why an upgrade is refused, as its answer and the cause counted.
@@ -126,9 +107,6 @@ mod tests {
     fn the_accept_key_is_the_one_rfc_6455_gives() {
         // RFC 6455 1.3's example.
         assert_eq!(accept_key("dGhlIHNhbXBsZSBub25jZQ=="), "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=");
-        assert_eq!(base64(b"f"), "Zg==");
-        assert_eq!(base64(b"fo"), "Zm8=");
-        assert_eq!(base64(b"foo"), "Zm9v");
         assert!(valid_key("dGhlIHNhbXBsZSBub25jZQ=="));
         assert!(!valid_key("dGhlIHNhbXBsZSBub25jZQ") && !valid_key("dGhlIHNhbXBsZSBub25jZ\u{0}=="));
     }

@@ -31,8 +31,14 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
                 .unwrap_or_default(),
             None => SourceStats::default(),
         };
+        // A binding whose sign-in the IM system ended shows as its provider describes it.
+        let expired = rec
+            .source()
+            .and_then(|src| app.providers.of(&src)?.describe(&src).ok())
+            .is_some_and(|d| d.status == "expired");
         let status = match (&rec.source, app.hub.is_open(&cch)) {
             (None, _) => "created",
+            (Some(_), _) if expired => "expired",
             (Some(_), true) => "connected",
             (Some(_), false) => "offline",
         };

@@ -135,9 +135,19 @@ pub struct NewMessage {
     pub reply_ref: Option<(String, ReplyRef)>,
     pub accepted_at: u64,
     pub expires_at: u64,
-    /// A provider's consumer cursor (`meta` key, value) advanced in the same transaction,
-    /// accepted or duplicate: a crash can then neither skip the message nor accept it twice.
-    pub cursor: Option<(String, u64)>,
+    /// A provider's consumer cursors (`meta` entries) moved in the same transaction, accepted
+    /// or duplicate: a crash can then neither skip the message nor accept it twice.
+    pub cursors: Vec<Cursor>,
+}
+
+/// A provider's position in its IM system's stream, kept in `meta`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Cursor {
+    /// A number that only moves forward (Telegram's update offset).
+    Forward(String, u64),
+    /// A value replaced by the newest (WeChat's opaque sync buffer, a conversation's latest
+    /// context token).
+    Set(String, String),
 }
 
 struct Job {
@@ -630,12 +640,18 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
 /// The enqueue rules of one message inside a (group) transaction.
 fn enqueue_in(tx: &mut Tx, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
     let outcome = enqueue_message(tx, idx, m, policy)?;
-    if let Some((key, value)) = &m.cursor {
-        if outcome != Enqueued::CapacityExceeded {
-            let current = store::parse_u64(key, tx.meta(key)?)?.unwrap_or(0);
-            if *value > current {
-                tx.set_meta(key, &value.to_string())?;
+    if outcome == Enqueued::CapacityExceeded {
+        return Ok(outcome);
+    }
+    for cursor in &m.cursors {
+        match cursor {
+            Cursor::Forward(key, value) => {
+                let current = store::parse_u64(key, tx.meta(key)?)?.unwrap_or(0);
+                if *value > current {
+                    tx.set_meta(key, &value.to_string())?;
+                }
             }
+            Cursor::Set(key, value) => tx.set_meta(key, value)?,
         }
     }
     Ok(outcome)
@@ -886,7 +902,7 @@ mod tests {
             )),
             accepted_at: now,
             expires_at: now + ttl,
-            cursor: None,
+            cursors: Vec::new(),
         }
     }
 

@@ -9,7 +9,7 @@
 use super::inbound::{FileItem, Inbound};
 use super::Host;
 use crate::ids;
-use crate::outbox::{NewMessage, ReplyRef, Ticket};
+use crate::outbox::{Cursor, NewMessage, ReplyRef, Ticket};
 use crate::source::Source;
 
 /// A message a provider read, for the outbox.
@@ -20,8 +20,8 @@ pub struct Arrival<'a> {
     pub file: Option<Fetch<'a>>,
     /// Mint a reply reference (the conversation can be answered).
     pub reply_ref: bool,
-    /// A consumer cursor (`meta` key, value) advanced in the same transaction.
-    pub cursor: Option<(String, u64)>,
+    /// Consumer cursors moved in the same transaction.
+    pub cursors: Vec<Cursor>,
     pub when_stale: WhenStale,
 }
 
@@ -98,7 +98,7 @@ impl Host {
             reply_ref,
             accepted_at: now,
             expires_at,
-            cursor: a.cursor,
+            cursors: a.cursors,
         }))
     }
 }

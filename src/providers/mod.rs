@@ -16,6 +16,7 @@ pub mod intake;
 pub mod keyfiles;
 pub mod telegram;
 pub mod webhook;
+pub mod wechat;
 pub mod workers;
 
 use std::path::PathBuf;
@@ -33,7 +34,12 @@ use crate::source::Source;
 use crate::store::{self, Db, StoreError};
 
 /// Every provider imgate knows, in Card order. Adding a provider: its folder and one line here.
-pub const REGISTRATIONS: &[Registration] = &[webhook::REGISTRATION, telegram::REGISTRATION, feishu::REGISTRATION];
+pub const REGISTRATIONS: &[Registration] = &[
+    webhook::REGISTRATION,
+    telegram::REGISTRATION,
+    feishu::REGISTRATION,
+    wechat::REGISTRATION,
+];
 
 /// One provider's entry: how it reads the config, how it starts.
 pub struct Registration {

@@ -268,7 +268,7 @@ impl Webhooks {
             inbound: m,
             file: None,
             reply_ref: hook.reply_url.is_some(),
-            cursor: None,
+            cursors: Vec::new(),
             when_stale: WhenStale::Refuse,
         };
         let ticket = match self.host.intake(arrival) {

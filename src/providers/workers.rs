@@ -107,6 +107,11 @@ impl<K: Hash + Eq + Clone + Display> Workers<K> {
         }
     }
 
+    /// Forgets the worker of `key` (it ended on its own, or must): a later `sync` starts a new one.
+    pub fn forget(&self, key: &K) {
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+    }
+
     /// Shutdown: every worker stops (a thread in a long poll leaves when it returns).
     pub fn stop_all(&self) {
         self.running.lock().unwrap_or_else(|e| e.into_inner()).clear();

@@ -6,6 +6,7 @@
 pub mod botapi;
 pub mod ext4;
 pub mod feishu;
+pub mod ilink;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

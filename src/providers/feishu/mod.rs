@@ -321,7 +321,7 @@ impl Feishu {
             }),
             inbound,
             reply_ref: true,
-            cursor: None,
+            cursors: Vec::new(),
             when_stale: WhenStale::CountExpired,
         };
         match self.host.intake(arrival) {

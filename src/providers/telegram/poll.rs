@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::api::{Api, POLL_SECONDS};
 use super::{source_of, ChatInfo, Telegram};
 use crate::json::{self, obj, strs, Value};
-use crate::outbox::Enqueued;
+use crate::outbox::{Cursor, Enqueued};
 use crate::providers::inbound::{FileItem, Inbound};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
 use crate::providers::workers::{Stop, Worker, Workers};
@@ -175,7 +175,7 @@ pub(super) fn accept(tg: &Telegram, token: &str, bot_id: u64, updates: &[Value])
             }),
             inbound: message.inbound,
             reply_ref: true,
-            cursor: Some((key.clone(), after)),
+            cursors: vec![Cursor::Forward(key.clone(), after)],
             when_stale: WhenStale::CountExpired,
         };
         let ticket = match host.intake(arrival) {
@@ -253,11 +253,7 @@ pub fn read_update(u: &json::Object) -> Option<Update> {
 
 /// A Telegram integer ID (chats are negative for groups); `None` beyond `i64`.
 pub(super) fn int(o: &json::Object, key: &str) -> Option<i64> {
-    match o.get(key) {
-        Some(Value::Number(json::Number::I64(n))) => Some(*n),
-        Some(Value::Number(json::Number::U64(n))) => i64::try_from(*n).ok(),
-        _ => None,
-    }
+    json::get_i64(o, key)
 }
 
 /// A file of a Telegram message, before it is fetched.

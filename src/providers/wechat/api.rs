@@ -1,0 +1,174 @@
+//! A small client of WeChat's iLink bot API over ureq: the QR login (`get_bot_qrcode`,
+//! `get_qrcode_status`), the receive long-poll (`getupdates`) and `sendmessage`.
+//!
+//! Every POST carries `AuthorizationType: ilink_bot_token`, the bot token as a bearer, a random
+//! `X-WECHAT-UIN` and a `base_info` in its body. Answers are JSON, read through `json::parse`
+//! with a size cap; `ret` or `errcode` other than 0 is an error whatever the HTTP status. The
+//! token travels only in the `Authorization` header, so no URL or error text carries it.
+
+use std::time::Duration;
+
+use crate::json::{self, obj, s, Object, Value};
+use crate::providers::Transient;
+
+/// Answers larger than this are refused (a batch of updates is small; media go to the CDN).
+pub const MAX_ANSWER: u64 = 4 << 20;
+/// `errcode` of a login WeChat ended (session timeout): a new QR login is needed.
+pub const SESSION_ENDED: i64 = -14;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status, or 0 when the server could not be reached or answered nonsense.
+    pub status: u16,
+    /// iLink's `ret` or `errcode` (0 when the answer had none).
+    pub code: i64,
+    pub msg: String,
+}
+
+impl ApiError {
+    fn unreachable(e: impl std::fmt::Display) -> ApiError {
+        ApiError {
+            status: 0,
+            code: 0,
+            msg: e.to_string(),
+        }
+    }
+
+    /// WeChat ended the login: the bot token is no longer good.
+    pub fn session_ended(&self) -> bool {
+        self.code == SESSION_ENDED
+    }
+}
+
+impl Transient for ApiError {
+    fn unreachable(&self) -> bool {
+        self.status == 0
+    }
+
+    fn temporary(&self) -> bool {
+        self.status == 0 || self.status == 429 || self.status >= 500
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        None
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let msg = crate::quiet::shown(&self.msg);
+        match (self.status, self.code) {
+            (0, _) => write!(f, "WeChat unreachable: {msg}"),
+            (status, 0) => write!(f, "WeChat answered HTTP {status}: {msg}"),
+            (status, code) => write!(f, "WeChat answered HTTP {status}, code {code}: {msg}"),
+        }
+    }
+}
+
+pub struct Api {
+    http: ureq::Agent,
+}
+
+impl Default for Api {
+    fn default() -> Api {
+        Api {
+            http: ureq::Agent::config_builder()
+                .timeout_connect(Some(Duration::from_secs(5)))
+                .http_status_as_error(false)
+                .build()
+                .into(),
+        }
+    }
+}
+
+/// `X-WECHAT-UIN`: a random 32-bit number in decimal, base64-encoded.
+fn random_uin() -> String {
+    let n = u32::from_str_radix(&crate::ids::random_hex(4), 16).unwrap_or(0);
+    crate::ids::base64(n.to_string().as_bytes())
+}
+
+impl Api {
+    /// `GET {base}/{path}` without a token (the QR login); the answer object.
+    pub fn get(&self, base: &str, path: &str, timeout: Duration) -> Result<Object, ApiError> {
+        let url = format!("{}/{path}", base.trim_end_matches('/'));
+        let resp = self
+            .http
+            .get(&url)
+            .config()
+            .timeout_global(Some(timeout))
+            .build()
+            .call()
+            .map_err(ApiError::unreachable)?;
+        read_answer(resp)
+    }
+
+    /// `POST {base}/{path}` with the bot token and `base_info` added to `body`.
+    pub fn post(
+        &self,
+        base: &str,
+        path: &str,
+        token: &str,
+        body: Object,
+        timeout: Duration,
+    ) -> Result<Object, ApiError> {
+        let url = format!("{}/{path}", base.trim_end_matches('/'));
+        let mut body = body;
+        body.insert(
+            "base_info".into(),
+            obj([
+                ("channel_version", s(crate::protocol::card::VERSION)),
+                ("bot_agent", s("imgate")),
+            ]),
+        );
+        let resp = self
+            .http
+            .post(&url)
+            .config()
+            .timeout_global(Some(timeout))
+            .build()
+            .header("Content-Type", "application/json")
+            .header("AuthorizationType", "ilink_bot_token")
+            .header("Authorization", &format!("Bearer {token}"))
+            .header("X-WECHAT-UIN", &random_uin())
+            .send(json::to_string(&Value::Object(body)).as_bytes())
+            .map_err(ApiError::unreachable)?;
+        read_answer(resp)
+    }
+}
+
+/// The answer's object: an error when the status is not 200, or `ret`/`errcode` is not 0.
+fn read_answer(mut resp: ureq::http::Response<ureq::Body>) -> Result<Object, ApiError> {
+    let status = resp.status().as_u16();
+    let text = resp
+        .body_mut()
+        .with_config()
+        .limit(MAX_ANSWER)
+        .read_to_string()
+        .map_err(ApiError::unreachable)?;
+    let parsed = json::parse(&text).ok().and_then(|v| match v {
+        Value::Object(o) => Some(o),
+        _ => None,
+    });
+    let Some(o) = parsed else {
+        let msg = if status == 200 {
+            "an answer that is not a JSON object"
+        } else {
+            "no readable answer"
+        };
+        return Err(ApiError {
+            status: if status == 200 { 0 } else { status },
+            code: 0,
+            msg: msg.into(),
+        });
+    };
+    let code = [json::get_i64(&o, "ret"), json::get_i64(&o, "errcode")]
+        .into_iter()
+        .flatten()
+        .find(|c| *c != 0)
+        .unwrap_or(0);
+    if status != 200 || code != 0 {
+        let msg = json::get_str(&o, "errmsg").unwrap_or("refused").to_string();
+        return Err(ApiError { status, code, msg });
+    }
+    Ok(o)
+}

@@ -1,0 +1,425 @@
+//! WeChat through the iLink bot API: a user signs in by scanning a QR code in xAgent
+//! (`wechat_qr_login`), and from then on talks to their WeChat bot; the agent answers in the
+//! same chat. Everything runs outbound from the device (long polls), so no public URL is needed.
+//!
+//! Source key: the bot's `ilink_bot_id` (one login is one bot for one WeChat user). The bot
+//! token, the login's `baseurl` and the user's ID are kept only in
+//! `state_dir/wechat/{ilink_bot_id}.token` (mode 0600), never in the database, a packet or a
+//! log line. Receiving (`poll`) moves iLink's sync buffer in the outbox transaction of the
+//! batch's last message, with the user's latest context token, which every send needs.
+//!
+//! Not yet: media (images, files, video and voice arrive as a note in the text; file send is
+//! not offered), typing.
+
+mod api;
+mod login;
+mod poll;
+pub mod qr;
+pub mod update;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use miniserde::{Deserialize, Serialize};
+
+use self::api::Api;
+use super::keyfiles::KeyFiles;
+use super::workers::{Worker, Workers};
+use super::{split_text, with_retry, AuthStep, Description, Failure, Host, Outbound, Provider, Registration};
+use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::ids;
+use crate::json::{self, arr, obj, s, Object, Value};
+use crate::protocol::code;
+use crate::protocol::descriptor::{Target, ToolState};
+use crate::protocol::{TOOL_REPLY, TOOL_SEND};
+use crate::source::Source;
+use crate::store::{self, StoreError};
+
+const NAME: &str = "wechat";
+const FLOW: &str = "wechat_qr_login";
+const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY];
+/// A text message is split at this many characters.
+const MAX_TEXT: usize = 2000;
+/// A tool call retries server errors for at most this long.
+const TOOL_DEADLINE: Duration = Duration::from_secs(20);
+
+pub const REGISTRATION: Registration = Registration {
+    reader: Reader {
+        provider: NAME,
+        section: "wechat",
+        secrets: &[],
+        read,
+    },
+    start,
+};
+
+/// `[wechat]`.
+#[derive(Clone)]
+pub struct WechatSettings {
+    pub api_base: String,
+    /// `api_base` was set in the file: every call goes there, not to a login's `baseurl`.
+    pub api_base_fixed: bool,
+    pub cdn_base: String,
+}
+
+impl Settings for WechatSettings {
+    fn summary(&self) -> String {
+        format!(
+            "wechat:            api_base {}, cdn_base {}\n",
+            self.api_base, self.cdn_base
+        )
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+    let section = sections.first()?;
+    let mut f = Fields::new(section, p, &[]);
+    let given = f.url("api_base");
+    let settings = WechatSettings {
+        api_base_fixed: given.is_some(),
+        api_base: given.unwrap_or_else(|| "https://ilinkai.weixin.qq.com".into()),
+        cdn_base: f
+            .url("cdn_base")
+            .unwrap_or_else(|| "https://novac2c.cdn.weixin.qq.com/c2c".into()),
+    };
+    f.finish();
+    Some(Arc::new(settings))
+}
+
+fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
+    let Some(settings) = host.config.provider::<WechatSettings>(NAME).cloned() else {
+        return Ok(None);
+    };
+    Ok(Some(Arc::new_cyclic(|me| Wechat {
+        me: me.clone(),
+        host: host.clone(),
+        settings,
+        api: Api::default(),
+        logins: login::Logins::default(),
+        pollers: Workers::new("wechat: bot", "receiver"),
+        unbound_messages: AtomicU64::new(0),
+    })))
+}
+
+/// A bot ID fit for a file name and a source key: `…@im.bot`.
+pub fn safe_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '@' | '.' | '_' | '-'))
+}
+
+/// What a login left: the bot's token and where to call, and the user it talks to. Kept in its
+/// 0600 file, never in the database.
+#[derive(Serialize, Deserialize, Clone)]
+struct Account {
+    bot_token: String,
+    baseurl: String,
+    user_id: String,
+}
+
+pub struct Wechat {
+    me: Weak<Wechat>,
+    host: Arc<Host>,
+    settings: WechatSettings,
+    api: Api,
+    logins: login::Logins,
+    pollers: Workers<String>,
+    /// Messages to a bot whose channel binding is gone (counted, not stored).
+    unbound_messages: AtomicU64,
+}
+
+fn buf_key(bot: &str) -> String {
+    format!("wechat_buf:{bot}")
+}
+
+fn context_key(bot: &str) -> String {
+    format!("wechat_context:{bot}")
+}
+
+/// Set when WeChat ended the bot's login (session timeout): the time, in Unix ms.
+fn ended_key(bot: &str) -> String {
+    format!("wechat_ended:{bot}")
+}
+
+impl Wechat {
+    fn token_files(&self) -> KeyFiles {
+        KeyFiles {
+            dir: self.host.config.server.state_dir.join("wechat"),
+            prefix: "",
+            suffix: ".token",
+        }
+    }
+
+    fn account(&self, bot: &str) -> Option<Account> {
+        let text = self.token_files().read(bot)?;
+        miniserde::json::from_str(&text).ok()
+    }
+
+    /// Where the bot's calls go: the login's `baseurl`, unless `api_base` is set in the file.
+    fn base_of(&self, account: &Account) -> String {
+        match self.settings.api_base_fixed || account.baseurl.is_empty() {
+            true => self.settings.api_base.clone(),
+            false => account.baseurl.clone(),
+        }
+    }
+
+    fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
+        self.host.db.read(|txn| store::meta(txn, key))
+    }
+
+    /// The bot's login ended at WeChat: remembered, so the Descriptor and tools say so.
+    fn login_ended(&self, bot: &str) {
+        log::warn!("wechat: bot {bot}: WeChat ended its sign-in (session timeout); sign in again with a QR code");
+        // Its receiver stops; a new sign-in starts another.
+        self.pollers.forget(&bot.to_string());
+        let now = ids::now_ms().to_string();
+        if let Err(e) = self
+            .host
+            .db
+            .write(|txn| store::set_meta(txn, &ended_key(bot), Some(&now)))
+        {
+            log::error!("wechat: cannot record that bot {bot}'s sign-in ended: {e}");
+        }
+    }
+
+    /// The binding's account and whether WeChat still takes it, or the tool error that says why not.
+    fn route(&self, source: &Source) -> Result<(String, Account), Failure> {
+        let bot = source.key();
+        if self.meta(&ended_key(bot)).map_err(Failure::storage)?.is_some() {
+            return Err(Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                "WeChat ended this sign-in; sign in again with a QR code on this channel",
+            ));
+        }
+        let account = self.account(bot).ok_or_else(|| {
+            Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                "the WeChat sign-in of this channel is gone; sign in again with a QR code",
+            )
+        })?;
+        Ok((bot.to_string(), account))
+    }
+
+    /// Sends one text in the user's context; the client ID WeChat knows it by.
+    fn send_text(&self, bot: &str, account: &Account, text: &str, client_id: &str) -> Result<(), Failure> {
+        let context = self.meta(&context_key(bot)).map_err(Failure::storage)?;
+        let mut msg = vec![
+            ("from_user_id", s("")),
+            ("to_user_id", s(&account.user_id)),
+            ("client_id", s(client_id)),
+            ("message_type", json::n(2)),
+            ("message_state", json::n(2)),
+            (
+                "item_list",
+                arr([obj([("type", json::n(1)), ("text_item", obj([("text", s(text))]))])]),
+            ),
+        ];
+        if let Some(c) = &context {
+            msg.push(("context_token", s(c)));
+        }
+        let body = object(obj([("msg", obj(msg))]));
+        let base = self.base_of(account);
+        let deadline = Instant::now() + TOOL_DEADLINE;
+        let sent = with_retry("wechat: sendmessage", deadline, |left| {
+            self.api
+                .post(&base, "ilink/bot/sendmessage", &account.bot_token, body.clone(), left)
+        });
+        match sent {
+            Ok(_) => Ok(()),
+            Err(e) if e.session_ended() => {
+                self.login_ended(bot);
+                Err(Failure::new(
+                    code::CONNECTION_NOT_AUTHENTICATED,
+                    "WeChat ended this sign-in; sign in again with a QR code on this channel",
+                ))
+            }
+            Err(e) if e.status == 200 => Err(Failure::new(
+                code::UPSTREAM_REJECTED,
+                format!(
+                    "WeChat did not deliver the message (code {}): a bot may only answer for a while after the user's last message, so the user has to write to the bot again first",
+                    e.code
+                ),
+            )),
+            Err(e) => Err(Failure::upstream(&e)),
+        }
+    }
+
+    /// The bots with a binding and a token, for the receivers.
+    fn bound_bots(&self, bound: &[Source]) -> Vec<String> {
+        let mut bots: Vec<String> = bound
+            .iter()
+            .filter(|s| s.provider() == NAME && safe_id(s.key()))
+            .map(|s| s.key().to_string())
+            .collect();
+        bots.sort();
+        bots.dedup();
+        bots
+    }
+}
+
+fn object(v: Value) -> Object {
+    match v {
+        Value::Object(o) => o,
+        _ => Object::new(),
+    }
+}
+
+/// A client ID for WeChat from the tool call's idempotency key: a retried call sends the same.
+fn client_id(idempotency_key: &str, part: usize) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{idempotency_key}:{part}").as_bytes());
+    format!("imgate-{}", ids::hex(&digest.as_ref()[..12]))
+}
+
+fn flow() -> Value {
+    obj([
+        ("id", s(FLOW)),
+        ("target_type", s("im")),
+        ("type", s("qr_login")),
+        ("title", s("Sign in to WeChat with a QR code")),
+        (
+            "description",
+            s("Scan the code with WeChat on your phone and confirm: this channel then talks to your WeChat bot."),
+        ),
+    ])
+}
+
+impl Provider for Wechat {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn target(&self) -> Value {
+        obj([
+            ("target_type", s("im")),
+            ("provider", s(NAME)),
+            ("label", s("WeChat")),
+            ("description", s("Your WeChat bot, signed in by scanning a QR code.")),
+        ])
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow()]
+    }
+
+    fn flow_ids(&self) -> &'static [&'static str] {
+        &[FLOW]
+    }
+
+    fn tools(&self) -> &'static [&'static str] {
+        TOOLS
+    }
+
+    fn auth_start(&self, _flow_id: &str, _input: &Object) -> Result<AuthStep, Failure> {
+        self.logins.start(self)
+    }
+
+    fn auth_poll(&self, _flow_id: &str, login: &str, refresh: bool) -> Result<AuthStep, Failure> {
+        self.logins.poll(self, login, refresh)
+    }
+
+    fn auth_cancel(&self, _flow_id: &str, login: &str) {
+        self.logins.cancel(login);
+    }
+
+    fn logout(&self, source: &Source) {
+        let bot = source.key();
+        if safe_id(bot) {
+            let _ = std::fs::remove_file(self.token_files().path(bot));
+            log::info!("wechat: bot {bot} signed out; its token is forgotten");
+        }
+    }
+
+    fn describe(&self, source: &Source) -> Result<Description, StoreError> {
+        let bot = source.key();
+        let ended = self.meta(&ended_key(bot))?.is_some();
+        let account = self.account(bot);
+        let target = Target {
+            provider: NAME.into(),
+            label: "WeChat".into(),
+            display_name: format!("WeChat ({bot})"),
+            account_hint: account.as_ref().map(|a| crate::providers::inbound::redact(&a.user_id)),
+        };
+        let why = match (ended, &account) {
+            (true, _) => Some("WeChat ended this sign-in; sign in again with a QR code"),
+            (false, None) => Some("the sign-in is gone; sign in again with a QR code"),
+            (false, Some(_)) => None,
+        };
+        Ok(match why {
+            None => Description {
+                status: "connected",
+                target,
+                tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
+            },
+            Some(why) => Description {
+                status: "expired",
+                target,
+                tools: TOOLS.iter().map(|t| (*t, ToolState::unavailable(why))).collect(),
+            },
+        })
+    }
+
+    fn label(&self, _source: &Source) -> String {
+        "WeChat".into()
+    }
+
+    fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
+        let (bot, account) = self.route(source)?;
+        if !out.files.is_empty() {
+            return Err(Failure::new(
+                code::CHANNEL_UNAVAILABLE,
+                "files cannot be sent to WeChat yet",
+            ));
+        }
+        let parts = split_text(out.text, MAX_TEXT);
+        let mut last = String::new();
+        for (i, part) in parts.iter().enumerate() {
+            last = client_id(out.idempotency_key, i);
+            self.send_text(&bot, &account, part, &last)?;
+        }
+        Ok(last)
+    }
+
+    fn bindings_changed(&self, bound: &[Source]) {
+        let bots = self.bound_bots(bound);
+        let Some(me) = self.me.upgrade() else { return };
+        let receiving: Vec<String> = bots
+            .iter()
+            .filter(|b| self.account(b).is_some() && !matches!(self.meta(&ended_key(b)), Ok(Some(_))))
+            .cloned()
+            .collect();
+        self.pollers.sync(&receiving, |bot| {
+            log::info!("wechat: receiving for bot {bot}");
+            let (weak, bot) = (Arc::downgrade(&me), bot.clone());
+            Worker::thread(format!("wx-{}", &bot[..bot.len().min(10)]), move |stop| {
+                poll::run(weak, bot, stop)
+            })
+        });
+        self.token_files().forget_unused(&bots, "wechat: token of bot");
+    }
+
+    fn metrics(&self, out: &mut String) {
+        out.push_str("# TYPE imgate_wechat_receivers gauge\n");
+        out.push_str(&format!("imgate_wechat_receivers {}\n", self.pollers.count()));
+        out.push_str("# TYPE imgate_wechat_unbound_messages_total counter\n");
+        out.push_str(&format!(
+            "imgate_wechat_unbound_messages_total {}\n",
+            self.unbound_messages.load(Ordering::Relaxed)
+        ));
+    }
+
+    fn stop(&self) {
+        self.pollers.stop_all();
+    }
+}
+
+/// Shared by `login` and `poll`: a lock that a panic elsewhere does not poison.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
