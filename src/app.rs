@@ -4,7 +4,7 @@
 //! them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::channels::Channels;
 use crate::config::Config;
@@ -56,6 +56,7 @@ impl App {
             files: Files::open(db.clone(), &config.server.state_dir, config.files.clone())?,
             db,
             config,
+            state_changed: OnceLock::new(),
         });
         let connector_id = host.channels.connector_id()?;
         let hub = Arc::new(Hub::default());

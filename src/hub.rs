@@ -124,6 +124,15 @@ impl Hub {
         v
     }
 
+    /// The open channel bound to `source`, if one is.
+    pub fn channel_of(&self, source: &str) -> Option<String> {
+        let g = self.lock();
+        g.open
+            .iter()
+            .find(|(_, o)| o.source.as_ref().is_some_and(|s| s.as_str() == source))
+            .map(|(c, _)| c.clone())
+    }
+
     /// Ends every session (shutdown): each sends a close frame and stops.
     pub fn close_all(&self, reason: &str) {
         for link in self.lock().sessions.values() {

@@ -10,14 +10,16 @@ use crate::common::*;
 use serde_json::{json, Value};
 
 fn wechat(tag: &str) -> (Daemon, Ilink, std::path::PathBuf) {
+    wechat_env(tag, &[])
+}
+
+/// Logs at debug: no secret may show even there.
+fn wechat_env(tag: &str, env: &[(&str, &str)]) -> (Daemon, Ilink, std::path::PathBuf) {
     let api = Ilink::start();
     let dir = temp_dir(tag);
     let conf = format!("[wechat]\napi_base = {}\ncdn_base = {}/c2c\n", api.base, api.base);
-    (
-        Daemon::start(&dir, &config_text(free_port(), &dir, None, &conf)),
-        api,
-        dir,
-    )
+    let config = config_text(free_port(), &dir, None, &conf);
+    (Daemon::start_env(&dir, &config, "debug", env), api, dir)
 }
 
 fn start_login(x: &mut Sim, cch: &str) -> Value {
@@ -223,6 +225,134 @@ fn the_sync_buffer_survives_a_restart_so_nothing_is_pushed_twice_or_lost() {
     );
 }
 
+#[test]
+fn media_are_decrypted_into_the_file_cache_and_a_file_goes_out_encrypted() {
+    let (d, api, _dir) = wechat("wx-media");
+    let (mut x, cch) = signed_in(&d, &api);
+    let pdf = b"%PDF-1.4 a small report \x00\x01\x02 with binary bytes".repeat(20);
+    api.user_sends(4, "report.pdf", &pdf, "ctx-f");
+    let push = x
+        .next_push(Duration::from_secs(10))
+        .expect("the file's message is pushed");
+    let file = &push["payload"]["files"][0];
+    assert_eq!(
+        (file["filename"].as_str(), file["mime_type"].as_str()),
+        (Some("report.pdf"), Some("application/pdf")),
+        "{push}"
+    );
+    let (status, bytes) = http_get_bytes(&d.url(file["download_url"].as_str().unwrap()));
+    assert_eq!((status, bytes), (200, pdf.clone()), "decrypted on the device");
+    let png = b"\x89PNG\r\n\x1a\n an image".to_vec();
+    api.user_sends(2, "", &png, "ctx-i");
+    let push = x.next_push(Duration::from_secs(10)).unwrap();
+    assert_eq!(push["payload"]["files"][0]["mime_type"], "image/png", "{push}");
+
+    // The file tool: encrypted, uploaded, then sent as a file item in the user's context.
+    let (code, up) = upload_as(&d, &cch, "notes.txt", "text/plain", b"meeting at 10");
+    assert_eq!(code, 200, "{up}");
+    let file_ref = up["file_ref"].as_str().unwrap();
+    let ack = x.tool(
+        &cch,
+        "imgate_file_send",
+        json!({"file_ref": file_ref, "caption": "the notes"}),
+        "f1",
+    );
+    assert!(ack["error"].is_null(), "{ack}");
+    let sent = api.wait_sent(2, Duration::from_secs(5));
+    assert_eq!(sent[0]["msg"]["item_list"][0]["text_item"]["text"], "the notes");
+    let item = &sent[1]["msg"]["item_list"][0];
+    assert_eq!(
+        (item["type"].as_u64(), item["file_item"]["file_name"].as_str()),
+        (Some(4), Some("notes.txt"))
+    );
+    assert_eq!(sent[1]["msg"]["context_token"], "ctx-i");
+    assert_eq!(
+        api.uploaded(&item["file_item"]["media"]).as_deref(),
+        Some(&b"meeting at 10"[..])
+    );
+    let ask = &api.upload_asks()[0];
+    assert_eq!(
+        (ask["rawsize"].as_u64(), ask["filesize"].as_u64()),
+        (Some(13), Some(16))
+    );
+    assert_eq!(ask["rawfilemd5"], md5_hex(b"meeting at 10"));
+}
+
+/// GET returning the raw bytes.
+fn http_get_bytes(url: &str) -> (u16, Vec<u8>) {
+    let mut r = load_agent()
+        .get(url)
+        .header("Authorization", &format!("Bearer {API_KEY}"))
+        .call()
+        .unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_vec().unwrap())
+}
+
+fn md5_hex(bytes: &[u8]) -> String {
+    use md5::Digest;
+    md5::Md5::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn a_login_follows_a_redirect_and_survives_a_reconnect_of_the_data_plane() {
+    let (d, api, dir) = wechat("wx-redirect");
+    let other = Ilink::start();
+    api.script_next_code(vec![
+        json!({"status": "scaned_but_redirect", "redirect_host": other.host()}),
+    ]);
+    other.script_next_code(vec![Ilink::confirmed()]);
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    let id = start_login(&mut x, &cch)["payload"]["auth_session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(status(&mut x, &cch, &id, false)["payload"]["status"], "scanned");
+    x.close();
+    // xAgent reconnects and polls the same login; the poll goes to the redirected host.
+    let mut y = d.xagent();
+    y.hello(&d.connector_id());
+    y.open(Some(&cch));
+    let done = status(&mut y, &cch, &id, false);
+    assert_eq!(done["payload"]["status"], "authenticated", "{done}");
+    // Logout forgets the token and stops receiving.
+    let out = y.request("auth.logout", Some(&cch), json!({}));
+    assert_eq!(out["payload"]["status"], "ok");
+    assert!(
+        !dir.join(format!("state/wechat/{BOT_ID}.token")).exists(),
+        "the token is forgotten"
+    );
+    assert!(d.log_shows("has no binding left; its receiver stops", Duration::from_secs(5)));
+}
+
+#[test]
+fn a_sigkill_between_getupdates_and_the_commit_loses_nothing_and_a_redelivery_is_stored_once() {
+    let (mut d, api, _dir) = wechat_env("wx-crash", &[("IMGATE_TEST_CRASH", "intake-before-commit:1")]);
+    let (x, cch) = signed_in(&d, &api);
+    let id = api.user_says("survive me", "ctx-1");
+    assert!(
+        d.wait_exit(Duration::from_secs(10)).is_some(),
+        "killed before the commit"
+    );
+    drop(x);
+    let d = d.restart_env(&[]);
+    let mut y = d.xagent();
+    y.hello(&d.connector_id());
+    y.open(Some(&cch));
+    let push = y
+        .next_push(Duration::from_secs(10))
+        .expect("the message survived the crash");
+    assert_eq!(push["payload"]["message_id"], json!(id));
+    // iLink sends it once more: stored once.
+    api.deliver_again();
+    assert!(
+        y.next_push(Duration::from_secs(3)).is_none(),
+        "exactly one message was pushed"
+    );
+    assert_no_secret(&d.log(), &[BOT_TOKEN, "ctx-1"], "the debug log");
+}
+
 /// Reads packets until `done` holds, for at most 10 s.
 fn wait_for(mut done: impl FnMut() -> bool, x: &mut Sim) -> bool {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -250,6 +380,13 @@ fn an_ended_login_shows_expired_tools_say_so_and_a_new_scan_recovers() {
         "{refused}"
     );
     api.end_login();
+    let pushed = x
+        .next_of("connection.descriptor.push", Duration::from_secs(10))
+        .expect("xAgent is told");
+    assert_eq!(
+        pushed["payload"]["connection_descriptor"]["connection"]["status"], "expired",
+        "{pushed}"
+    );
     assert!(d.log_shows("WeChat ended its sign-in", Duration::from_secs(10)));
     let desc = x.request("connection.descriptor.get", Some(&cch), json!({}));
     assert_eq!(

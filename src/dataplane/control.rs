@@ -142,6 +142,19 @@ pub(super) async fn push_descriptor(plane: &Arc<Plane>, cch: &str, profiles: &[S
     plane.hub.send_to_channel(cch, push);
 }
 
+/// The Descriptor of the open channel bound to `source`, pushed to its session (blocking: a
+/// provider's thread calls it).
+pub(super) fn push_state(plane: &Plane, source: &crate::source::Source) {
+    let Some(cch) = plane.hub.channel_of(source.as_str()) else {
+        return;
+    };
+    let profiles = [plane.config.xagent.profile.as_str().to_string()];
+    let push = Packet::new("connection.descriptor.push")
+        .with_channel(&cch)
+        .with_payload(obj([("connection_descriptor", describe(plane, &cch, &profiles))]));
+    plane.hub.send_to_channel(&cch, push);
+}
+
 /// How a channel shows: status, target, and its tools' states.
 struct Shown {
     status: &'static str,

@@ -56,12 +56,21 @@ impl std::ops::Deref for Plane {
 impl Plane {
     /// Opens the data plane's tables on the app's database.
     pub fn open(app: Arc<App>) -> Result<Arc<Plane>, StoreError> {
-        Ok(Arc::new(Plane {
+        let plane = Arc::new(Plane {
             tool_results: tools::ToolResults::open(app.db.clone())?,
             chats: chat::Chats::open(app.db.clone())?,
             logins: auth::Logins::default(),
             app,
-        }))
+        });
+        // A binding that changed at its IM system (a sign-in ended) is pushed to xAgent. The
+        // provider calls this on its own thread: the Descriptor's store read is fine there.
+        let weak = Arc::downgrade(&plane);
+        let _ = plane.host.state_changed.set(Box::new(move |source| {
+            if let Some(plane) = weak.upgrade() {
+                control::push_state(&plane, source);
+            }
+        }));
+        Ok(plane)
     }
 
     /// The periodic sweep of the data plane's tables.

@@ -20,7 +20,7 @@ pub mod wechat;
 pub mod workers;
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::channels::Channels;
@@ -63,9 +63,22 @@ pub struct Host {
     pub channels: Channels,
     pub outbox: Outbox,
     pub files: Files,
+    /// Told when a binding's state changed at its IM system (a sign-in ended): the data plane
+    /// pushes the channel's Descriptor. Set once by the data plane.
+    pub state_changed: OnceLock<StateChanged>,
 }
 
+/// What `Host::binding_state_changed` calls.
+pub type StateChanged = Box<dyn Fn(&Source) + Send + Sync>;
+
 impl Host {
+    /// A provider saw the state of `source`'s binding change on its own: xAgent is told.
+    pub fn binding_state_changed(&self, source: &Source) {
+        if let Some(tell) = self.state_changed.get() {
+            tell(source);
+        }
+    }
+
     pub fn ttl_ms(&self) -> u64 {
         self.config.queue.ttl.as_millis() as u64
     }

@@ -4,7 +4,9 @@
 //! `getupdates` (the buffer is the only acknowledgement: a call with an older buffer gets the
 //! messages after it again; an idle call is held, then answered empty) and `sendmessage`
 //! (`ret: -2` without a fresh context token, `errcode: -14` once the login is ended). POSTs
-//! must carry `AuthorizationType: ilink_bot_token` and the bot token as a bearer.
+//! must carry `AuthorizationType: ilink_bot_token` and the bot token as a bearer. The CDN
+//! (`/c2c/download`, `/c2c/upload` after `getuploadurl`) keeps AES-128-ECB ciphertexts, as
+//! openclaw-weixin's `cdn/` code reads and writes them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
@@ -31,6 +33,10 @@ struct State {
     /// (path, AuthorizationType, Authorization) of every POST.
     posts: Vec<(String, String, String)>,
     getupdates_calls: usize,
+    /// encrypted_query_param → ciphertext on the CDN.
+    cdn: HashMap<String, Vec<u8>>,
+    /// Every `getuploadurl` body.
+    upload_asks: Vec<Value>,
 }
 
 pub struct Ilink {
@@ -55,9 +61,14 @@ impl Ilink {
             let (server, state) = (server.clone(), state.clone());
             std::thread::spawn(move || {
                 while let Ok(mut req) = server.recv() {
-                    let mut raw = String::new();
-                    let _ = std::io::Read::read_to_string(req.as_reader(), &mut raw);
+                    let mut bytes = Vec::new();
+                    let _ = std::io::Read::read_to_end(req.as_reader(), &mut bytes);
                     let url = req.url().to_string();
+                    if url.starts_with("/c2c/") {
+                        let _ = req.respond(cdn(&state, &url, bytes));
+                        continue;
+                    }
+                    let raw = String::from_utf8_lossy(&bytes).to_string();
                     if *req.method() == tiny_http::Method::Post {
                         let post = (
                             url.clone(),
@@ -106,6 +117,67 @@ impl Ilink {
         s.good_contexts.push(context.to_string());
         cv.notify_all();
         id
+    }
+
+    /// The user sends a file (`type` 4, its key as base64 of hex) or an image (`type` 2, its
+    /// key as `image_item.aeskey` hex); the message's ID.
+    pub fn user_sends(&self, kind: u64, name: &str, bytes: &[u8], context: &str) -> String {
+        let (lock, cv) = &*self.state;
+        let mut s = lock.lock().unwrap();
+        let key: [u8; 16] = core::array::from_fn(|i| (i as u8).wrapping_mul(37).wrapping_add(s.inbox.len() as u8));
+        let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+        let param = format!("dl-{}", s.cdn.len());
+        s.cdn.insert(param.clone(), aes_ecb(bytes, &key, true));
+        let item = match kind {
+            2 => {
+                json!({"type": 2, "image_item": {"aeskey": hex, "media": {"encrypt_query_param": param, "aes_key": base64_encode(&key)}}})
+            }
+            _ => json!({"type": 4, "file_item": {"file_name": name, "len": bytes.len().to_string(),
+                        "media": {"encrypt_query_param": param, "aes_key": base64_encode(hex.as_bytes())}}}),
+        };
+        let id = format!("{}", 7_100_000_000_000_000_000u64 + s.inbox.len() as u64);
+        s.inbox.push(json!({
+            "message_id": id, "from_user_id": USER, "message_type": 1, "context_token": context,
+            "item_list": [item]
+        }));
+        s.good_contexts.push(context.to_string());
+        cv.notify_all();
+        id
+    }
+
+    /// The plaintext of what a `sendmessage` item points at on the CDN, decrypted with its key.
+    pub fn uploaded(&self, media: &Value) -> Option<Vec<u8>> {
+        let key_text = String::from_utf8(base64_decode(media["aes_key"].as_str()?)).ok()?;
+        let key: Vec<u8> = (0..16)
+            .map(|i| u8::from_str_radix(&key_text[2 * i..2 * i + 2], 16).unwrap())
+            .collect();
+        let cipher = self
+            .state
+            .0
+            .lock()
+            .unwrap()
+            .cdn
+            .get(media["encrypt_query_param"].as_str()?)?
+            .clone();
+        Some(aes_ecb(&cipher, &key.try_into().ok()?, false))
+    }
+
+    pub fn upload_asks(&self) -> Vec<Value> {
+        self.state.0.lock().unwrap().upload_asks.clone()
+    }
+
+    /// iLink delivers the last message once more (it does, about a second apart).
+    pub fn deliver_again(&self) {
+        let (lock, cv) = &*self.state;
+        let mut s = lock.lock().unwrap();
+        let last = s.inbox.last().cloned().unwrap();
+        s.inbox.push(last);
+        cv.notify_all();
+    }
+
+    /// `host:port` of this server, as a redirect names it.
+    pub fn host(&self) -> String {
+        self.base.trim_start_matches("http://").to_string()
     }
 
     /// WeChat ends the login (session timeout).
@@ -206,6 +278,11 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &Value) -> Valu
                 s = cv.wait_timeout(s, left).unwrap().0;
             }
         }
+        "/ilink/bot/getuploadurl" => {
+            let mut s = lock.lock().unwrap();
+            s.upload_asks.push(body.clone());
+            json!({"ret": 0, "upload_param": format!("up-{}", s.upload_asks.len())})
+        }
         "/ilink/bot/sendmessage" => {
             let mut s = lock.lock().unwrap();
             if s.ended {
@@ -220,6 +297,54 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &Value) -> Valu
         }
         _ => json!({"ret": -1, "errmsg": "unknown path"}),
     }
+}
+
+/// The CDN: downloads by `encrypted_query_param`; an upload answers `x-encrypted-param`.
+fn cdn(
+    state: &Arc<(Mutex<State>, Condvar)>,
+    url: &str,
+    body: Vec<u8>,
+) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
+    let mut s = state.0.lock().unwrap();
+    let param = query(url, "encrypted_query_param").unwrap_or_default().to_string();
+    if url.starts_with("/c2c/download") {
+        return match s.cdn.get(&param) {
+            Some(bytes) => tiny_http::Response::from_data(bytes.clone()),
+            None => tiny_http::Response::from_data(Vec::new()).with_status_code(404),
+        };
+    }
+    if query(url, "filekey").is_none() || !param.starts_with("up-") || body.len() % 16 != 0 {
+        return tiny_http::Response::from_data(Vec::new()).with_status_code(400);
+    }
+    let download = format!("dl-up-{}", s.cdn.len());
+    s.cdn.insert(download.clone(), body);
+    tiny_http::Response::from_data(Vec::new())
+        .with_header(tiny_http::Header::from_bytes("x-encrypted-param", download.as_bytes()).unwrap())
+}
+
+/// AES-128-ECB with PKCS#7, as the CDN keeps files.
+fn aes_ecb(data: &[u8], key: &[u8; 16], encrypt: bool) -> Vec<u8> {
+    use aes::cipher::generic_array::GenericArray;
+    use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
+    let cipher = aes::Aes128::new(GenericArray::from_slice(key));
+    let mut out = data.to_vec();
+    if encrypt {
+        let pad = 16 - out.len() % 16;
+        out.extend(std::iter::repeat_n(pad as u8, pad));
+    }
+    for block in out.chunks_exact_mut(16) {
+        let b = GenericArray::from_mut_slice(block);
+        if encrypt {
+            cipher.encrypt_block(b)
+        } else {
+            cipher.decrypt_block(b)
+        }
+    }
+    if !encrypt {
+        let pad = *out.last().unwrap() as usize;
+        out.truncate(out.len() - pad);
+    }
+    out
 }
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";

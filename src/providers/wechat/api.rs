@@ -88,6 +88,11 @@ fn random_uin() -> String {
 }
 
 impl Api {
+    /// The HTTP client, for the CDN.
+    pub fn http(&self) -> &ureq::Agent {
+        &self.http
+    }
+
     /// `GET {base}/{path}` without a token (the QR login); the answer object.
     pub fn get(&self, base: &str, path: &str, timeout: Duration) -> Result<Object, ApiError> {
         let url = format!("{}/{path}", base.trim_end_matches('/'));

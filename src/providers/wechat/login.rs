@@ -47,6 +47,14 @@ fn url_safe(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '~'))
 }
 
+/// A host name (and port) for a redirect: no path, no credentials, nothing to escape.
+fn host_safe(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 255
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | ':'))
+}
+
 impl Logins {
     /// `auth.start`: a new code.
     pub fn start(&self, wx: &Wechat) -> Result<AuthStep, Failure> {
@@ -134,10 +142,12 @@ impl Logins {
             "wait" => waiting(Stage::Pending, "Waiting for the scan"),
             "scaned" => waiting(Stage::Scanned, "Scanned: confirm the sign-in in WeChat on the phone"),
             "scaned_but_redirect" => {
-                match json::get_str(o, "redirect_host").filter(|h| url_safe(h)) {
+                match json::get_str(o, "redirect_host").filter(|h| host_safe(h)) {
                     Some(host) => {
                         if let Some(w) = lock(&self.waiting).get_mut(handle) {
-                            w.base = format!("https://{host}");
+                            // Same scheme as before (https, but for a local test server).
+                            let scheme = w.base.split_once("://").map_or("https", |(s, _)| s);
+                            w.base = format!("{scheme}://{host}");
                         }
                     }
                     None => log::info!("wechat: a login redirect named no usable host; polling on"),

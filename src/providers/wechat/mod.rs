@@ -8,41 +8,54 @@
 //! log line. Receiving (`poll`) moves iLink's sync buffer in the outbox transaction of the
 //! batch's last message, with the user's latest context token, which every send needs.
 //!
-//! Not yet: media (images, files, video and voice arrive as a note in the text; file send is
-//! not offered), typing.
+//! Media go through the CDN encrypted (`cdn`): a message's first image, file, video or voice is
+//! fetched and decrypted into the file cache before the message is stored; the file tool
+//! encrypts, uploads and sends. Not yet: typing.
 
 mod api;
+pub mod cdn;
 mod login;
 mod poll;
 pub mod qr;
 pub mod update;
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use md5::Digest;
+
 use miniserde::{Deserialize, Serialize};
 
 use self::api::Api;
+use super::inbound::FileItem;
 use super::keyfiles::KeyFiles;
 use super::workers::{Worker, Workers};
 use super::{split_text, with_retry, AuthStep, Description, Failure, Host, Outbound, Provider, Registration};
 use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::files::FileRecord;
 use crate::ids;
 use crate::json::{self, arr, obj, s, Object, Value};
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
-use crate::protocol::{TOOL_REPLY, TOOL_SEND};
+use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::source::Source;
 use crate::store::{self, StoreError};
 
 const NAME: &str = "wechat";
 const FLOW: &str = "wechat_qr_login";
-const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY];
+const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text message is split at this many characters.
 const MAX_TEXT: usize = 2000;
 /// A tool call retries server errors for at most this long.
 const TOOL_DEADLINE: Duration = Duration::from_secs(20);
+/// A message's file is fetched for at most this long before the message goes on with a note.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+/// iLink's `media_type` of an upload.
+const UPLOAD_IMAGE: u64 = 1;
+const UPLOAD_VIDEO: u64 = 2;
+const UPLOAD_FILE: u64 = 3;
 
 pub const REGISTRATION: Registration = Registration {
     reader: Reader {
@@ -187,6 +200,7 @@ impl Wechat {
         {
             log::error!("wechat: cannot record that bot {bot}'s sign-in ended: {e}");
         }
+        self.host.binding_state_changed(&Source::new(NAME, bot));
     }
 
     /// The binding's account and whether WeChat still takes it, or the tool error that says why not.
@@ -207,8 +221,125 @@ impl Wechat {
         Ok((bot.to_string(), account))
     }
 
-    /// Sends one text in the user's context; the client ID WeChat knows it by.
+    /// A message's file: fetched from the CDN, decrypted, into the file cache.
+    fn fetch_media(&self, source: &Source, m: &cdn::MediaRef) -> Result<FileItem, String> {
+        let limit = self.host.config.files.max_file_bytes;
+        let url = cdn::download_url(&self.settings.cdn_base, m).ok_or("it names no place to fetch it from")?;
+        // The ciphertext is at most one block longer than the file.
+        let bytes = cdn::download(self.api.http(), &url, limit + 16, FETCH_TIMEOUT)?;
+        let plain = match m.key.as_deref() {
+            Some(k) => cdn::decrypt(&bytes, &cdn::key_of(k).ok_or("its key cannot be read")?)?,
+            None => bytes,
+        };
+        let name = m.file_name.clone().unwrap_or_else(|| {
+            match m.kind {
+                "image" => "image.jpg",
+                "video" => "video.mp4",
+                "audio" => "voice.silk",
+                _ => "file",
+            }
+            .into()
+        });
+        let mime = cdn::mime_of(m.kind, &name, &plain);
+        let (file_ref, rec) = self
+            .host
+            .files
+            .store(source.as_str(), &name, mime, &plain, "in")
+            .map_err(|e| e.to_string())?;
+        Ok(FileItem::cached(file_ref, rec))
+    }
+
+    /// Encrypts and uploads a file for the user; the message item that shows it.
+    fn upload(&self, account: &Account, file: &(FileRecord, PathBuf)) -> Result<Value, Failure> {
+        let (rec, path) = file;
+        let plain = std::fs::read(path)
+            .map_err(|e| Failure::new(code::FILE_REF_INVALID, format!("the file cannot be read: {e}")))?;
+        let key_hex = ids::random_hex(16);
+        let key = cdn::key_of(&key_hex).ok_or_else(|| Failure::new(code::TOOL_INVOKE_FAILED, "no key"))?;
+        let cipher = cdn::encrypt(&plain, &key);
+        let media_type = match rec.mime_type.split('/').next() {
+            Some("image") => UPLOAD_IMAGE,
+            Some("video") => UPLOAD_VIDEO,
+            _ => UPLOAD_FILE,
+        };
+        let filekey = ids::random_hex(16);
+        let md5 = ids::hex(&md5::Md5::digest(&plain));
+        let ask = object(obj([
+            ("filekey", s(&filekey)),
+            ("media_type", json::n(media_type)),
+            ("to_user_id", s(&account.user_id)),
+            ("rawsize", json::n(plain.len() as u64)),
+            ("rawfilemd5", s(md5)),
+            ("filesize", json::n(cipher.len() as u64)),
+            ("no_need_thumb", json::b(true)),
+            ("aeskey", s(&key_hex)),
+        ]));
+        let base = self.base_of(account);
+        let deadline = Instant::now() + TOOL_DEADLINE;
+        let answer = with_retry("wechat: getuploadurl", deadline, |left| {
+            self.api
+                .post(&base, "ilink/bot/getuploadurl", &account.bot_token, ask.clone(), left)
+        })
+        .map_err(|e| Failure::upstream(&e))?;
+        let cdn_base = self.settings.cdn_base.trim_end_matches('/');
+        let url = match (
+            json::get_str(&answer, "upload_full_url"),
+            json::get_str(&answer, "upload_param"),
+        ) {
+            (Some(full), _) if full.starts_with(cdn_base) => full.to_string(),
+            (_, Some(param)) if !param.is_empty() => format!(
+                "{cdn_base}/upload?encrypted_query_param={}&filekey={filekey}",
+                cdn::query_value(param)
+            ),
+            _ => {
+                return Err(Failure::new(
+                    code::UPSTREAM_REJECTED,
+                    "WeChat gave no place to upload the file",
+                ))
+            }
+        };
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(1));
+        let param = cdn::upload(self.api.http(), &url, &cipher, left)
+            .map_err(|why| Failure::temporary(code::UPSTREAM_UNREACHABLE, why))?;
+        let media = obj([
+            ("encrypt_query_param", s(param)),
+            ("aes_key", s(ids::base64(key_hex.as_bytes()))),
+            ("encrypt_type", json::n(1)),
+        ]);
+        let size = json::n(cipher.len() as u64);
+        Ok(match media_type {
+            UPLOAD_IMAGE => obj([
+                ("type", json::n(2)),
+                ("image_item", obj([("media", media), ("mid_size", size)])),
+            ]),
+            UPLOAD_VIDEO => obj([
+                ("type", json::n(5)),
+                ("video_item", obj([("media", media), ("video_size", size)])),
+            ]),
+            _ => obj([
+                ("type", json::n(4)),
+                (
+                    "file_item",
+                    obj([
+                        ("media", media),
+                        ("file_name", s(&rec.filename)),
+                        ("len", s(plain.len().to_string())),
+                    ]),
+                ),
+            ]),
+        })
+    }
+
+    /// Sends one text in the user's context.
     fn send_text(&self, bot: &str, account: &Account, text: &str, client_id: &str) -> Result<(), Failure> {
+        let item = obj([("type", json::n(1)), ("text_item", obj([("text", s(text))]))]);
+        self.send_item(bot, account, item, client_id)
+    }
+
+    /// Sends one item in the user's context; `client_id` names it to WeChat.
+    fn send_item(&self, bot: &str, account: &Account, item: Value, client_id: &str) -> Result<(), Failure> {
         let context = self.meta(&context_key(bot)).map_err(Failure::storage)?;
         let mut msg = vec![
             ("from_user_id", s("")),
@@ -216,10 +347,7 @@ impl Wechat {
             ("client_id", s(client_id)),
             ("message_type", json::n(2)),
             ("message_state", json::n(2)),
-            (
-                "item_list",
-                arr([obj([("type", json::n(1)), ("text_item", obj([("text", s(text))]))])]),
-            ),
+            ("item_list", arr([item])),
         ];
         if let Some(c) = &context {
             msg.push(("context_token", s(c)));
@@ -371,17 +499,20 @@ impl Provider for Wechat {
 
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
         let (bot, account) = self.route(source)?;
-        if !out.files.is_empty() {
-            return Err(Failure::new(
-                code::CHANNEL_UNAVAILABLE,
-                "files cannot be sent to WeChat yet",
-            ));
-        }
-        let parts = split_text(out.text, MAX_TEXT);
+        // The text (a file's caption) first, each file after it as a message of its own.
+        let parts = match out.text.is_empty() && !out.files.is_empty() {
+            true => Vec::new(),
+            false => split_text(out.text, MAX_TEXT),
+        };
         let mut last = String::new();
         for (i, part) in parts.iter().enumerate() {
             last = client_id(out.idempotency_key, i);
             self.send_text(&bot, &account, part, &last)?;
+        }
+        for (i, file) in out.files.iter().enumerate() {
+            let item = self.upload(&account, file)?;
+            last = client_id(out.idempotency_key, parts.len() + i);
+            self.send_item(&bot, &account, item, &last)?;
         }
         Ok(last)
     }

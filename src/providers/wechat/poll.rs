@@ -16,7 +16,7 @@ use super::update::{self, Batch};
 use super::{buf_key, context_key, Wechat, NAME};
 use crate::json::{obj, s};
 use crate::outbox::{Cursor, Enqueued};
-use crate::providers::intake::{Arrival, Intake, WhenStale};
+use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
 use crate::providers::workers::Stop;
 use crate::source::Source;
 use crate::store;
@@ -124,7 +124,13 @@ fn accept(wx: &Wechat, bot: &str, old_buf: &str, batch: Batch) -> Option<Duratio
         let arrival = Arrival {
             source: source.clone(),
             inbound: m.inbound,
-            file: None,
+            file: m.media.map(|media| Fetch {
+                kind: media.kind.to_string(),
+                fetch: Box::new({
+                    let source = source.clone();
+                    move || wx.fetch_media(&source, &media)
+                }),
+            }),
             reply_ref: true,
             cursors,
             when_stale: WhenStale::CountExpired,

@@ -3,6 +3,7 @@
 //! string is bounded; a message without an ID cannot be deduplicated and is skipped.
 //! Public for the fuzz target.
 
+use super::cdn::{self, MediaRef};
 use crate::json::{self, Number, Object, Value};
 use crate::providers::inbound::Inbound;
 
@@ -31,6 +32,8 @@ pub struct Message {
     pub inbound: Inbound,
     /// The token a send in this user's context carries.
     pub context_token: Option<String>,
+    /// The message's first media item, to fetch into the file cache.
+    pub media: Option<MediaRef>,
 }
 
 /// A uint64 ID kept exact, whether JSON carries it as a number or a string.
@@ -74,13 +77,23 @@ pub fn read_message(m: &Object) -> Option<Message> {
     let sender_id = id(m, "from_user_id")?;
     let mut texts = Vec::new();
     let mut kind = "text";
+    let mut media = None;
     if let Some(Value::Array(items)) = m.get("item_list") {
         for item in items.iter().filter_map(json::as_object).take(16) {
             let (k, text) = item_text(item);
             if k != "text" {
                 kind = k;
             }
-            texts.extend(text);
+            match (media.is_none(), cdn::media_of(item)) {
+                // The first media item is fetched; a voice message keeps its transcription.
+                (true, Some(found)) => {
+                    if found.kind == "audio" {
+                        texts.extend(text);
+                    }
+                    media = Some(found);
+                }
+                _ => texts.extend(text),
+            }
         }
     }
     let mut text = texts.join("\n");
@@ -105,11 +118,12 @@ pub fn read_message(m: &Object) -> Option<Message> {
             files: None,
         },
         context_token: bounded(json::get_str(m, "context_token"), MAX_TOKEN),
+        media,
     })
 }
 
-/// An item's kind and the words it carries: its text, a voice message's transcription; media
-/// the device does not fetch yet are named in brackets.
+/// An item's kind and the words it carries: its text, a voice message's transcription; a media
+/// item beyond the first (which is fetched) is named in brackets.
 fn item_text(item: &Object) -> (&'static str, Option<String>) {
     let sub = |k: &str| json::get_obj(item, k);
     match json::get_u64(item, "type").unwrap_or(0) {

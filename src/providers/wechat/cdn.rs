@@ -1,0 +1,264 @@
+//! WeChat's media on its CDN: AES-128-ECB with PKCS#7 padding, under a key each item carries
+//! (inbound) or that imgate makes (outbound). Downloads go to the configured `cdn_base` (a
+//! `full_url` is followed only when it is on that host); uploads go where `getuploadurl` says,
+//! and the CDN's `x-encrypted-param` answer header is what a message then names.
+
+use std::time::Duration;
+
+use aes::cipher::generic_array::GenericArray;
+use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
+use aes::Aes128;
+
+use crate::json::{self, Object};
+
+/// A media item of an inbound message, before it is fetched.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MediaRef {
+    /// `image`, `file`, `video` or `audio`.
+    pub kind: &'static str,
+    pub query: Option<String>,
+    pub full_url: Option<String>,
+    /// The key as the item gives it: base64 of 16 bytes or of 32 hex digits, or 32 hex digits.
+    pub key: Option<String>,
+    pub file_name: Option<String>,
+}
+
+const MAX_FIELD: usize = 2048;
+
+fn field(o: &Object, k: &str) -> Option<String> {
+    json::get_str(o, k)
+        .filter(|v| !v.is_empty() && v.len() <= MAX_FIELD)
+        .map(str::to_string)
+}
+
+/// The media of one item (`type` 2 image, 3 voice, 4 file, 5 video); `None` for other items.
+pub fn media_of(item: &Object) -> Option<MediaRef> {
+    let (kind, sub) = match json::get_u64(item, "type")? {
+        2 => ("image", "image_item"),
+        3 => ("audio", "voice_item"),
+        4 => ("file", "file_item"),
+        5 => ("video", "video_item"),
+        _ => return None,
+    };
+    let sub = json::get_obj(item, sub)?;
+    let media = json::get_obj(sub, "media")?;
+    // Images carry the key best as `image_item.aeskey` (hex).
+    let key = field(sub, "aeskey").or_else(|| field(media, "aes_key"));
+    Some(MediaRef {
+        kind,
+        query: field(media, "encrypt_query_param"),
+        full_url: field(media, "full_url"),
+        key,
+        file_name: field(sub, "file_name").map(|n| n.chars().take(128).collect()),
+    })
+}
+
+fn hex16(text: &str) -> Option<[u8; 16]> {
+    if text.len() != 32 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut key = [0u8; 16];
+    for (i, k) in key.iter_mut().enumerate() {
+        *k = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(key)
+}
+
+/// The 16-byte key of an item, however it is written.
+pub fn key_of(text: &str) -> Option<[u8; 16]> {
+    if let Some(k) = hex16(text) {
+        return Some(k);
+    }
+    let raw = crate::ids::base64_decode(text)?;
+    match raw.len() {
+        16 => raw.try_into().ok(),
+        32 => hex16(std::str::from_utf8(&raw).ok()?),
+        _ => None,
+    }
+}
+
+pub fn encrypt(plain: &[u8], key: &[u8; 16]) -> Vec<u8> {
+    let cipher = Aes128::new(GenericArray::from_slice(key));
+    let pad = 16 - plain.len() % 16;
+    let mut out = Vec::with_capacity(plain.len() + pad);
+    out.extend_from_slice(plain);
+    out.extend(std::iter::repeat_n(pad as u8, pad));
+    for block in out.chunks_exact_mut(16) {
+        cipher.encrypt_block(GenericArray::from_mut_slice(block));
+    }
+    out
+}
+
+pub fn decrypt(data: &[u8], key: &[u8; 16]) -> Result<Vec<u8>, String> {
+    if data.is_empty() || data.len() % 16 != 0 {
+        return Err("the file is not whole AES blocks".into());
+    }
+    let cipher = Aes128::new(GenericArray::from_slice(key));
+    let mut out = data.to_vec();
+    for block in out.chunks_exact_mut(16) {
+        cipher.decrypt_block(GenericArray::from_mut_slice(block));
+    }
+    let pad = usize::from(out[out.len() - 1]);
+    let ok = (1..=16).contains(&pad) && out[out.len() - pad..].iter().all(|b| usize::from(*b) == pad);
+    if !ok {
+        return Err("the file does not decrypt with its key".into());
+    }
+    out.truncate(out.len() - pad);
+    Ok(out)
+}
+
+/// Percent-encodes a query value (RFC 3986 unreserved characters stay).
+pub fn query_value(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => out.push(b as char),
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
+/// `scheme://host[:port]` of a URL.
+fn origin(url: &str) -> Option<&str> {
+    let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"))?;
+    let end = rest.find('/').unwrap_or(rest.len());
+    Some(&url[..url.len() - rest.len() + end])
+}
+
+/// Where an item's bytes are: its `full_url` when on the CDN's host, else built from its query.
+pub fn download_url(cdn_base: &str, m: &MediaRef) -> Option<String> {
+    if let Some(full) = &m.full_url {
+        if origin(full).is_some() && origin(full) == origin(cdn_base) {
+            return Some(full.clone());
+        }
+    }
+    let q = m.query.as_ref()?;
+    Some(format!(
+        "{}/download?encrypted_query_param={}",
+        cdn_base.trim_end_matches('/'),
+        query_value(q)
+    ))
+}
+
+/// GETs at most `limit` bytes.
+pub fn download(http: &ureq::Agent, url: &str, limit: u64, timeout: Duration) -> Result<Vec<u8>, String> {
+    let mut resp = http
+        .get(url)
+        .config()
+        .timeout_global(Some(timeout))
+        .build()
+        .call()
+        .map_err(|e| format!("the CDN is unreachable: {e}"))?;
+    if resp.status().as_u16() != 200 {
+        return Err(format!("the CDN answered HTTP {}", resp.status().as_u16()));
+    }
+    resp.body_mut()
+        .with_config()
+        .limit(limit)
+        .read_to_vec()
+        .map_err(|_| "larger than [files] max_file_bytes, or cut short".to_string())
+}
+
+/// POSTs a ciphertext; the CDN's `x-encrypted-param` for it.
+pub fn upload(http: &ureq::Agent, url: &str, body: &[u8], timeout: Duration) -> Result<String, String> {
+    let resp = http
+        .post(url)
+        .config()
+        .timeout_global(Some(timeout))
+        .build()
+        .header("Content-Type", "application/octet-stream")
+        .send(body)
+        .map_err(|e| format!("the CDN is unreachable: {e}"))?;
+    let status = resp.status().as_u16();
+    if status != 200 {
+        return Err(format!("the CDN refused the upload (HTTP {status})"));
+    }
+    resp.headers()
+        .get("x-encrypted-param")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= MAX_FIELD)
+        .map(str::to_string)
+        .ok_or_else(|| "the CDN's answer named no download parameter".into())
+}
+
+/// A MIME type for a received file: from the bytes for images, the name for files.
+pub fn mime_of(kind: &str, name: &str, bytes: &[u8]) -> &'static str {
+    let sniffed = [
+        (&b"\xff\xd8\xff"[..], "image/jpeg"),
+        (b"\x89PNG", "image/png"),
+        (b"GIF8", "image/gif"),
+        (b"%PDF", "application/pdf"),
+    ]
+    .iter()
+    .find(|(magic, _)| bytes.starts_with(magic))
+    .map(|(_, m)| *m);
+    let by_name = match name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase()) {
+        Some(e) if e == "pdf" => Some("application/pdf"),
+        Some(e) if e == "txt" => Some("text/plain"),
+        Some(e) if e == "jpg" || e == "jpeg" => Some("image/jpeg"),
+        Some(e) if e == "png" => Some("image/png"),
+        Some(e) if e == "zip" => Some("application/zip"),
+        Some(e) if e == "mp4" => Some("video/mp4"),
+        _ => None,
+    };
+    match kind {
+        "audio" => "audio/silk",
+        "video" => "video/mp4",
+        "image" => sniffed.unwrap_or("image/jpeg"),
+        _ => sniffed.or(by_name).unwrap_or("application/octet-stream"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aes_128_ecb_matches_fips_197_and_pads_as_pkcs7() {
+        // FIPS-197 appendix C.1.
+        let key: [u8; 16] = core::array::from_fn(|i| i as u8);
+        let plain: [u8; 16] = core::array::from_fn(|i| (i as u8) * 0x11);
+        let c = encrypt(&plain, &key);
+        assert_eq!(crate::ids::hex(&c[..16]), "69c4e0d86a7b0430d8cdb78070b4c55a");
+        assert_eq!(c.len(), 32, "a whole block of padding follows");
+        assert_eq!(decrypt(&c, &key).unwrap(), plain);
+        let short = encrypt(b"hi", &key);
+        assert_eq!(short.len(), 16);
+        assert_eq!(decrypt(&short, &key).unwrap(), b"hi");
+        let other: [u8; 16] = [7; 16];
+        assert!(decrypt(&short, &other).is_err() || decrypt(&short, &other).unwrap() != b"hi");
+        assert!(decrypt(&short[..15], &key).is_err());
+    }
+
+    #[test]
+    fn keys_are_read_in_every_spelling_the_api_uses() {
+        let raw: [u8; 16] = core::array::from_fn(|i| i as u8 + 1);
+        let hex = crate::ids::hex(&raw);
+        assert_eq!(key_of(&hex), Some(raw));
+        assert_eq!(key_of(&crate::ids::base64(&raw)), Some(raw));
+        assert_eq!(key_of(&crate::ids::base64(hex.as_bytes())), Some(raw));
+        assert_eq!(key_of("not a key"), None);
+    }
+
+    #[test]
+    fn a_full_url_is_followed_only_on_the_cdn_host() {
+        let m = MediaRef {
+            kind: "image",
+            query: Some("a b/c".into()),
+            full_url: Some("http://10.0.0.1/secret".into()),
+            key: None,
+            file_name: None,
+        };
+        let url = download_url("https://cdn.example/c2c", &m).unwrap();
+        assert_eq!(url, "https://cdn.example/c2c/download?encrypted_query_param=a%20b%2Fc");
+        let on_cdn = MediaRef {
+            full_url: Some("https://cdn.example/d?x=1".into()),
+            ..m
+        };
+        assert_eq!(
+            download_url("https://cdn.example/c2c", &on_cdn).unwrap(),
+            "https://cdn.example/d?x=1"
+        );
+    }
+}
