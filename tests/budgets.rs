@@ -375,3 +375,60 @@ fn hostile_peers_side_by_side_with_idle() {
         );
     }
 }
+
+/// Idle cost of one signed-in WeChat bot (its long poll held 35 s, as iLink holds it) beside one
+/// bound webhook channel: the wake-ups the receiver adds beyond the long poll itself.
+#[test]
+#[ignore = "budgets: cross/budgets.sh"]
+fn wechat_bot_idle_beside_a_webhook() {
+    use common::ilink::Ilink;
+    let mut rows = Vec::new();
+    for kind in ["webhook", "wechat"] {
+        let api = Ilink::start();
+        api.hold(Duration::from_secs(35));
+        let dir = temp_dir(&format!("budgets-wx-{kind}"));
+        let extra = format!("[wechat]\napi_base = {}\ncdn_base = {}/c2c\n", api.base, api.base);
+        let conf = config_text(free_port(), &dir, None, &extra).replace("log_level = debug", "log_level = info");
+        let d = Daemon::start_env(&dir, &conf, "warn", &[]);
+        let mut x = d.xagent();
+        x.hello("");
+        let (cch, _) = x.open(None);
+        if kind == "webhook" {
+            x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+        } else {
+            api.script_next_code(vec![Ilink::confirmed()]);
+            let a = x.request(
+                "auth.start",
+                Some(&cch),
+                serde_json::json!({"flow_id": "wechat_qr_login"}),
+            );
+            let id = a["payload"]["auth_session_id"].as_str().unwrap().to_string();
+            let st = x.request("auth.status", Some(&cch), serde_json::json!({"auth_session_id": id}));
+            assert_eq!(st["payload"]["status"], "authenticated", "{st}");
+        }
+        let idle = Instant::now();
+        while idle.elapsed() < Duration::from_secs(10) {
+            x.recv_within(Duration::from_millis(500));
+        }
+        let (before, polls, from) = (wakeups(d.pid()), api.getupdates_calls(), Instant::now());
+        while from.elapsed() < Duration::from_secs(30) {
+            x.recv_within(Duration::from_millis(500));
+        }
+        let secs = from.elapsed().as_secs_f64();
+        let wakes = (wakeups(d.pid()) - before) as f64 / secs;
+        rows.push((
+            kind,
+            wakes,
+            api.getupdates_calls() - polls,
+            proc_field(d.pid(), "status", "Threads:"),
+            hwm_kib(d.pid()),
+        ));
+    }
+    println!(
+        "{:<8} {:>16} {:>22} {:>8} {:>12}",
+        "channel", "wake-ups/s idle", "getupdates in 30 s", "threads", "VmHWM KiB"
+    );
+    for (kind, wakes, polls, threads, hwm) in rows {
+        println!("{kind:<8} {wakes:>16.2} {polls:>22} {threads:>8} {hwm:>12}");
+    }
+}

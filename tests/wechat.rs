@@ -245,7 +245,10 @@ fn media_are_decrypted_into_the_file_cache_and_a_file_goes_out_encrypted() {
     let png = b"\x89PNG\r\n\x1a\n an image".to_vec();
     api.user_sends(2, "", &png, "ctx-i");
     let push = x.next_push(Duration::from_secs(10)).unwrap();
-    assert_eq!(push["payload"]["files"][0]["mime_type"], "image/png", "{push}");
+    let image = &push["payload"]["files"][0];
+    assert_eq!(image["mime_type"], "image/png", "{push}");
+    let (_, bytes) = http_get_bytes(&d.url(image["download_url"].as_str().unwrap()));
+    assert_eq!(bytes, png, "the image's key given as image_item.aeskey (hex)");
 
     // The file tool: encrypted, uploaded, then sent as a file item in the user's context.
     let (code, up) = upload_as(&d, &cch, "notes.txt", "text/plain", b"meeting at 10");

@@ -33,6 +33,8 @@ struct State {
     /// (path, AuthorizationType, Authorization) of every POST.
     posts: Vec<(String, String, String)>,
     getupdates_calls: usize,
+    /// How long an idle `getupdates` is held (iLink's is about 35 s).
+    hold: Option<Duration>,
     /// encrypted_query_param → ciphertext on the CDN.
     cdn: HashMap<String, Vec<u8>>,
     /// Every `getuploadurl` body.
@@ -175,6 +177,11 @@ impl Ilink {
         cv.notify_all();
     }
 
+    /// Holds an idle `getupdates` this long (default 2 s).
+    pub fn hold(&self, d: Duration) {
+        self.state.0.lock().unwrap().hold = Some(d);
+    }
+
     /// `host:port` of this server, as a redirect names it.
     pub fn host(&self) -> String {
         self.base.trim_start_matches("http://").to_string()
@@ -259,8 +266,8 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &Value) -> Valu
                 .ok()
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(0);
-            let deadline = Instant::now() + Duration::from_secs(2);
             let mut s = lock.lock().unwrap();
+            let deadline = Instant::now() + s.hold.unwrap_or(Duration::from_secs(2));
             s.getupdates_calls += 1;
             loop {
                 if s.ended {

@@ -150,7 +150,7 @@ impl Logins {
                             w.base = format!("{scheme}://{host}");
                         }
                     }
-                    None => log::info!("wechat: a login redirect named no usable host; polling on"),
+                    None => log::debug!("wechat: a login redirect named no usable host; polling on"),
                 }
                 waiting(Stage::Scanned, "Scanned: confirm the sign-in in WeChat on the phone")
             }
@@ -172,7 +172,7 @@ impl Logins {
             }
             "confirmed" => confirmed(wx, o),
             other => {
-                log::info!("wechat: login status `{}` is not known; polling on", crate::quiet::shown(other));
+                log::debug!("wechat: login status `{}` is not known; polling on", crate::quiet::shown(other));
                 waiting(Stage::Pending, "Waiting for the scan")
             }
         }

@@ -15,8 +15,6 @@ const MAX_ID: usize = 128;
 pub const MAX_TEXT: usize = 16 * 1024;
 /// Longest context token or sync buffer kept.
 pub const MAX_TOKEN: usize = 4096;
-/// Messages read from one answer at most.
-const MAX_MESSAGES: usize = 256;
 
 /// One answer of `getupdates`.
 #[derive(Debug, Default, PartialEq)]
@@ -55,8 +53,9 @@ fn bounded(s: Option<&str>, max: usize) -> Option<String> {
 pub fn read_batch(o: &Object) -> Batch {
     let messages = match o.get("msgs") {
         Some(Value::Array(a)) => a
+            // No cut here: the buffer confirms the whole batch. The answer's size cap and the
+            // JSON shape check bound it.
             .iter()
-            .take(MAX_MESSAGES)
             .filter_map(json::as_object)
             .filter_map(read_message)
             .collect(),
