@@ -401,6 +401,7 @@ impl Session {
             chat_workers,
             ..
         } = self;
+        let unconfirmed = delivery.stop().await;
         drop(chat_workers);
         if plane.hub.unregister(id) {
             log::info!(
@@ -411,11 +412,10 @@ impl Session {
                 log::error!("data plane: cannot record the start of the lease: {e}");
             }
         }
-        let finishing = delivery.finish(&plane, reason);
         out.close(close).await;
         drop(out);
         let _ = writer.await;
-        finishing.await;
+        unconfirmed.back_to_pending(&plane, reason).await;
     }
 }
 

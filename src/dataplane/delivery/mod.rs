@@ -5,7 +5,7 @@
 //! sends packets, commits outcomes, arms timers. The session hands it the packets it owns
 //! (`pong`, `chat.message.ack`) through `Delivery`; the hub wakes it when a message of one of its
 //! channels is accepted. When the session ends, whatever is unconfirmed goes back to pending
-//! with one more attempt (`Delivery::finish`).
+//! with one more attempt (`Delivery::stop`, then `Unconfirmed::back_to_pending`).
 //!
 //! Both profiles read the outbox the same way (`read_pending`): a stored message this build
 //! cannot read is never sent; it leaves the queue as `failed` (code `unreadable`), counted in
@@ -117,10 +117,21 @@ impl Delivery {
         }
     }
 
-    /// Stops delivering; what was sent and not confirmed goes back to pending, attempts + 1.
-    pub async fn finish(self, plane: &Arc<Plane>, reason: &str) {
+    /// Stops delivering at once (before the session lets go of its channels, so nothing is
+    /// sent or dropped from the in-flight list after); what was sent and not confirmed.
+    pub async fn stop(self) -> Unconfirmed {
         self.task.cancel().await;
-        let in_flight = std::mem::take(&mut *super::lock(&self.in_flight));
+        Unconfirmed(std::mem::take(&mut *super::lock(&self.in_flight)))
+    }
+}
+
+/// Messages sent and not confirmed when a session ended.
+pub(super) struct Unconfirmed(Vec<(Source, Vec<u64>)>);
+
+impl Unconfirmed {
+    /// They go back to pending with one more attempt, and the next connection sends them again.
+    pub async fn back_to_pending(self, plane: &Arc<Plane>, reason: &str) {
+        let in_flight = self.0;
         if in_flight.is_empty() {
             return;
         }

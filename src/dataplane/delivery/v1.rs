@@ -113,7 +113,9 @@ impl Core {
     pub fn on(&mut self, event: Event, now: Instant) -> Vec<Action> {
         match (event, &mut self.phase) {
             (Event::Ready, _) => {
+                // Read now, or as soon as the round under way (a keepalive) ends.
                 self.ready = true;
+                self.again = true;
                 self.start_round(true)
             }
             (Event::Wake, Phase::Idle) if self.ready => self.start_round(true),
@@ -328,6 +330,17 @@ mod tests {
         // It pushed: the next round starts at once.
         assert_eq!(c.deadline(), t);
         assert_eq!(c.on(Event::Timer { pending: false }, t), [Action::Read]);
+    }
+
+    #[test]
+    fn hello_during_a_keepalive_round_reads_as_soon_as_its_pong_arrives() {
+        let t = Instant::now();
+        let mut c = Core::new(t);
+        let id = ping_of(&c.on(Event::Timer { pending: true }, t + KEEPALIVE));
+        assert_eq!(c.on(Event::Ready, t + KEEPALIVE), [], "one round at a time");
+        assert_eq!(c.on(Event::Pong(id), t + KEEPALIVE), []);
+        assert_eq!(c.deadline(), t + KEEPALIVE, "at once, not a keepalive later");
+        assert_eq!(c.on(Event::Timer { pending: false }, t + KEEPALIVE), [Action::Read]);
     }
 
     #[test]
