@@ -319,6 +319,22 @@ fn a_login_follows_a_redirect_and_survives_a_reconnect_of_the_data_plane() {
     y.open(Some(&cch));
     let done = status(&mut y, &cch, &id, false);
     assert_eq!(done["payload"]["status"], "authenticated", "{done}");
+    // Signing in again while the bot is signed in here already reuses the stored token.
+    api.script_next_code(vec![json!({"status": "binded_redirect", "ilink_bot_id": BOT_ID})]);
+    let (again, _) = y.open(None);
+    let id = start_login(&mut y, &again)["payload"]["auth_session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let reused = status(&mut y, &again, &id, false);
+    assert_eq!(reused["payload"]["status"], "authenticated", "{reused}");
+    // The bot moved to the new channel; the first one lost it.
+    let moved = y.request("connection.descriptor.get", Some(&cch), json!({}));
+    assert_eq!(
+        moved["payload"]["connection_descriptor"]["connection"]["status"],
+        "created"
+    );
+    let cch = again;
     // Logout forgets the token and stops receiving.
     let out = y.request("auth.logout", Some(&cch), json!({}));
     assert_eq!(out["payload"]["status"], "ok");
