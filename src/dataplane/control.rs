@@ -14,8 +14,8 @@ use crate::quiet;
 /// A hello naming another connector_id: xAgent can send it at will, so one line a minute.
 static OTHER_CONNECTOR_ID: quiet::Site = quiet::Site::new();
 
-/// `connector.hello`: the profiles it enables, or the error to answer.
-pub(super) fn hello(plane: &Plane, p: &Packet) -> Result<Vec<String>, Box<Packet>> {
+/// `connector.hello`: `Ok` when it enables the deployment's profile, or the error to answer.
+pub(super) fn hello(plane: &Plane, p: &Packet) -> Result<(), Box<Packet>> {
     let pl = &p.payload;
     let ours = &plane.config.server.card_id;
     let card_id = json::get_str(pl, "connector_card_id").unwrap_or_default();
@@ -65,7 +65,7 @@ pub(super) fn hello(plane: &Plane, p: &Packet) -> Result<Vec<String>, Box<Packet
             );
         }
     }
-    Ok(vec![chosen.to_string()])
+    Ok(())
 }
 
 /// The ack of a hello that passed.
@@ -78,7 +78,7 @@ pub(super) fn hello_ack(plane: &Plane, p: &Packet) -> Packet {
 }
 
 /// `channel.open`: the channel stored (new or reused), held by `session`, its Descriptor.
-pub(super) async fn open(plane: &Arc<Plane>, session: SessionId, p: &Packet, profiles: &[String]) -> Packet {
+pub(super) async fn open(plane: &Arc<Plane>, session: SessionId, p: &Packet) -> Packet {
     let requested = p.channel_id().map(str::to_string);
     let opened = blocking(plane, move |plane| {
         let (cch, reused) = plane.channels.open_channel(requested.as_deref())?;
@@ -104,7 +104,7 @@ pub(super) async fn open(plane: &Arc<Plane>, session: SessionId, p: &Packet, pro
         "data plane: channel {cch} opened ({})",
         if reused { "reused" } else { "new" }
     );
-    let d = descriptor(plane, &cch, profiles).await;
+    let d = descriptor(plane, &cch).await;
     plane.hub.wake_channel(&cch);
     let mut ack = Packet::answer(p, "channel.open.ack")
         .with_payload(obj([("connector_channel_id", s(&cch)), ("connection_descriptor", d)]));
@@ -128,14 +128,14 @@ pub(super) fn close(plane: &Plane, session: SessionId, p: &Packet) -> Packet {
 }
 
 /// The channel's Descriptor, read on the pool.
-pub(super) async fn descriptor(plane: &Arc<Plane>, cch: &str, profiles: &[String]) -> Value {
-    let (cch, profiles) = (cch.to_string(), profiles.to_vec());
-    blocking(plane, move |plane| describe(plane, &cch, &profiles)).await
+pub(super) async fn descriptor(plane: &Arc<Plane>, cch: &str) -> Value {
+    let cch = cch.to_string();
+    blocking(plane, move |plane| describe(plane, &cch)).await
 }
 
 /// `connection.descriptor.push` to whichever session holds `cch`.
-pub(super) async fn push_descriptor(plane: &Arc<Plane>, cch: &str, profiles: &[String]) {
-    let d = descriptor(plane, cch, profiles).await;
+pub(super) async fn push_descriptor(plane: &Arc<Plane>, cch: &str) {
+    let d = descriptor(plane, cch).await;
     let push = Packet::new("connection.descriptor.push")
         .with_channel(cch)
         .with_payload(obj([("connection_descriptor", d)]));
@@ -148,10 +148,9 @@ pub(super) fn push_state(plane: &Plane, source: &crate::source::Source) {
     let Some(cch) = plane.hub.channel_of(source.as_str()) else {
         return;
     };
-    let profiles = [plane.config.xagent.profile.as_str().to_string()];
     let push = Packet::new("connection.descriptor.push")
         .with_channel(&cch)
-        .with_payload(obj([("connection_descriptor", describe(plane, &cch, &profiles))]));
+        .with_payload(obj([("connection_descriptor", describe(plane, &cch))]));
     plane.hub.send_to_channel(&cch, push);
 }
 
@@ -184,7 +183,8 @@ impl Shown {
 
 /// The Connection Descriptor of a channel in its current state: the provider of its binding
 /// describes it; every tool of the Card is listed, those its provider lacks as unavailable.
-fn describe(plane: &Plane, cch: &str, profiles: &[String]) -> Value {
+/// The profiles are the one the deployment speaks: all a hello can enable.
+fn describe(plane: &Plane, cch: &str) -> Value {
     const STORAGE: &str = "storage unavailable: try again later";
     let shown = match plane
         .channels
@@ -254,7 +254,7 @@ fn describe(plane: &Plane, cch: &str, profiles: &[String]) -> Value {
         plane.config.server.card_id.as_str(),
         &plane.connector_id,
         cch,
-        profiles,
+        &[plane.config.xagent.profile.as_str().to_string()],
         shown.status,
         &shown.target,
         &states,

@@ -16,15 +16,22 @@ pub(super) enum Request {
     PeerError,
     ChannelOpen,
     ChannelClose,
+    /// Acts on the envelope's channel, which must be open on this connection.
+    OnChannel(OnChannel),
+    /// IM v2: xAgent's ack of one of our messages (`None`: it lacks what matching needs).
+    ChatAck(Option<Ack>),
+    /// A type this connector does not serve (or the other profile's).
+    Unsupported,
+}
+
+/// The packets that act on an open channel.
+#[derive(Debug)]
+pub(super) enum OnChannel {
     DescriptorGet,
     Auth(Auth),
     ToolInvoke,
-    /// IM v2: xAgent's ack of one of our messages (`None`: it lacks what matching needs).
-    ChatAck(Option<Ack>),
     /// IM v2: xAgent's own `chat.message`, `chat.message.delta` or `chat.activity`.
     Chat,
-    /// A type this connector does not serve (or the other profile's).
-    Unsupported,
 }
 
 /// The auth packets (common protocol 8.7–8.14).
@@ -79,22 +86,22 @@ impl Request {
             "error" => Request::PeerError,
             "channel.open" => Request::ChannelOpen,
             "channel.close" => Request::ChannelClose,
-            "connection.descriptor.get" => Request::DescriptorGet,
-            "auth.start" => Request::Auth(Auth::Start {
+            "connection.descriptor.get" => Request::OnChannel(OnChannel::DescriptorGet),
+            "auth.start" => Request::OnChannel(OnChannel::Auth(Auth::Start {
                 flow_id: text(pl, "flow_id"),
                 input: json::get_obj(pl, "input").cloned().unwrap_or_default(),
-            }),
-            "auth.status" => Request::Auth(Auth::Status {
+            })),
+            "auth.status" => Request::OnChannel(OnChannel::Auth(Auth::Status {
                 auth_session_id: text(pl, "auth_session_id"),
                 refresh: matches!(pl.get("refresh"), Some(Value::Bool(true))),
-            }),
-            "auth.cancel" => Request::Auth(Auth::Cancel {
+            })),
+            "auth.cancel" => Request::OnChannel(OnChannel::Auth(Auth::Cancel {
                 auth_session_id: text(pl, "auth_session_id"),
-            }),
-            "auth.logout" => Request::Auth(Auth::Logout),
-            "tool.invoke" => Request::ToolInvoke,
+            })),
+            "auth.logout" => Request::OnChannel(OnChannel::Auth(Auth::Logout)),
+            "tool.invoke" => Request::OnChannel(OnChannel::ToolInvoke),
             "chat.message.ack" if v2 => Request::ChatAck(Ack::of(p)),
-            "chat.message" | "chat.message.delta" | "chat.activity" if v2 => Request::Chat,
+            "chat.message" | "chat.message.delta" | "chat.activity" if v2 => Request::OnChannel(OnChannel::Chat),
             _ => Request::Unsupported,
         }
     }
@@ -104,14 +111,6 @@ impl Request {
         matches!(
             self,
             Request::Hello | Request::Ping | Request::Pong(_) | Request::PeerError
-        )
-    }
-
-    /// Acts on the envelope's channel, which must be open on this connection.
-    pub fn on_open_channel(&self) -> bool {
-        matches!(
-            self,
-            Request::DescriptorGet | Request::Auth(_) | Request::ToolInvoke | Request::Chat
         )
     }
 }
@@ -135,12 +134,13 @@ mod tests {
         );
         assert!(matches!(
             Request::of(&status, Profile::V1),
-            Request::Auth(Auth::Status { auth_session_id, refresh: true }) if auth_session_id == "auth_1"
+            Request::OnChannel(OnChannel::Auth(Auth::Status { auth_session_id, refresh: true })) if auth_session_id == "auth_1"
         ));
         let chat = packet("chat.message", obj([]));
         assert!(matches!(Request::of(&chat, Profile::V1), Request::Unsupported));
-        assert!(matches!(Request::of(&chat, Profile::V2), Request::Chat));
-        assert!(Request::Chat.on_open_channel() && !Request::Chat.before_hello());
+        let v2 = Request::of(&chat, Profile::V2);
+        assert!(!v2.before_hello());
+        assert!(matches!(v2, Request::OnChannel(OnChannel::Chat)));
         let mut ack = packet(
             "chat.message.ack",
             obj([("message_id", s("m")), ("status", s("accepted"))]),

@@ -21,7 +21,7 @@ use smol::stream::StreamExt;
 
 use super::delivery::Delivery;
 use super::out::{self, Out, Outgoing};
-use super::request::{Auth, Request};
+use super::request::{Auth, OnChannel, Request};
 use super::{auth, blocking, control, Plane};
 use crate::hub::{Link, SessionId};
 use crate::ids;
@@ -64,8 +64,8 @@ struct Session {
     id: SessionId,
     out: Out,
     delivery: Delivery,
-    /// Profiles enabled by `connector.hello`; `None` before hello.
-    profiles: Option<Vec<String>>,
+    /// `connector.hello` completed (it enables the deployment's one profile).
+    hello_done: bool,
     /// v2: xAgent's chat packets per channel, each queue run in order by its worker.
     chat_workers: HashMap<String, smol::channel::Sender<Packet>>,
 }
@@ -109,7 +109,7 @@ where
         plane,
         id,
         out: out_tx,
-        profiles: None,
+        hello_done: false,
         chat_workers: HashMap::new(),
     };
 
@@ -219,25 +219,13 @@ impl Session {
     async fn route(&mut self, p: Packet) -> Vec<Packet> {
         log::trace!("data plane: <- {}", quiet::shown(&p.kind));
         let request = Request::of(&p, self.plane.config.xagent.profile);
-        let profiles = match (&self.profiles, request.before_hello()) {
-            (Some(profiles), _) => profiles.clone(),
-            (None, true) => Vec::new(),
-            (None, false) => {
-                return vec![Packet::error_for(
-                    Some(&p),
-                    code::HELLO_REQUIRED,
-                    "connector.hello must complete before any other packet",
-                )]
-            }
-        };
-        let cch = if request.on_open_channel() {
-            match self.open_channel_of(&p) {
-                Ok(c) => c,
-                Err(e) => return vec![*e],
-            }
-        } else {
-            String::new()
-        };
+        if !self.hello_done && !request.before_hello() {
+            return vec![Packet::error_for(
+                Some(&p),
+                code::HELLO_REQUIRED,
+                "connector.hello must complete before any other packet",
+            )];
+        }
         match request {
             Request::Hello => vec![self.hello(&p).await],
             Request::Ping => vec![Packet::answer(&p, "pong")],
@@ -259,18 +247,12 @@ impl Session {
                 }
                 vec![]
             }
-            Request::ChannelOpen => vec![control::open(&self.plane, self.id, &p, &profiles).await],
+            Request::ChannelOpen => vec![control::open(&self.plane, self.id, &p).await],
             Request::ChannelClose => vec![control::close(&self.plane, self.id, &p)],
-            Request::DescriptorGet => {
-                let d = control::descriptor(&self.plane, &cch, &profiles).await;
-                vec![Packet::answer(&p, "connection.descriptor.get.ack")
-                    .with_payload(obj([("connection_descriptor", d)]))]
-            }
-            Request::Auth(a) => vec![self.auth(p, a, cch, &profiles).await],
-            Request::ToolInvoke => {
-                tool_invoke(&self.plane, p, cch, self.out.clone());
-                vec![]
-            }
+            Request::OnChannel(r) => match self.open_channel_of(&p) {
+                Ok(cch) => self.on_channel(r, p, cch).await,
+                Err(e) => vec![*e],
+            },
             Request::ChatAck(Some(ack)) => {
                 self.delivery.ack(ack);
                 vec![]
@@ -282,7 +264,6 @@ impl Session {
                 );
                 vec![]
             }
-            Request::Chat => self.chat_in_turn(cch, p),
             Request::Unsupported => vec![Packet::error_for(
                 Some(&p),
                 code::UNSUPPORTED_PACKET,
@@ -291,12 +272,28 @@ impl Session {
         }
     }
 
+    /// A packet on channel `cch`, open on this session.
+    async fn on_channel(&mut self, r: OnChannel, p: Packet, cch: String) -> Vec<Packet> {
+        match r {
+            OnChannel::DescriptorGet => {
+                let d = control::descriptor(&self.plane, &cch).await;
+                vec![Packet::answer(&p, "connection.descriptor.get.ack")
+                    .with_payload(obj([("connection_descriptor", d)]))]
+            }
+            OnChannel::Auth(a) => vec![self.auth(p, a, cch).await],
+            OnChannel::ToolInvoke => {
+                tool_invoke(&self.plane, p, cch, self.out.clone());
+                vec![]
+            }
+            OnChannel::Chat => self.chat_in_turn(cch, p),
+        }
+    }
+
     async fn hello(&mut self, p: &Packet) -> Packet {
-        let profiles = match control::hello(&self.plane, p) {
-            Ok(profiles) => profiles,
-            Err(answer) => return *answer,
-        };
-        self.profiles = Some(profiles);
+        if let Err(answer) = control::hello(&self.plane, p) {
+            return *answer;
+        }
+        self.hello_done = true;
         self.delivery.ready();
         if self.plane.hub.authenticated(self.id) {
             // Back online within the lease: nothing will be unregistered. A commit: off the executor.
@@ -328,13 +325,13 @@ impl Session {
 
     /// An auth packet: the login state machine runs on the pool; then the hub, the providers
     /// and the channels that lost a source follow the change.
-    async fn auth(&self, p: Packet, a: Auth, cch: String, profiles: &[String]) -> Packet {
+    async fn auth(&self, p: Packet, a: Auth, cch: String) -> Packet {
         let (packet, channel) = (p, cch.clone());
         let outcome = blocking(&self.plane, move |plane| auth::run(plane, &packet, &a, &channel)).await;
         if let Some(prev) = &outcome.moved_from {
             log::info!("data plane: channel {prev} lost its source to channel {cch}");
             self.plane.hub.bound(prev, None);
-            control::push_descriptor(&self.plane, prev, profiles).await;
+            control::push_descriptor(&self.plane, prev).await;
         }
         if let Some(source) = outcome.bound {
             self.plane.hub.bound(&cch, source);
@@ -344,7 +341,7 @@ impl Session {
         }
         let mut answer = outcome.answer;
         if auth::wants_descriptor(&answer) {
-            let d = control::descriptor(&self.plane, &cch, profiles).await;
+            let d = control::descriptor(&self.plane, &cch).await;
             answer.payload.insert("connection_descriptor".into(), d);
         }
         answer
