@@ -516,6 +516,13 @@ pub fn multipart(fields: &[(&str, &str)], part: &str, filename: &str, mime: &str
     (boundary, body)
 }
 
+/// A name for part `part` of one send, the same whenever the call is retried, so the IM
+/// system can tell a retry from a new message: `bytes` of SHA-256(idempotency key, part) in hex.
+pub fn send_id(idempotency_key: &str, part: usize, bytes: usize) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{idempotency_key}:{part}").as_bytes());
+    crate::ids::hex(&digest.as_ref()[..bytes.min(32)])
+}
+
 /// Splits text into parts of at most `max_chars` characters, preferring line breaks, never
 /// inside a character.
 pub fn split_text(text: &str, max_chars: usize) -> Vec<String> {

@@ -36,7 +36,6 @@ use super::{
 };
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::files::FileRecord;
-use crate::ids;
 use crate::json::{self, arr, b, obj, s, Object, Value};
 use crate::outbox::{Enqueued, Ticket};
 use crate::protocol::code;
@@ -186,8 +185,7 @@ pub struct Feishu {
 
 /// A name Feishu will not dedupe against another message: at most 50 characters.
 fn send_uuid(idempotency_key: &str, part: usize) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{idempotency_key}:{part}").as_bytes());
-    ids::hex(&digest.as_ref()[..16])
+    super::send_id(idempotency_key, part, 16)
 }
 
 impl Feishu {

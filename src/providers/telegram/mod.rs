@@ -579,7 +579,7 @@ impl Telegram {
                 _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the chat: {e}")),
             })?;
         let chat = json::as_object(&chat).cloned().unwrap_or_default();
-        let chat_id = poll::int(&chat, "id")
+        let chat_id = json::get_i64(&chat, "id")
             .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "getChat returned no chat id"))?;
         let kind = json::get_str(&chat, "type").unwrap_or("private");
         let title = json::get_str(&chat, "title")

@@ -240,7 +240,7 @@ pub struct Message {
 pub fn read_update(u: &json::Object) -> Option<Update> {
     let after = json::get_u64(u, "update_id")?.checked_add(1)?;
     let message = json::get_obj(u, "message").and_then(|m| {
-        let chat_id = json::get_obj(m, "chat").and_then(|c| int(c, "id"))?;
+        let chat_id = json::get_obj(m, "chat").and_then(|c| json::get_i64(c, "id"))?;
         let (inbound, media) = inbound_of(m, chat_id);
         Some(Message {
             chat_id,
@@ -252,10 +252,6 @@ pub fn read_update(u: &json::Object) -> Option<Update> {
 }
 
 /// A Telegram integer ID (chats are negative for groups); `None` beyond `i64`.
-pub(super) fn int(o: &json::Object, key: &str) -> Option<i64> {
-    json::get_i64(o, key)
-}
-
 /// A file of a Telegram message, before it is fetched.
 pub struct Media {
     file_id: String,
@@ -331,8 +327,8 @@ fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<File
 fn inbound_of(m: &json::Object, chat_id: i64) -> (Inbound, Option<Media>) {
     let chat = json::get_obj(m, "chat");
     let from = json::get_obj(m, "from");
-    let message_id = int(m, "message_id").unwrap_or(0);
-    let sender_id = from.and_then(|f| int(f, "id")).unwrap_or(chat_id).to_string();
+    let message_id = json::get_i64(m, "message_id").unwrap_or(0);
+    let sender_id = from.and_then(|f| json::get_i64(f, "id")).unwrap_or(chat_id).to_string();
     let sender_name = from.and_then(|f| {
         let first = json::get_str(f, "first_name").unwrap_or_default();
         let last = json::get_str(f, "last_name").unwrap_or_default();

@@ -401,8 +401,7 @@ fn object(v: Value) -> Object {
 
 /// A client ID for WeChat from the tool call's idempotency key: a retried call sends the same.
 fn client_id(idempotency_key: &str, part: usize) -> String {
-    let digest = ring::digest::digest(&ring::digest::SHA256, format!("{idempotency_key}:{part}").as_bytes());
-    format!("imgate-{}", ids::hex(&digest.as_ref()[..12]))
+    format!("imgate-{}", super::send_id(idempotency_key, part, 12))
 }
 
 fn flow() -> Value {
