@@ -193,13 +193,16 @@ pub fn mime_of(kind: &str, name: &str, bytes: &[u8]) -> &'static str {
     .iter()
     .find(|(magic, _)| bytes.starts_with(magic))
     .map(|(_, m)| *m);
-    let by_name = match name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase()) {
-        Some(e) if e == "pdf" => Some("application/pdf"),
-        Some(e) if e == "txt" => Some("text/plain"),
-        Some(e) if e == "jpg" || e == "jpeg" => Some("image/jpeg"),
-        Some(e) if e == "png" => Some("image/png"),
-        Some(e) if e == "zip" => Some("application/zip"),
-        Some(e) if e == "mp4" => Some("video/mp4"),
+    let extension = name
+        .rsplit_once('.')
+        .map_or(String::new(), |(_, e)| e.to_ascii_lowercase());
+    let by_name = match extension.as_str() {
+        "pdf" => Some("application/pdf"),
+        "txt" => Some("text/plain"),
+        "jpg" | "jpeg" => Some("image/jpeg"),
+        "png" => Some("image/png"),
+        "zip" => Some("application/zip"),
+        "mp4" => Some("video/mp4"),
         _ => None,
     };
     match kind {

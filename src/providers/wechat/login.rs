@@ -99,15 +99,7 @@ impl Logins {
                 "Scan the new QR code with WeChat",
             ));
         }
-        if started.elapsed() >= CODE_TTL {
-            return Ok(prompt(
-                handle.into(),
-                started,
-                Stage::RefreshRequired,
-                None,
-                "The QR code expired; ask for a new one",
-            ));
-        }
+        // A code past CODE_TTL is never polled: its prompt's `expires_at` ends the login first.
         let path = format!("ilink/bot/get_qrcode_status?qrcode={qrcode}");
         let status = match wx.api.get(&base, &path, POLL_WAIT) {
             Ok(o) => o,

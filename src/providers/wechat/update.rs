@@ -122,7 +122,7 @@ pub fn read_message(m: &Object) -> Option<Message> {
 }
 
 /// An item's kind and the words it carries: its text, a voice message's transcription; a media
-/// item beyond the first (which is fetched) is named in brackets.
+/// item that is not fetched (only the first is) is named in brackets.
 fn item_text(item: &Object) -> (&'static str, Option<String>) {
     let sub = |k: &str| json::get_obj(item, k);
     match json::get_u64(item, "type").unwrap_or(0) {
@@ -132,10 +132,7 @@ fn item_text(item: &Object) -> (&'static str, Option<String>) {
                 .and_then(|t| json::get_str(t, "text"))
                 .map(str::to_string),
         ),
-        2 => (
-            "image",
-            Some("[image not available: WeChat media are not fetched yet]".into()),
-        ),
+        2 => ("image", Some("[image]".into())),
         3 => {
             let said = sub("voice_item")
                 .and_then(|v| json::get_str(v, "text"))
@@ -150,15 +147,9 @@ fn item_text(item: &Object) -> (&'static str, Option<String>) {
                 .and_then(|f| json::get_str(f, "file_name"))
                 .unwrap_or("file");
             let name: String = name.chars().take(128).collect();
-            (
-                "file",
-                Some(format!("[file {name} not available: WeChat media are not fetched yet]")),
-            )
+            ("file", Some(format!("[file {name}]")))
         }
-        5 => (
-            "video",
-            Some("[video not available: WeChat media are not fetched yet]".into()),
-        ),
+        5 => ("video", Some("[video]".into())),
         _ => ("other", None),
     }
 }
@@ -203,6 +194,22 @@ mod tests {
             ),
             ("audio", "[voice] call me")
         );
+    }
+
+    #[test]
+    fn the_first_media_item_is_fetched_and_the_others_are_named_in_the_text() {
+        let b = read_batch(&parse(
+            r#"{"msgs":[{"message_id":"9","from_user_id":"u","item_list":[
+              {"type":1,"text_item":{"text":"look"}},
+              {"type":2,"image_item":{"aeskey":"00","media":{"encrypt_query_param":"q1"}}},
+              {"type":4,"file_item":{"file_name":"a.pdf","media":{"encrypt_query_param":"q2"}}}]}]}"#,
+        ));
+        let m = &b.messages[0];
+        assert_eq!(
+            m.media.as_ref().map(|r| (r.kind, r.query.as_deref())),
+            Some(("image", Some("q1")))
+        );
+        assert_eq!(m.inbound.text, "look\n[file a.pdf]");
     }
 
     #[test]
