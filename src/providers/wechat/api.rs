@@ -23,13 +23,16 @@ pub struct ApiError {
     /// iLink's `ret` or `errcode` (0 when the answer had none).
     pub code: i64,
     pub msg: String,
+    /// No answer within the call's time (a long poll with nothing to say ends so too).
+    pub timed_out: bool,
 }
 
 impl ApiError {
-    fn unreachable(e: impl std::fmt::Display) -> ApiError {
+    fn unreachable(e: ureq::Error) -> ApiError {
         ApiError {
             status: 0,
             code: 0,
+            timed_out: matches!(e, ureq::Error::Timeout(_)),
             msg: e.to_string(),
         }
     }
@@ -164,6 +167,7 @@ fn read_answer(mut resp: ureq::http::Response<ureq::Body>) -> Result<Object, Api
             status: if status == 200 { 0 } else { status },
             code: 0,
             msg: msg.into(),
+            timed_out: false,
         });
     };
     let code = [json::get_i64(&o, "ret"), json::get_i64(&o, "errcode")]
@@ -173,7 +177,12 @@ fn read_answer(mut resp: ureq::http::Response<ureq::Body>) -> Result<Object, Api
         .unwrap_or(0);
     if status != 200 || code != 0 {
         let msg = json::get_str(&o, "errmsg").unwrap_or("refused").to_string();
-        return Err(ApiError { status, code, msg });
+        return Err(ApiError {
+            status,
+            code,
+            msg,
+            timed_out: false,
+        });
     }
     Ok(o)
 }

@@ -70,7 +70,7 @@ pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
                 return;
             }
             // The client's own timeout on an idle long poll: ask again at once.
-            Err(e) if e.status == 0 && e.msg.contains("timeout") => None,
+            Err(e) if e.timed_out => None,
             Err(e) => {
                 let why = e.to_string();
                 if why != last_error {
