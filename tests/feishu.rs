@@ -209,13 +209,7 @@ fn images_are_fetched_into_the_file_cache_and_files_go_out_uploaded() {
     assert_eq!(push["payload"]["message_type"], "image");
     assert_eq!(file["mime_type"], "image/jpeg", "the server's type wins");
     assert_eq!(file["byte_size"], 5000);
-    let url = file["download_url"].as_str().unwrap().to_string();
-    let mut resp = load_agent().get(&d.url(&url)).call().unwrap();
-    assert_eq!(
-        resp.body_mut().read_to_vec().unwrap(),
-        photo,
-        "the cached bytes are served"
-    );
+    assert_eq!(download(&d, file).1, photo, "the cached bytes are served");
     let fetched = sim.calls("/open-apis/im/v1/messages/om_200/resources/img_v3_abc?type=image");
     assert_eq!(fetched.len(), 1);
 

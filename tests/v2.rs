@@ -414,11 +414,7 @@ fn a_telegram_photo_reaches_xagent_as_a_chat_message_with_a_download_url() {
         (file["type"].as_str(), file["byte_size"].as_u64()),
         (Some("image"), Some(3000))
     );
-    let mut r = load_agent()
-        .get(&d.url(file["download_url"].as_str().unwrap()))
-        .call()
-        .unwrap();
-    assert_eq!(r.body_mut().read_to_vec().unwrap(), photo);
+    assert_eq!(download(&d, file).1, photo);
     x.ack_chat(&m, "accepted", None, false);
 }
 

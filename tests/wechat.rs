@@ -240,14 +240,14 @@ fn media_are_decrypted_into_the_file_cache_and_a_file_goes_out_encrypted() {
         (Some("report.pdf"), Some("application/pdf")),
         "{push}"
     );
-    let (status, bytes) = http_get_bytes(&d.url(file["download_url"].as_str().unwrap()));
+    let (status, bytes) = download(&d, file);
     assert_eq!((status, bytes), (200, pdf.clone()), "decrypted on the device");
     let png = b"\x89PNG\r\n\x1a\n an image".to_vec();
     api.user_sends(2, "", &png, "ctx-i");
     let push = x.next_push(Duration::from_secs(10)).unwrap();
     let image = &push["payload"]["files"][0];
     assert_eq!(image["mime_type"], "image/png", "{push}");
-    let (_, bytes) = http_get_bytes(&d.url(image["download_url"].as_str().unwrap()));
+    let (_, bytes) = download(&d, image);
     assert_eq!(bytes, png, "the image's key given as image_item.aeskey (hex)");
 
     // The file tool: encrypted, uploaded, then sent as a file item in the user's context.
@@ -279,16 +279,6 @@ fn media_are_decrypted_into_the_file_cache_and_a_file_goes_out_encrypted() {
         (Some(13), Some(16))
     );
     assert_eq!(ask["rawfilemd5"], md5_hex(b"meeting at 10"));
-}
-
-/// GET returning the raw bytes.
-fn http_get_bytes(url: &str) -> (u16, Vec<u8>) {
-    let mut r = load_agent()
-        .get(url)
-        .header("Authorization", &format!("Bearer {API_KEY}"))
-        .call()
-        .unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_vec().unwrap())
 }
 
 fn md5_hex(bytes: &[u8]) -> String {

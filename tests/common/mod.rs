@@ -345,6 +345,13 @@ fn agent() -> ureq::Agent {
         .into()
 }
 
+/// A pushed file's bytes from its `download_url`, and the status.
+pub fn download(d: &Daemon, file: &Value) -> (u16, Vec<u8>) {
+    let url = d.url(file["download_url"].as_str().expect("a file has a download_url"));
+    let mut r = load_agent().get(&url).call().unwrap();
+    (r.status().as_u16(), r.body_mut().read_to_vec().unwrap())
+}
+
 pub fn http_get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
     let mut req = agent().get(url);
     for (k, v) in headers {
