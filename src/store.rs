@@ -17,7 +17,7 @@
 
 use redb::{Database, Durability, ReadTransaction, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -103,6 +103,8 @@ pub struct Db {
     last_failure: Mutex<String>,
     /// While writes fail: the first error and how many writes failed since.
     outage: Mutex<Option<(String, u64)>>,
+    /// Commits made since start (each one is pages and two fsyncs on the SD card).
+    commits: AtomicU64,
 }
 
 fn open_file(path: &Path) -> Result<Database> {
@@ -129,6 +131,7 @@ impl Db {
             last_attempt: Mutex::new(None),
             last_failure: Mutex::new(String::new()),
             outage: Mutex::new(None),
+            commits: AtomicU64::new(0),
         });
         db.write(|txn| {
             let mut meta = txn.open_table(META)?;
@@ -163,6 +166,11 @@ impl Db {
         e
     }
 
+    /// Commits made since start, for `/metrics`.
+    pub fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
+    }
+
     /// Receives a notice whenever an I/O error asks for a reopen.
     pub fn trouble(&self) -> smol::channel::Receiver<()> {
         self.trouble.1.clone()
@@ -190,28 +198,27 @@ impl Db {
     /// Runs `f` in a write transaction committed with fsync (`Durability::Immediate`); an `Err`
     /// from `f` aborts it. Nobody may be told of a change before this returns `Ok`.
     pub fn write<T>(&self, f: impl FnOnce(&WriteTransaction) -> Result<T>) -> Result<T> {
-        self.write_as(|txn| Ok((f(txn)?, Durability::Immediate)))
-    }
-
-    /// Like `write`, but `f` chooses the commit's durability. Only the outbox uses
-    /// `Durability::None`, for changes its own log has made durable (outbox/durable.rs).
-    pub fn write_as<T>(&self, f: impl FnOnce(&WriteTransaction) -> Result<(T, Durability)>) -> Result<T> {
         // A commit waits for fsync: on the executor it would stall every session and client.
         debug_assert!(!crate::runtime::on_executor(), "a commit on the async executor thread");
         let run = || -> Result<T> {
             let mut txn = self.handle()?.begin_write()?;
-            let (v, durability) = f(&txn)?;
-            // Durable commits are few (the outbox's checkpoints, bindings, tool results), so
-            // each can afford to save redb's allocator state: a start after a crash then skips
-            // the walk over the whole file (measured: 290 ms → 160 ms with a 50 MiB backlog).
-            if matches!(durability, Durability::Immediate) {
-                txn.set_quick_repair(true);
-            }
-            txn.set_durability(durability)?;
+            let v = f(&txn)?;
+            // Commits are few (the outbox's checkpoints, bindings, tool results), so each can
+            // afford to save redb's allocator state: a start after a crash then skips the walk
+            // over the whole file (measured: 290 ms → 160 ms with a 50 MiB backlog).
+            txn.set_quick_repair(true);
+            txn.set_durability(Durability::Immediate)?;
             txn.commit()?;
+            self.commits.fetch_add(1, Ordering::Relaxed);
             Ok(v)
         };
-        let result = run().map_err(|e| self.seen(e));
+        self.noted(run())
+    }
+
+    /// Keeps the outage bookkeeping for a write made beside the database (the outbox's log):
+    /// an I/O error asks for a reopen and starts an outage, a success ends one.
+    pub fn noted<T>(&self, result: Result<T>) -> Result<T> {
+        let result = result.map_err(|e| self.seen(e));
         match &result {
             Ok(_) => self.write_ok(),
             Err(e) if e.is_outage() => self.write_failed(e),

@@ -81,7 +81,10 @@ fn a_crash_at_each_step_of_the_write_path_loses_no_accepted_message() {
     let points = [
         ("outbox-log-torn", 25, true),
         ("outbox-log-appended", 25, false),
+        // Messages only in the log and in memory, then a checkpoint that writes the pending
+        // ones: before it, inside its commit, and after it.
         ("outbox-checkpoint", 1, false),
+        ("outbox-checkpoint-writing", 1, false),
         ("outbox-checkpoint-committed", 1, false),
     ];
     for (point, n, torn) in points {

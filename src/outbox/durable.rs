@@ -1,55 +1,60 @@
-//! How an outbox change becomes durable: the index and the write-ahead log under one lock, the
-//! one `write` every change goes through, checkpoints, and replay.
+//! How an outbox change becomes durable: the index, the overlay and the write-ahead log under
+//! one lock, the one `write` every change goes through, checkpoints, and replay.
 //!
-//! Invariants (the log's format is in `wal.rs`, the redo records in `tx.rs`):
-//! - A change is applied to redb in a transaction committed with `Durability::None` (visible,
-//!   not yet on disk), and its redo record is appended to the log *inside* that transaction,
-//!   before the commit: nobody can see a change whose record is not in the log, and a record
-//!   whose transaction did not commit is taken back (`unappend`).
-//! - Every such transaction also stores its record's sequence number in `meta`
-//!   (`outbox_log_applied`), so whatever redb holds durably names the last record it contains.
+//! Invariants (the log's format is in `wal.rs`, the redo records in `tx.rs`, the overlay in
+//! `overlay.rs`):
+//! - A change is made to the overlay (memory) and its redo record appended to the log under the
+//!   same lock; nobody sees the change before its record is in the log, and a change whose
+//!   record could not be logged is taken back (`Undo`). The hot path never writes redb.
 //! - Accepts are appended with `fdatasync` (a `202` means the record is on the disk). Deliveries,
-//!   attempts and sweeps are appended without one: the next sync or checkpoint carries them, so
-//!   a power cut can at worst deliver such a message once more, with the same `message_id`.
-//! - A checkpoint is a redb commit with `Durability::Immediate` (which makes every earlier
-//!   non-durable commit durable too); only after it returns is the log recycled from offset 0.
-//!   It runs when the log holds `CHECKPOINT_BYTES`, when its oldest record is `CHECKPOINT_EVERY`
-//!   old, at clean shutdown, and whenever a record does not fit (that transaction is then
-//!   committed durably instead of logged).
-//! - Replay (at start, and after redb was reopened, which drops non-durable commits) reads the
-//!   log from offset 0, applies the records past `outbox_log_applied` in one transaction that
-//!   is itself a checkpoint (none when there are none, as after a clean stop), and stops at the
-//!   first unreadable record, counted and logged once.
-//! - While the log or the database needs repair, the outbox refuses writes (`503`), and
-//!   `recover` repairs both: it never accepts a message it could not make durable.
+//!   attempts and sweeps are appended without one: the next sync carries them, or the kernel's
+//!   writeback, so a power cut can at worst deliver such a message once more, with the same
+//!   `message_id`.
+//! - A checkpoint writes the overlay into redb in one commit with `Durability::Immediate`,
+//!   naming the last record it contains (`outbox_log_applied`); only after it returns are the
+//!   overlay emptied and the log recycled from offset 0. What was accepted and delivered since
+//!   the last checkpoint is no longer in the overlay, so it never reaches redb.
+//! - Checkpoints run only when they pay: when the log holds `CHECKPOINT_BYTES` (which bounds
+//!   the overlay's memory and replay's work), at clean shutdown (so the next start replays
+//!   nothing), and when a record does not fit in the log (that change is then made durable by
+//!   the checkpoint itself). No timer: an idle outbox, or one whose messages are all delivered,
+//!   writes nothing more.
+//! - Replay (at start) reads the log from offset 0, applies the records past
+//!   `outbox_log_applied` to the overlay through the same `Tx` methods, then checkpoints (no
+//!   commit at all when there were none, as after a clean stop). It stops at the first
+//!   unreadable record, counted and logged once.
+//! - When the log fails, or a checkpoint cannot write redb (a full or failing disk), the outbox
+//!   refuses writes (`503`) until `recover` has checkpointed the overlay and started the log
+//!   again: it never accepts a message it could not make durable, and one outage is one outage
+//!   (no accepts between failed checkpoints flapping the store's outage log).
 
 use std::io::BufReader;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use redb::{Durability, ReadTransaction, ReadableTable, WriteTransaction};
+use redb::WriteTransaction;
 
+use super::committer::Queue;
 use super::index::Index;
+use super::overlay::{Overlay, Which};
 use super::record;
-use super::tx::{Tx, DELIVERED, MESSAGES};
+use super::tx::{Base, Reader, Tx};
 use super::wal::{self, Log, NoRoom};
-use super::{AcceptHook, Policy, Work};
+use super::{AcceptHook, Policy};
 use crate::store::{self, Db, Result, StoreError};
 
 /// `meta` key: the last log record redb's tables contain.
 const APPLIED_KEY: &str = "outbox_log_applied";
-/// A checkpoint is due once the log holds this much...
-const CHECKPOINT_BYTES: u64 = wal::LOG_BYTES / 4;
-/// ...or its oldest record is this old. Replay after a crash is bounded by the log's size, not
-/// by this; what it sets is how many messages share one checkpoint at an appliance's usual pace
-/// (measured on ext4, one message a second: 98 KB per message at 500 ms, 31 KB at 5 s, 18 KB at
-/// 30 s), and how long a delivery waits for a sync when no accept follows it.
-const CHECKPOINT_EVERY: Duration = Duration::from_secs(30);
+/// A checkpoint is due once the log holds this much. It bounds what a start after a crash
+/// replays (this plus one group, `committer::MAX_GROUP_BYTES`) and the overlay's memory; what it no
+/// longer sets is a pace: at an appliance's message a second the log takes many minutes to
+/// fill, and every message delivered meanwhile never reaches redb.
+pub const CHECKPOINT_BYTES: u64 = wal::LOG_BYTES / 4;
 /// After a checkpoint failed for a reason that is not the disk, wait this long to try again.
 const CHECKPOINT_RETRY: Duration = Duration::from_secs(1);
 
-/// What replays found, for `/status`.
+/// What replays and checkpoints did, for `/status` and `/metrics`.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LogReport {
     /// Records applied by replays since start.
@@ -57,19 +62,21 @@ pub struct LogReport {
     /// Unreadable records replays stopped at (torn by a crash during their write, or corrupt).
     pub unreadable: u64,
     pub checkpoints: u64,
+    /// Message records checkpoints wrote to redb (those still pending at their checkpoint).
+    pub checkpointed_messages: u64,
+    /// Bytes of records in the log since the last checkpoint.
+    pub log_bytes: u64,
 }
 
 pub(super) struct State {
     pub index: Index,
+    overlay: Overlay,
     log: Log,
     /// The sequence number of the next record.
     next_seq: u64,
-    /// When the oldest record since the last checkpoint was written.
-    oldest: Option<Instant>,
-    /// redb was (re)opened: its non-durable commits are gone, the log must be replayed.
-    needs_replay: bool,
-    /// The log failed: it must be checkpointed and started again.
-    log_broken: bool,
+    /// The log failed, or a checkpoint could not write redb: writes are refused until
+    /// `recover` has checkpointed and started the log again.
+    stalled: bool,
     retry_checkpoint_at: Option<Instant>,
     report: LogReport,
 }
@@ -82,14 +89,14 @@ impl State {
     }
 }
 
-/// The database and the in-memory index, shared with the committer thread.
+/// The database, the overlay and the in-memory index, shared with the committer thread.
 pub(super) struct Shared {
     pub db: Arc<Db>,
     state: Mutex<State>,
     pub policy: Policy,
     pub on_accept: OnceLock<AcceptHook>,
-    /// The committer's queue: told when the log gets its first record since a checkpoint.
-    pub work: mpsc::Sender<Work>,
+    /// The committer's queue: told when the log is full enough for a checkpoint.
+    pub queue: Arc<Queue>,
     /// The index's pending bytes after the last change, readable without the lock (which a
     /// commit holds through its fsync), so the executor may ask.
     pending_bytes: AtomicU64,
@@ -97,23 +104,22 @@ pub(super) struct Shared {
 
 impl Shared {
     /// Replays the log left by the last run and starts the log again.
-    pub fn open(db: Arc<Db>, policy: Policy, work: mpsc::Sender<Work>) -> Result<Shared> {
+    pub fn open(db: Arc<Db>, policy: Policy, queue: Arc<Queue>) -> Result<Shared> {
         let log = Log::new(db.dir());
         let shared = Shared {
             db,
             state: Mutex::new(State {
                 index: Index::default(),
+                overlay: Overlay::default(),
                 log,
                 next_seq: 1,
-                oldest: None,
-                needs_replay: true,
-                log_broken: false,
+                stalled: false,
                 retry_checkpoint_at: None,
                 report: LogReport::default(),
             }),
             policy,
             on_accept: OnceLock::new(),
-            work,
+            queue,
             pending_bytes: AtomicU64::new(0),
         };
         shared.replay(&mut shared.lock())?;
@@ -124,14 +130,24 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Tests: no timed or size-driven checkpoint from now on, so the log keeps every record.
+    /// Tests: no size-driven checkpoint from now on, so the log keeps every record.
     #[cfg(test)]
     pub fn hold_checkpoints(&self) {
         self.lock().retry_checkpoint_at = Some(Instant::now() + Duration::from_secs(3600));
     }
 
+    /// Tests: message records the overlay holds (what the next checkpoint would write).
+    #[cfg(test)]
+    pub fn overlay_messages(&self) -> u64 {
+        self.lock().overlay.message_puts()
+    }
+
     pub fn report(&self) -> LogReport {
-        self.lock().report
+        let st = self.lock();
+        LogReport {
+            log_bytes: st.log.used(),
+            ..st.report
+        }
     }
 
     /// Bytes of pending messages in all sources, as of the last change.
@@ -143,188 +159,202 @@ impl Shared {
         self.pending_bytes.store(st.index.total_bytes(), Ordering::Relaxed);
     }
 
-    /// Runs `f` in one transaction with the index, logs what it changed (synced to the disk
-    /// with `sync`) and commits. On any failure the index is rebuilt from what the database
-    /// really holds.
+    /// Runs `f` over what the outbox holds now (the overlay over redb), with the index.
+    pub fn view<T>(&self, f: impl FnOnce(&Reader, &mut Index) -> Result<T>) -> Result<T> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let (overlay, index) = (&st.overlay, &mut st.index);
+        self.db.read(|txn| {
+            let base = Base::new(txn);
+            f(&Reader::new(&base, overlay), index)
+        })
+    }
+
+    /// Runs `f` in one transaction with the index and logs what it changed (synced to the disk
+    /// with `sync`). On any failure the change is taken back and the index rebuilt.
     pub fn write<T>(&self, sync: bool, f: impl FnOnce(&mut Tx, &mut Index) -> Result<T>) -> Result<T> {
         let mut guard = self.lock();
         let st = &mut *guard;
-        if st.needs_replay || st.log_broken {
+        if st.stalled {
             return Err(StoreError::Unavailable);
         }
-        // What the transaction did to the log: appended a record of this length, or (`None`
-        // with `durable`) committed durably instead.
-        let mut appended = None;
-        let mut durable = false;
-        let result = self.db.write_as(|txn| {
-            let mut tx = Tx::open(txn)?;
-            let v = f(&mut tx, &mut st.index)?;
-            let redo = tx.into_redo();
-            if redo.is_empty() {
-                return Ok((v, Durability::None));
-            }
-            store::set_meta(txn, APPLIED_KEY, Some(&st.next_seq.to_string()))?;
-            match st.log.append(st.next_seq, &redo, sync) {
-                Ok(Ok(())) => {
-                    appended = Some(redo.len());
-                    Ok((v, Durability::None))
-                }
-                Ok(Err(NoRoom)) => {
-                    durable = true;
-                    Ok((v, Durability::Immediate))
-                }
-                Err(e) => {
-                    // The disk under the log fails: closed like the database (which this error
-                    // asks the store to reopen), so the disk can be repaired.
-                    st.log.close();
-                    st.log_broken = true;
-                    Err(StoreError::Io(format!("{}: {e}", st.log.path().display())))
-                }
-            }
-        });
-        match &result {
-            Ok(_) if durable => {
-                st.next_seq += 1;
-                self.restart_log(st);
-            }
-            Ok(_) if appended.is_some() => {
-                st.next_seq += 1;
-                if st.oldest.is_none() {
-                    st.oldest = Some(Instant::now());
-                    self.wake_committer();
-                } else if st.log.used() >= CHECKPOINT_BYTES {
-                    self.wake_committer();
-                }
-            }
-            Ok(_) => {}
-            Err(_) => {
-                if let Some(len) = appended {
-                    st.log.unappend(len);
-                }
-                self.recover_locked(st);
-                if !st.needs_replay {
-                    match self.db.read(load_index) {
-                        Ok(fresh) => st.index = fresh,
-                        // Rebuilt on the next failure or reopen; the outage itself is logged once.
-                        Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
-                    }
-                }
+        let result = self.write_locked(st, sync, f);
+        if result.is_err() {
+            let fresh = self
+                .db
+                .read(|txn| load_index(&Reader::new(&Base::new(txn), &st.overlay)));
+            match fresh {
+                Ok(fresh) => st.index = fresh,
+                // Rebuilt on the next failure; the outage itself is logged once.
+                Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
             }
         }
         self.publish(st);
-        result
+        match result {
+            // Nothing changed, so nothing reached the disk: no news about an outage.
+            Ok((v, false)) => Ok(v),
+            Ok((v, true)) => self.db.noted(Ok(v)),
+            Err(e) => self.db.noted(Err(e)),
+        }
     }
 
-    fn wake_committer(&self) {
-        let _ = self.work.send(Work::Wake);
+    /// The change's value, and whether it wrote anything.
+    fn write_locked<T>(
+        &self,
+        st: &mut State,
+        sync: bool,
+        f: impl FnOnce(&mut Tx, &mut Index) -> Result<T>,
+    ) -> Result<(T, bool)> {
+        let (overlay, index) = (&mut st.overlay, &mut st.index);
+        let (out, redo, undo) = self.db.read(|txn| {
+            let base = Base::new(txn);
+            let mut tx = Tx::new(&base, overlay);
+            let out = f(&mut tx, index);
+            let (redo, undo) = tx.finish();
+            Ok((out, redo, undo))
+        })?;
+        let v = match out {
+            Ok(v) => v,
+            Err(e) => {
+                st.overlay.undo(undo);
+                return Err(e);
+            }
+        };
+        if redo.is_empty() {
+            return Ok((v, false));
+        }
+        match st.log.append(st.next_seq, &redo, sync) {
+            Ok(Ok(())) => {
+                st.next_seq += 1;
+                if st.log.used() >= CHECKPOINT_BYTES {
+                    self.queue.wake();
+                }
+                Ok((v, true))
+            }
+            // Too large for the log: the checkpoint makes it durable instead.
+            Ok(Err(NoRoom)) => match self.checkpoint_locked(st, st.next_seq) {
+                Ok(()) => {
+                    st.next_seq += 1;
+                    Ok((v, true))
+                }
+                Err(e) => {
+                    st.overlay.undo(undo);
+                    st.stalled |= e.is_outage();
+                    Err(e)
+                }
+            },
+            Err(e) => {
+                // The disk under the log fails: closed (so the disk can be repaired) until
+                // `recover` checkpoints and starts it again.
+                st.overlay.undo(undo);
+                st.log.close();
+                st.stalled = true;
+                Err(StoreError::Io(format!("{}: {e}", st.log.path().display())))
+            }
+        }
     }
 
     /// How long until a checkpoint is due (zero: now); `None` while none is needed or possible.
     pub fn checkpoint_due(&self) -> Option<Duration> {
         let st = self.lock();
-        let oldest = st.oldest?;
-        if st.needs_replay || st.log_broken || self.db.needs_recovery() {
+        if st.stalled || self.db.needs_recovery() {
             return None;
         }
         if let Some(at) = st.retry_checkpoint_at {
             return Some(at.saturating_duration_since(Instant::now()));
         }
-        if st.log.used() >= CHECKPOINT_BYTES {
-            return Some(Duration::ZERO);
-        }
-        Some(CHECKPOINT_EVERY.saturating_sub(oldest.elapsed()))
+        (st.log.used() >= CHECKPOINT_BYTES).then_some(Duration::ZERO)
     }
 
-    /// Makes everything durable in redb and recycles the log (also at clean shutdown).
+    /// Writes what the log holds into redb and recycles the log (when due, and at clean
+    /// shutdown); nothing when nothing was logged since the last one.
     pub fn checkpoint(&self) {
         let mut guard = self.lock();
         let st = &mut *guard;
-        if st.oldest.is_none() || st.needs_replay || st.log_broken {
+        if st.log.used() == 0 || st.stalled {
             return;
         }
-        match self.checkpoint_locked(st) {
+        let last = st.next_seq - 1;
+        match self.checkpoint_locked(st, last) {
             Ok(()) => st.retry_checkpoint_at = None,
+            // An outage (logged once by the store): writes wait until `recover` has checkpointed.
+            Err(e) if e.is_outage() => st.stalled = true,
             Err(e) => {
-                // An I/O error is an outage (logged once by the store, repaired by `recover`).
                 log::debug!("outbox: checkpoint failed: {e}");
                 st.retry_checkpoint_at = Some(Instant::now() + CHECKPOINT_RETRY);
             }
         }
     }
 
-    fn checkpoint_locked(&self, st: &mut State) -> Result<()> {
+    /// One durable commit of the overlay, naming `last` as the last record it contains; then
+    /// the overlay is empty and the log starts again.
+    fn checkpoint_locked(&self, st: &mut State, last: u64) -> Result<()> {
         crate::faults::crash_at("outbox-checkpoint");
-        let last = st.next_seq - 1;
-        self.db.write_as(|txn| {
+        let overlay = &st.overlay;
+        self.db.write(|txn| {
+            overlay.write_to(txn)?;
             store::set_meta(txn, APPLIED_KEY, Some(&last.to_string()))?;
-            Ok(((), Durability::Immediate))
+            // A crash inside the commit: redb keeps the last checkpoint whole.
+            crate::faults::crash_at("outbox-checkpoint-writing");
+            Ok(())
         })?;
         crate::faults::crash_at("outbox-checkpoint-committed");
+        st.report.checkpointed_messages += st.overlay.message_puts();
+        st.overlay = Overlay::default();
         self.restart_log(st);
         Ok(())
     }
 
-    /// After a durable commit: the log starts again from offset 0.
+    /// After a checkpoint: the log starts again from offset 0.
     fn restart_log(&self, st: &mut State) {
-        st.oldest = None;
         st.report.checkpoints += 1;
         if let Err(e) = st.log.restart() {
             log::debug!("outbox: cannot restart the log: {e}");
             st.log.close();
-            st.log_broken = true;
+            st.stalled = true;
             self.db.report_trouble();
         }
     }
 
     /// Whether `recover` has work to do.
     pub fn needs_recovery(&self) -> bool {
-        let st = self.lock();
-        st.needs_replay || st.log_broken || self.db.needs_recovery()
+        self.lock().stalled || self.db.needs_recovery()
     }
 
-    /// After a failing disk: reopens the database if an I/O error asked for it, then replays
-    /// the log into it, or starts a broken log again after a checkpoint.
+    /// After a failing disk: reopens the database if an I/O error asked for it (it holds only
+    /// checkpoints, so a reopen loses nothing), then checkpoints what the overlay holds and
+    /// starts the log again.
     pub fn recover(&self) {
         let mut guard = self.lock();
-        self.recover_locked(&mut guard);
-    }
-
-    fn recover_locked(&self, st: &mut State) {
-        if self.db.recover() {
-            st.needs_replay = true;
+        let st = &mut *guard;
+        self.db.recover();
+        if !st.stalled || self.db.needs_recovery() {
+            return;
         }
-        if (st.needs_replay || st.log_broken) && !self.db.needs_recovery() {
-            if let Err(e) = st.log.probe() {
-                log::debug!("outbox: the log still fails: {e}");
-                return;
-            }
+        if let Err(e) = st.log.probe() {
+            log::debug!("outbox: the log still fails: {e}");
+            return;
         }
-        if st.needs_replay {
-            if let Err(e) = self.replay(st) {
-                log::debug!("outbox: replay failed: {e}");
-            }
-        } else if st.log_broken && !self.db.needs_recovery() {
-            // redb still holds every logged change (it was not reopened): a checkpoint makes
-            // them durable and the log starts again.
-            st.log_broken = false;
-            if let Err(e) = self.checkpoint_locked(st) {
-                st.log_broken = true;
-                log::debug!("outbox: checkpoint after a log error failed: {e}");
-            }
+        st.stalled = false;
+        let last = st.next_seq - 1;
+        if let Err(e) = self.checkpoint_locked(st, last) {
+            st.stalled = true;
+            log::debug!("outbox: checkpoint after a log error failed: {e}");
         }
     }
 
-    /// Applies the log past what redb holds durably, in one durable transaction, then starts
-    /// the log again and rebuilds the index.
+    /// Applies the log past what redb holds to the overlay, checkpoints it, starts the log
+    /// again and builds the index.
     fn replay(&self, st: &mut State) -> Result<()> {
-        st.needs_replay = true;
         let reader = st
             .log
             .reader()
             .map_err(|e| StoreError::Io(format!("cannot read {}: {e}", st.log.path().display())))?;
-        let (found, last, stopped) = self.db.write_as(|txn| {
-            let applied = store::parse_u64(APPLIED_KEY, store::meta_in(txn, APPLIED_KEY)?)?.unwrap_or(0);
-            let mut tx = Tx::open(txn)?;
+        let overlay = &mut st.overlay;
+        let replayed = self.db.read(|txn| {
+            let applied = store::parse_u64(APPLIED_KEY, store::meta(txn, APPLIED_KEY)?)?.unwrap_or(0);
+            let base = Base::new(txn);
+            let mut tx = Tx::new(&base, overlay);
             let (mut next, mut applied_now) = (applied + 1, 0u64);
             // Why replay stopped before the log's end, if it did.
             let mut stopped: Option<String> = None;
@@ -352,20 +382,18 @@ impl Shared {
                     }
                 })?,
             };
-            drop(tx);
-            let last = next - 1;
             let unreadable = found
                 .unreadable
                 .map(|u| format!("the record at offset {} is unreadable ({})", u.offset, u.why));
-            // Nothing past what redb holds durably (a start after a clean stop): no commit to
-            // sync, and the log may start again all the same.
-            if applied_now == 0 {
-                return Ok(((0, last, stopped.or(unreadable)), Durability::None));
+            Ok((applied_now, next - 1, stopped.or(unreadable)))
+        });
+        let (found, last, stopped) = match replayed {
+            Ok(r) => r,
+            Err(e) => {
+                st.overlay = Overlay::default();
+                return Err(e);
             }
-            store::set_meta(txn, APPLIED_KEY, Some(&last.to_string()))?;
-            Ok(((applied_now, last, stopped.or(unreadable)), Durability::Immediate))
-        })?;
-        crate::faults::crash_at("outbox-replayed");
+        };
         if let Some(why) = &stopped {
             st.report.unreadable += 1;
             log::warn!(
@@ -377,22 +405,29 @@ impl Shared {
         }
         st.report.replayed += found;
         st.next_seq = last + 1;
-        st.needs_replay = false;
-        st.log_broken = false;
-        self.restart_log(st);
-        st.index = self.db.read(load_index)?;
+        if found > 0 {
+            let result = self.checkpoint_locked(st, last);
+            crate::faults::crash_at("outbox-replayed");
+            if let Err(e) = result {
+                st.overlay = Overlay::default();
+                return Err(e);
+            }
+        } else {
+            // Nothing past what redb holds (a start after a clean stop): no commit to sync.
+            self.restart_log(st);
+        }
+        st.index = self
+            .db
+            .read(|txn| load_index(&Reader::new(&Base::new(txn), &st.overlay)))?;
         self.publish(st);
         Ok(())
     }
 }
 
-/// Builds the index from the tables (startup, and after a failed commit).
-pub(super) fn load_index(txn: &ReadTransaction) -> Result<Index> {
+/// Builds the index from what the outbox holds (startup, and after a failed change).
+pub(super) fn load_index(read: &Reader) -> Result<Index> {
     let mut idx = Index::default();
-    for row in txn.open_table(MESSAGES)?.iter()? {
-        let (k, v) = row?;
-        let (src, seq) = k.value();
-        let value = v.value();
+    read.all_seq(Which::Messages, |src, seq, value| {
         match record::header(value) {
             Some(h) => {
                 let hash = idx.hash(&h.message_id);
@@ -401,19 +436,24 @@ pub(super) fn load_index(txn: &ReadTransaction) -> Result<Index> {
             }
             None => log::error!("outbox: unreadable record {src}/{seq} left in place"),
         }
-    }
-    for row in txn.open_table(DELIVERED)?.iter()? {
-        let (k, v) = row?;
-        let (src, seq) = k.value();
-        if let Some((exp, _, id)) = record::parse_delivered(v.value()) {
+        true
+    })?;
+    read.all_seq(Which::Delivered, |src, seq, value| {
+        if let Some((exp, _, id)) = record::parse_delivered(value) {
             let hash = idx.hash(id);
             idx.source(src).load_delivered(seq, hash, exp);
         }
-    }
+        true
+    })?;
     Ok(idx)
 }
 
 /// The tables exist before anything reads them.
 pub(super) fn create_tables(txn: &WriteTransaction) -> Result<()> {
-    Tx::open(txn).map(drop)
+    use super::tx::{COUNTERS, DELIVERED, MESSAGES, REPLY_REFS};
+    txn.open_table(MESSAGES)?;
+    txn.open_table(DELIVERED)?;
+    txn.open_table(COUNTERS)?;
+    txn.open_table(REPLY_REFS)?;
+    Ok(())
 }

@@ -1,8 +1,9 @@
-//! One outbox transaction: its four tables open, and every change made through it recorded as
-//! a redo record for the write-ahead log (`log.rs`). Replaying a record applies the same puts
-//! and removes through the same methods, so a replay cannot differ from what live traffic did:
-//! no rule (TTL, caps, dedupe) is evaluated a second time, and applying a record twice leaves
-//! the same tables as applying it once.
+//! One outbox transaction over the overlay (`overlay.rs`): reads see the overlay over redb as
+//! of the last checkpoint; every put and remove changes the overlay, is recorded as a redo
+//! record for the write-ahead log (`wal.rs`), and can be taken back (`Undo`) until that record
+//! is logged. Replaying a record applies the same puts and removes through the same methods, so
+//! a replay cannot differ from what live traffic did: no rule (TTL, caps, dedupe) is evaluated
+//! a second time, and applying a record twice leaves the same state as applying it once.
 //!
 //! Record payload, little-endian, one change after another:
 //!
@@ -12,8 +13,11 @@
 //! value  = len:u32 utf8[len]
 //! ```
 
-use redb::{Table, TableDefinition, WriteTransaction};
+use std::cell::OnceCell;
 
+use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition};
+
+use super::overlay::{merge, Overlay, Slot, Undo, Which};
 use crate::store::{self, Result, StoreError};
 
 /// `(source, seq)` → record (`record.rs`). `seq` grows per source: key order is acceptance order.
@@ -33,99 +37,307 @@ const T_REPLY_REFS: u8 = 4;
 const T_META: u8 = 5;
 const REMOVE: u8 = 0x80;
 
-type SeqTable<'t> = Table<'t, (&'static str, u64), &'static str>;
-type NameTable<'t> = Table<'t, &'static str, &'static str>;
+type SeqTable = ReadOnlyTable<(&'static str, u64), &'static str>;
+type NameTable = ReadOnlyTable<&'static str, &'static str>;
 
-pub struct Tx<'t> {
-    txn: &'t WriteTransaction,
-    pub messages: SeqTable<'t>,
-    pub delivered: SeqTable<'t>,
-    pub counters: NameTable<'t>,
-    pub reply_refs: NameTable<'t>,
-    redo: Vec<u8>,
+/// redb as of the last checkpoint, its tables opened once per transaction when first read.
+pub struct Base<'t> {
+    txn: &'t ReadTransaction,
+    messages: OnceCell<SeqTable>,
+    delivered: OnceCell<SeqTable>,
+    counters: OnceCell<NameTable>,
+    reply_refs: OnceCell<NameTable>,
 }
 
-impl<'t> Tx<'t> {
-    pub fn open(txn: &'t WriteTransaction) -> Result<Tx<'t>> {
-        Ok(Tx {
+fn opened<'c, K: redb::Key + 'static, V: redb::Value + 'static>(
+    txn: &ReadTransaction,
+    cell: &'c OnceCell<ReadOnlyTable<K, V>>,
+    def: TableDefinition<K, V>,
+) -> Result<&'c ReadOnlyTable<K, V>> {
+    if cell.get().is_none() {
+        let _ = cell.set(txn.open_table(def)?);
+    }
+    cell.get()
+        .ok_or_else(|| StoreError::Internal("an outbox table did not open".into()))
+}
+
+impl<'t> Base<'t> {
+    pub fn new(txn: &'t ReadTransaction) -> Base<'t> {
+        Base {
             txn,
-            messages: txn.open_table(MESSAGES)?,
-            delivered: txn.open_table(DELIVERED)?,
-            counters: txn.open_table(COUNTERS)?,
-            reply_refs: txn.open_table(REPLY_REFS)?,
-            redo: Vec::new(),
-        })
+            messages: OnceCell::new(),
+            delivered: OnceCell::new(),
+            counters: OnceCell::new(),
+            reply_refs: OnceCell::new(),
+        }
     }
 
-    /// The redo record of everything changed so far (empty: nothing changed).
-    pub fn into_redo(self) -> Vec<u8> {
-        self.redo
+    fn seq_table(&self, which: Which) -> Result<&SeqTable> {
+        match which {
+            Which::Delivered => opened(self.txn, &self.delivered, DELIVERED),
+            _ => opened(self.txn, &self.messages, MESSAGES),
+        }
+    }
+
+    fn get_seq(&self, which: Which, src: &str, seq: u64) -> Result<Option<String>> {
+        Ok(self.seq_table(which)?.get((src, seq))?.map(|v| v.value().to_string()))
+    }
+
+    fn get_name(&self, which: Which, key: &str) -> Result<Option<String>> {
+        let table = match which {
+            Which::Counters => opened(self.txn, &self.counters, COUNTERS)?,
+            Which::ReplyRefs => opened(self.txn, &self.reply_refs, REPLY_REFS)?,
+            _ => return store::meta(self.txn, key),
+        };
+        Ok(table.get(key)?.map(|v| v.value().to_string()))
+    }
+
+    fn name_table(&self, which: Which) -> Result<&NameTable> {
+        match which {
+            Which::Counters => opened(self.txn, &self.counters, COUNTERS),
+            _ => opened(self.txn, &self.reply_refs, REPLY_REFS),
+        }
+    }
+}
+
+/// Reads of the outbox: the overlay over redb.
+pub struct Reader<'a> {
+    base: &'a Base<'a>,
+    ov: &'a Overlay,
+}
+
+impl<'a> Reader<'a> {
+    pub fn new(base: &'a Base<'a>, ov: &'a Overlay) -> Reader<'a> {
+        Reader { base, ov }
+    }
+
+    fn seq(&self, which: Which, src: &str, seq: u64) -> Result<Option<String>> {
+        let layer = match which {
+            Which::Delivered => &self.ov.delivered,
+            _ => &self.ov.messages,
+        };
+        match layer.get(&(src.to_string(), seq)) {
+            Some(Slot::Put(v)) => Ok(Some(v.clone())),
+            Some(Slot::Gone) => Ok(None),
+            None => self.base.get_seq(which, src, seq),
+        }
+    }
+
+    fn name(&self, which: Which, key: &str) -> Result<Option<String>> {
+        let layer = match which {
+            Which::Counters => &self.ov.counters,
+            Which::ReplyRefs => &self.ov.reply_refs,
+            _ => &self.ov.meta,
+        };
+        match layer.get(key) {
+            Some(Slot::Put(v)) => Ok(Some(v.clone())),
+            Some(Slot::Gone) => Ok(None),
+            None => self.base.get_name(which, key),
+        }
+    }
+
+    pub fn message(&self, src: &str, seq: u64) -> Result<Option<String>> {
+        self.seq(Which::Messages, src, seq)
+    }
+
+    pub fn delivered(&self, src: &str, seq: u64) -> Result<Option<String>> {
+        self.seq(Which::Delivered, src, seq)
+    }
+
+    pub fn counter(&self, src: &str) -> Result<Option<String>> {
+        self.name(Which::Counters, src)
+    }
+
+    pub fn reply_ref(&self, token: &str) -> Result<Option<String>> {
+        self.name(Which::ReplyRefs, token)
+    }
+
+    /// A `meta` value (a provider's cursor).
+    pub fn meta(&self, key: &str) -> Result<Option<String>> {
+        self.name(Which::Meta, key)
+    }
+
+    /// One source's messages from `from` on (a seq below which all have left: see
+    /// `SourceIndex::first_seq`), in acceptance order, while `each` answers true.
+    pub fn source_messages(&self, src: &str, from: u64, mut each: impl FnMut(u64, &str) -> bool) -> Result<()> {
+        let base = self
+            .base
+            .seq_table(Which::Messages)?
+            .range((src, from)..=(src, u64::MAX))?;
+        let range = (src.to_string(), from)..=(src.to_string(), u64::MAX);
+        merge(
+            base.map(|row| {
+                let (k, v) = row?;
+                Ok((k.value().1, v.value().to_string()))
+            }),
+            self.ov.messages.range(range).map(|((_, seq), slot)| (*seq, slot)),
+            |seq, v| each(seq, v),
+        )
+    }
+
+    /// Every row of `messages` or `delivered`, by source then seq, while `each` answers true.
+    pub fn all_seq(&self, which: Which, mut each: impl FnMut(&str, u64, &str) -> bool) -> Result<()> {
+        let layer = match which {
+            Which::Delivered => &self.ov.delivered,
+            _ => &self.ov.messages,
+        };
+        merge(
+            self.base.seq_table(which)?.iter()?.map(|row| {
+                let (k, v) = row?;
+                let (src, seq) = k.value();
+                Ok(((src.to_string(), seq), v.value().to_string()))
+            }),
+            layer.iter().map(|(k, slot)| (k.clone(), slot)),
+            |(src, seq): (String, u64), v: &str| each(&src, seq, v),
+        )
+    }
+
+    /// Every row of `counters` or `reply_refs`, by key, while `each` answers true.
+    pub fn all_named(&self, which: Which, mut each: impl FnMut(&str, &str) -> bool) -> Result<()> {
+        let layer = match which {
+            Which::Counters => &self.ov.counters,
+            _ => &self.ov.reply_refs,
+        };
+        merge(
+            self.base.name_table(which)?.iter()?.map(|row| {
+                let (k, v) = row?;
+                Ok((k.value().to_string(), v.value().to_string()))
+            }),
+            layer.iter().map(|(k, slot)| (k.clone(), slot)),
+            |k: String, v: &str| each(&k, v),
+        )
+    }
+}
+
+pub struct Tx<'a> {
+    base: &'a Base<'a>,
+    ov: &'a mut Overlay,
+    redo: Vec<u8>,
+    undo: Vec<Undo>,
+}
+
+impl<'a> Tx<'a> {
+    pub fn new(base: &'a Base<'a>, ov: &'a mut Overlay) -> Tx<'a> {
+        Tx {
+            base,
+            ov,
+            redo: Vec::new(),
+            undo: Vec::new(),
+        }
+    }
+
+    /// Reads as this transaction has left things so far.
+    pub fn read(&self) -> Reader<'_> {
+        Reader::new(self.base, self.ov)
+    }
+
+    /// The redo record of everything changed (empty: nothing changed), and how to take it back.
+    pub fn finish(self) -> (Vec<u8>, Vec<Undo>) {
+        (self.redo, self.undo)
+    }
+
+    /// Puts (`Some`) or removes a `(source, seq)` row; a remove returns what was there.
+    fn change_seq(&mut self, which: Which, src: &str, seq: u64, value: Option<&str>) -> Result<Option<String>> {
+        framable(src, value.unwrap_or(""))?;
+        let key = (src.to_string(), seq);
+        let op = match which {
+            Which::Delivered => T_DELIVERED,
+            _ => T_MESSAGES,
+        };
+        let before = match value {
+            Some(v) => {
+                let before = self.ov.seq_layer(which).insert(key.clone(), Slot::Put(v.to_string()));
+                self.note(op, src, Some(seq), value);
+                before
+            }
+            None => {
+                let (old, in_base) = match self.ov.seq_layer(which).get(&key) {
+                    Some(Slot::Gone) => return Ok(None),
+                    Some(Slot::Put(v)) => (Some(v.clone()), self.base.get_seq(which, src, seq)?.is_some()),
+                    None => {
+                        let b = self.base.get_seq(which, src, seq)?;
+                        (b.clone(), b.is_some())
+                    }
+                };
+                if old.is_none() {
+                    return Ok(None);
+                }
+                let layer = self.ov.seq_layer(which);
+                let before = match in_base {
+                    true => layer.insert(key.clone(), Slot::Gone),
+                    false => layer.remove(&key),
+                };
+                self.note(op | REMOVE, src, Some(seq), None);
+                self.undo.push(Undo::Seq(which, key, before));
+                return Ok(old);
+            }
+        };
+        self.undo.push(Undo::Seq(which, key, before));
+        Ok(None)
+    }
+
+    /// Puts (`Some`) or removes a named row.
+    fn change_name(&mut self, which: Which, key: &str, value: Option<&str>) -> Result<()> {
+        framable(key, value.unwrap_or(""))?;
+        let op = match which {
+            Which::Counters => T_COUNTERS,
+            Which::ReplyRefs => T_REPLY_REFS,
+            _ => T_META,
+        };
+        let before = match value {
+            Some(v) => self
+                .ov
+                .name_layer(which)
+                .insert(key.to_string(), Slot::Put(v.to_string())),
+            None => {
+                let in_base = match self.ov.name_layer(which).get(key) {
+                    Some(Slot::Gone) => return Ok(()),
+                    Some(Slot::Put(_)) => self.base.get_name(which, key)?.is_some(),
+                    None if self.base.get_name(which, key)?.is_some() => true,
+                    None => return Ok(()),
+                };
+                let layer = self.ov.name_layer(which);
+                match in_base {
+                    true => layer.insert(key.to_string(), Slot::Gone),
+                    false => layer.remove(key),
+                }
+            }
+        };
+        self.note(if value.is_some() { op } else { op | REMOVE }, key, None, value);
+        self.undo.push(Undo::Name(which, key.to_string(), before));
+        Ok(())
     }
 
     pub fn put_message(&mut self, src: &str, seq: u64, value: &str) -> Result<()> {
-        framable(src, value)?;
-        self.messages.insert((src, seq), value)?;
-        self.note(T_MESSAGES, src, Some(seq), Some(value));
-        Ok(())
+        self.change_seq(Which::Messages, src, seq, Some(value)).map(drop)
     }
 
     pub fn remove_message(&mut self, src: &str, seq: u64) -> Result<Option<String>> {
-        framable(src, "")?;
-        let old = self.messages.remove((src, seq))?.map(|v| v.value().to_string());
-        if old.is_some() {
-            self.note(T_MESSAGES | REMOVE, src, Some(seq), None);
-        }
-        Ok(old)
+        self.change_seq(Which::Messages, src, seq, None)
     }
 
     pub fn put_delivered(&mut self, src: &str, seq: u64, value: &str) -> Result<()> {
-        framable(src, value)?;
-        self.delivered.insert((src, seq), value)?;
-        self.note(T_DELIVERED, src, Some(seq), Some(value));
-        Ok(())
+        self.change_seq(Which::Delivered, src, seq, Some(value)).map(drop)
     }
 
     pub fn remove_delivered(&mut self, src: &str, seq: u64) -> Result<Option<String>> {
-        framable(src, "")?;
-        let old = self.delivered.remove((src, seq))?.map(|v| v.value().to_string());
-        if old.is_some() {
-            self.note(T_DELIVERED | REMOVE, src, Some(seq), None);
-        }
-        Ok(old)
+        self.change_seq(Which::Delivered, src, seq, None)
     }
 
     pub fn put_counter(&mut self, src: &str, value: &str) -> Result<()> {
-        framable(src, value)?;
-        self.counters.insert(src, value)?;
-        self.note(T_COUNTERS, src, None, Some(value));
-        Ok(())
+        self.change_name(Which::Counters, src, Some(value))
     }
 
     pub fn put_reply_ref(&mut self, token: &str, value: &str) -> Result<()> {
-        framable(token, value)?;
-        self.reply_refs.insert(token, value)?;
-        self.note(T_REPLY_REFS, token, None, Some(value));
-        Ok(())
+        self.change_name(Which::ReplyRefs, token, Some(value))
     }
 
     pub fn remove_reply_ref(&mut self, token: &str) -> Result<()> {
-        framable(token, "")?;
-        if self.reply_refs.remove(token)?.is_some() {
-            self.note(T_REPLY_REFS | REMOVE, token, None, None);
-        }
-        Ok(())
-    }
-
-    /// A `meta` value (a provider's cursor) read in this transaction.
-    pub fn meta(&self, key: &str) -> Result<Option<String>> {
-        store::meta_in(self.txn, key)
+        self.change_name(Which::ReplyRefs, token, None)
     }
 
     pub fn set_meta(&mut self, key: &str, value: &str) -> Result<()> {
-        framable(key, value)?;
-        store::set_meta(self.txn, key, Some(value))?;
-        self.note(T_META, key, None, Some(value));
-        Ok(())
+        self.change_name(Which::Meta, key, Some(value))
     }
 
     fn note(&mut self, op: u8, key: &str, seq: Option<u64>, value: Option<&str>) {
@@ -143,7 +355,8 @@ impl<'t> Tx<'t> {
 
     /// Applies a redo record (replay). A record that does not parse changes nothing.
     pub fn apply(&mut self, record: &[u8]) -> Result<()> {
-        for change in parse(record).map_err(|why| StoreError::Corrupt(format!("outbox log record: {why}")))? {
+        let changes = parse(record).map_err(|why| StoreError::Corrupt(format!("outbox log record: {why}")))?;
+        for change in changes {
             match change {
                 Change::Put(T_MESSAGES, key, Some(seq), v) => self.put_message(key, seq, v)?,
                 Change::Put(T_DELIVERED, key, Some(seq), v) => self.put_delivered(key, seq, v)?,
@@ -224,12 +437,24 @@ pub fn parse(mut b: &[u8]) -> std::result::Result<Vec<Change<'_>>, &'static str>
 mod tests {
     use super::*;
 
-    fn record() -> Vec<u8> {
-        let (db, _dir) = store::temp_db("tx");
+    /// redb holding one message and one reply reference, as a checkpoint left them.
+    fn checkpointed(tag: &str) -> (std::sync::Arc<store::Db>, std::path::PathBuf) {
+        let (db, dir) = store::temp_db(tag);
         db.write(|txn| {
-            let mut tx = Tx::open(txn)?;
-            tx.messages.insert(("webhook:a", 3), "x")?;
-            tx.reply_refs.insert("rr_y", "y")?;
+            crate::outbox::durable::create_tables(txn)?;
+            txn.open_table(MESSAGES)?.insert(("webhook:a", 3), "x")?;
+            txn.open_table(REPLY_REFS)?.insert("rr_y", "y")?;
+            Ok(())
+        })
+        .unwrap();
+        (db, dir)
+    }
+
+    fn record(ov: &mut Overlay) -> Vec<u8> {
+        let (db, _dir) = checkpointed("tx");
+        db.read(|txn| {
+            let base = Base::new(txn);
+            let mut tx = Tx::new(&base, ov);
             tx.put_message("webhook:a", 7, "{\"h\":1}\npayload")?;
             tx.remove_message("webhook:a", 3)?;
             // Removing what is not there changes nothing, and is not recorded.
@@ -239,14 +464,14 @@ mod tests {
             tx.put_reply_ref("rr_x", "{\"r\":1}")?;
             tx.remove_reply_ref("rr_y")?;
             tx.set_meta("cursor:x", "42")?;
-            Ok(tx.into_redo())
+            Ok(tx.finish().0)
         })
         .unwrap()
     }
 
     #[test]
     fn a_redo_record_lists_every_change_in_order() {
-        let r = record();
+        let r = record(&mut Overlay::default());
         let changes = parse(&r).unwrap();
         assert_eq!(
             changes,
@@ -263,24 +488,68 @@ mod tests {
     }
 
     #[test]
-    fn applying_a_record_twice_leaves_what_applying_it_once_does() {
-        let r = record();
-        let (db, _dir) = store::temp_db("tx-apply");
-        for _ in 0..2 {
-            db.write(|txn| Tx::open(txn)?.apply(&r)).unwrap();
-        }
+    fn a_row_put_and_removed_since_the_checkpoint_leaves_nothing_to_write() {
+        let (db, _dir) = checkpointed("tx-cancel");
+        let mut ov = Overlay::default();
         db.read(|txn| {
-            let m = txn.open_table(MESSAGES)?;
-            assert_eq!(m.get(("webhook:a", 7))?.unwrap().value(), "{\"h\":1}\npayload");
-            assert_eq!(store::meta(txn, "cursor:x")?.as_deref(), Some("42"));
+            let base = Base::new(txn);
+            let mut tx = Tx::new(&base, &mut ov);
+            tx.put_message("webhook:a", 8, "new")?;
+            assert_eq!(tx.remove_message("webhook:a", 8)?.as_deref(), Some("new"));
+            assert_eq!(tx.remove_message("webhook:a", 3)?.as_deref(), Some("x"));
+            assert_eq!(tx.read().message("webhook:a", 3)?, None, "a removal hides redb's row");
+            Ok(())
+        })
+        .unwrap();
+        assert!(
+            !ov.messages.contains_key(&("webhook:a".to_string(), 8)),
+            "never reaches redb"
+        );
+        assert_eq!(ov.messages.get(&("webhook:a".to_string(), 3)), Some(&Slot::Gone));
+        assert_eq!(ov.message_puts(), 0);
+    }
+
+    #[test]
+    fn applying_a_record_twice_leaves_what_applying_it_once_does() {
+        let r = record(&mut Overlay::default());
+        let (db, _dir) = checkpointed("tx-apply");
+        let mut ov = Overlay::default();
+        db.read(|txn| {
+            let base = Base::new(txn);
+            for _ in 0..2 {
+                Tx::new(&base, &mut ov).apply(&r)?;
+            }
+            let read = Reader::new(&base, &ov);
+            assert_eq!(read.message("webhook:a", 7)?.as_deref(), Some("{\"h\":1}\npayload"));
+            assert_eq!(read.message("webhook:a", 3)?, None);
+            assert_eq!(read.meta("cursor:x")?.as_deref(), Some("42"));
+            assert_eq!(read.reply_ref("rr_y")?, None);
             Ok(())
         })
         .unwrap();
     }
 
     #[test]
+    fn undo_takes_a_transaction_back_whole() {
+        let (db, _dir) = checkpointed("tx-undo");
+        let mut ov = Overlay::default();
+        let undo = db
+            .read(|txn| {
+                let base = Base::new(txn);
+                let mut tx = Tx::new(&base, &mut ov);
+                tx.put_message("webhook:a", 7, "seven")?;
+                tx.remove_message("webhook:a", 3)?;
+                tx.put_counter("webhook:a", "{}")?;
+                Ok(tx.finish().1)
+            })
+            .unwrap();
+        ov.undo(undo);
+        assert!(ov.is_empty(), "nothing left of the transaction");
+    }
+
+    #[test]
     fn malformed_records_are_refused_whole_and_never_panic() {
-        let r = record();
+        let r = record(&mut Overlay::default());
         assert!(parse(&r[..r.len() - 1]).is_err());
         assert!(parse(&[0x09, 0, 0]).is_err());
         for m in crate::testutil::mutations(&[&r], 3000, 5) {

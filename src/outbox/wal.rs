@@ -262,18 +262,6 @@ impl Log {
         crate::faults::crash_at("outbox-log-appended");
         Ok(Ok(()))
     }
-
-    /// Takes back the last append, whose transaction did not commit: the end marker goes where
-    /// it began. Not synced: replaying it after a crash is harmless (its change was refused,
-    /// so it is at worst applied once more, which every change the outbox logs allows).
-    pub fn unappend(&mut self, len: usize) {
-        self.offset = self.offset.saturating_sub((HEADER + len) as u64);
-        if let Some(file) = &self.file {
-            if file.write_all_at(&END, self.offset).is_err() {
-                self.file = None;
-            }
-        }
-    }
 }
 
 /// CRC32C (Castagnoli) of a record's length, sequence number and payload.

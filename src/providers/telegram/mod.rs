@@ -239,7 +239,7 @@ impl Telegram {
     /// The update offset of a bot: every update before it is confirmed to Telegram.
     fn offset(&self, bot_id: u64) -> Result<Option<u64>, StoreError> {
         let key = poll::offset_key(bot_id);
-        self.host.db.read(|txn| store::parse_u64(&key, store::meta(txn, &key)?))
+        store::parse_u64(&key, self.host.outbox.cursor(&key)?)
     }
 
     /// The bound chats of `bound` with what their bindings know.

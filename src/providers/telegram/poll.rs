@@ -17,7 +17,6 @@ use crate::outbox::{Cursor, Enqueued};
 use crate::providers::inbound::{FileItem, Inbound};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
 use crate::providers::workers::{Stop, Worker, Workers};
-use crate::store;
 
 /// The running poll loops, by bot ID.
 pub struct Pollers(Workers<u64>);
@@ -206,13 +205,7 @@ pub(super) fn accept(tg: &Telegram, token: &str, bot_id: u64, updates: &[Value])
     }
     if next > 0 {
         // Updates that stored nothing (other kinds, unbound chats, expired) are confirmed too.
-        let moved = host.db.write(|txn| {
-            let current = store::parse_u64(&key, store::meta_in(txn, &key)?)?.unwrap_or(0);
-            if next > current {
-                store::set_meta(txn, &key, Some(&next.to_string()))?;
-            }
-            Ok(())
-        });
+        let moved = host.outbox.move_cursors(&[Cursor::Forward(key.clone(), next)]);
         if let Err(e) = moved {
             log::error!("telegram: cannot store the update offset: {e}");
         }

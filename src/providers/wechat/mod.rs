@@ -183,8 +183,9 @@ impl Wechat {
         }
     }
 
+    /// A `meta` value; the sync buffer and context tokens are the outbox's cursors.
     fn meta(&self, key: &str) -> Result<Option<String>, StoreError> {
-        self.host.db.read(|txn| store::meta(txn, key))
+        self.host.outbox.cursor(key)
     }
 
     /// The bot's login ended at WeChat: remembered, so the Descriptor and tools say so.

@@ -19,7 +19,6 @@ use crate::outbox::{Cursor, Enqueued};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
 use crate::providers::workers::Stop;
 use crate::source::Source;
-use crate::store;
 
 /// iLink holds a `getupdates` this long at most; the client waits a little longer.
 const LONG_POLL: Duration = Duration::from_secs(40);
@@ -165,7 +164,7 @@ fn accept(wx: &Wechat, bot: &str, old_buf: &str, batch: Batch) -> Option<Duratio
 /// Moves the sync buffer past a batch that stored nothing.
 fn move_buffer(wx: &Wechat, bot: &str, buf: &str) -> Option<Duration> {
     let key = buf_key(bot);
-    match wx.host.db.write(|txn| store::set_meta(txn, &key, Some(buf))) {
+    match wx.host.outbox.move_cursors(&[Cursor::Set(key, buf.to_string())]) {
         Ok(()) => None,
         Err(e) => {
             log::error!("wechat: cannot store the sync buffer: {e}");

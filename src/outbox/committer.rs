@@ -1,0 +1,194 @@
+//! The committer thread: gathers concurrent enqueues into one group, commits it with one synced
+//! log append, answers every sender, and checkpoints when the log asks for one.
+//!
+//! Senders hand their jobs over through `Queue`, a mutex-guarded list the committer drains
+//! whole. A sender wakes the committer only when it is needed: the first job while the
+//! committer is idle, or the one that completes the group it waits for. Jobs that arrive while
+//! a group commits just queue up and are taken at once by the next round, so a burst of
+//! senders costs one wake-up per group, not one per sender.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::durable::Shared;
+use super::{enqueue_in, wal, Enqueued, NewMessage};
+use crate::store::Result;
+
+/// Most enqueues folded into one transaction.
+const MAX_GROUP: usize = 256;
+/// A group stops growing at this many payload bytes, so its log record stays well inside the log.
+pub const MAX_GROUP_BYTES: usize = (wal::LOG_BYTES / 8) as usize;
+/// The committer never waits longer than this for a group to fill.
+const LINGER: Duration = Duration::from_millis(4);
+
+pub struct Job {
+    pub message: NewMessage,
+    pub done: smol::channel::Sender<Result<Enqueued>>,
+}
+
+/// What senders hand the committer.
+#[derive(Default)]
+pub struct Queue {
+    waiting: Mutex<Waiting>,
+    ready: Condvar,
+}
+
+#[derive(Default)]
+struct Waiting {
+    jobs: Vec<Job>,
+    bytes: usize,
+    /// How many queued jobs make the committer want to be woken; 0 while it is busy.
+    want: usize,
+    /// The log asks for a checkpoint.
+    checkpoint: bool,
+    /// The outbox is being dropped: commit what is queued, checkpoint and exit.
+    stop: bool,
+}
+
+impl Waiting {
+    fn full(&self) -> bool {
+        self.jobs.len() >= MAX_GROUP || self.bytes >= MAX_GROUP_BYTES
+    }
+}
+
+impl Queue {
+    fn lock(&self) -> MutexGuard<'_, Waiting> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a job; false once the committer has stopped.
+    pub fn push(&self, job: Job) -> bool {
+        let mut w = self.lock();
+        if w.stop {
+            return false;
+        }
+        w.bytes += job.message.payload.len();
+        w.jobs.push(job);
+        let wake = w.want > 0 && (w.jobs.len() >= w.want || w.full());
+        drop(w);
+        if wake {
+            self.ready.notify_one();
+        }
+        true
+    }
+
+    /// The log is full enough for a checkpoint.
+    pub fn wake(&self) {
+        self.lock().checkpoint = true;
+        self.ready.notify_one();
+    }
+
+    pub fn stop(&self) {
+        self.lock().stop = true;
+        self.ready.notify_one();
+    }
+}
+
+/// How long, and for how many senders, the committer waits before it commits a group.
+///
+/// Waiting pays only while senders are still arriving, one after the other, as the answers to
+/// the last group go out: each one caught saves an fsync and a log page. So the committer waits
+/// for as many as the last group had, for at most one commit's time (`LINGER` at most). Senders
+/// already queued are taken without waiting, so groups grow with the load; a lone sender never
+/// waits.
+struct Batcher {
+    /// The last group's size.
+    target: usize,
+    last_commit: Duration,
+}
+
+/// The committer's loop, until the outbox is dropped; then a last checkpoint.
+pub fn run(shared: &Shared, counted: &(AtomicUsize, AtomicUsize)) {
+    let queue = &*shared.queue;
+    let mut batch = Batcher {
+        target: 1,
+        last_commit: Duration::from_micros(500),
+    };
+    loop {
+        // Asked outside the queue's lock: a writer holding the outbox's lock may be waking us.
+        let due = shared.checkpoint_due();
+        let (jobs, checkpoint, stop) = {
+            let mut w = queue.lock();
+            w.want = 1;
+            if w.jobs.is_empty() && !w.checkpoint && !w.stop {
+                w = match due {
+                    None => queue.ready.wait(w).unwrap_or_else(|e| e.into_inner()),
+                    Some(wait) => queue.ready.wait_timeout(w, wait).unwrap_or_else(|e| e.into_inner()).0,
+                };
+            }
+            if !w.jobs.is_empty() && w.jobs.len() < batch.target {
+                let deadline = Instant::now() + batch.last_commit.min(LINGER);
+                w.want = batch.target;
+                while w.jobs.len() < batch.target && !w.full() && !w.stop {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    w = queue.ready.wait_timeout(w, left).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
+            w.want = 0;
+            let (mut n, mut bytes) = (0, 0);
+            while n < w.jobs.len() && n < MAX_GROUP && bytes < MAX_GROUP_BYTES {
+                bytes += w.jobs[n].message.payload.len();
+                n += 1;
+            }
+            w.bytes -= bytes;
+            let jobs: Vec<Job> = w.jobs.drain(..n).collect();
+            let stop = w.stop && w.jobs.is_empty();
+            (jobs, std::mem::take(&mut w.checkpoint), stop)
+        };
+        if !jobs.is_empty() {
+            batch.target = jobs.len();
+            let started = Instant::now();
+            counted.0.fetch_add(1, Ordering::Relaxed);
+            counted.1.fetch_add(jobs.len(), Ordering::Relaxed);
+            commit_group(shared, jobs);
+            batch.last_commit = started.elapsed();
+        }
+        if stop {
+            break;
+        }
+        if (checkpoint || due.is_some()) && shared.checkpoint_due() == Some(Duration::ZERO) {
+            shared.checkpoint();
+        }
+    }
+    // Clean shutdown: the log is applied to redb durably, so the next start replays nothing.
+    shared.checkpoint();
+}
+
+/// One transaction and one synced log append for a group of enqueues; every job learns the
+/// outcome, then the hook hears of each source that got a message.
+fn commit_group(shared: &Shared, jobs: Vec<Job>) {
+    let policy = shared.policy;
+    let result = shared.write(true, |tx, idx| {
+        let mut outcomes = Vec::with_capacity(jobs.len());
+        for job in &jobs {
+            outcomes.push(enqueue_in(tx, idx, &job.message, policy)?);
+        }
+        Ok(outcomes)
+    });
+    match result {
+        Ok(outcomes) => {
+            let mut woken: Vec<String> = Vec::new();
+            for (job, outcome) in jobs.into_iter().zip(outcomes) {
+                if matches!(outcome, Enqueued::Accepted { .. }) && !woken.contains(&job.message.source) {
+                    woken.push(job.message.source.clone());
+                }
+                let _ = job.done.try_send(Ok(outcome));
+            }
+            if let Some(hook) = shared.on_accept.get() {
+                for source in &woken {
+                    hook(source);
+                }
+            }
+        }
+        Err(e) => {
+            log::debug!("outbox: commit of {} message(s) failed: {e}", jobs.len());
+            for job in jobs {
+                let _ = job.done.try_send(Err(e.clone()));
+            }
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! The outbox's changes since the last checkpoint, in memory: what its log holds, applied.
+//!
+//! redb holds the outbox as of the last checkpoint; the overlay holds every put and remove made
+//! since, each of which is also a record in the log. Readers see the overlay over redb. A
+//! checkpoint writes the overlay into redb in one durable commit and empties it; so a message
+//! accepted and delivered between two checkpoints (a put, then a remove of a key redb never
+//! had) leaves nothing to write, and never reaches redb.
+//!
+//! Size: every entry came from a log record, and the log is checkpointed at
+//! `durable::CHECKPOINT_BYTES`, so the overlay is bounded by the checkpoint trigger, not by
+//! the queue caps.
+
+use std::collections::BTreeMap;
+
+use redb::WriteTransaction;
+
+use super::tx::{COUNTERS, DELIVERED, MESSAGES, REPLY_REFS};
+use crate::store::{self, Result};
+
+/// One key's state in the overlay.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Slot {
+    /// Written since the last checkpoint.
+    Put(String),
+    /// Removed since the last checkpoint while redb still holds it.
+    Gone,
+}
+
+/// A table keyed by `(source, seq)`.
+pub type SeqLayer = BTreeMap<(String, u64), Slot>;
+/// A table keyed by a name (source, token, meta key).
+pub type NameLayer = BTreeMap<String, Slot>;
+
+#[derive(Default)]
+pub struct Overlay {
+    pub messages: SeqLayer,
+    pub delivered: SeqLayer,
+    pub counters: NameLayer,
+    pub reply_refs: NameLayer,
+    /// Providers' cursors in the store's `meta` table.
+    pub meta: NameLayer,
+}
+
+/// Which layer a change touched.
+#[derive(Clone, Copy, Debug)]
+pub enum Which {
+    Messages,
+    Delivered,
+    Counters,
+    ReplyRefs,
+    Meta,
+}
+
+/// How to take one change back: the key's slot before it.
+pub enum Undo {
+    Seq(Which, (String, u64), Option<Slot>),
+    Name(Which, String, Option<Slot>),
+}
+
+impl Overlay {
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+            && self.delivered.is_empty()
+            && self.counters.is_empty()
+            && self.reply_refs.is_empty()
+            && self.meta.is_empty()
+    }
+
+    /// Message records a checkpoint would write now (puts in `messages`).
+    pub fn message_puts(&self) -> u64 {
+        self.messages.values().filter(|s| matches!(s, Slot::Put(_))).count() as u64
+    }
+
+    pub fn seq_layer(&mut self, which: Which) -> &mut SeqLayer {
+        match which {
+            Which::Delivered => &mut self.delivered,
+            _ => &mut self.messages,
+        }
+    }
+
+    pub fn name_layer(&mut self, which: Which) -> &mut NameLayer {
+        match which {
+            Which::Counters => &mut self.counters,
+            Which::ReplyRefs => &mut self.reply_refs,
+            _ => &mut self.meta,
+        }
+    }
+
+    /// Takes back changes, newest first (a transaction whose record could not be logged).
+    pub fn undo(&mut self, undo: Vec<Undo>) {
+        for u in undo.into_iter().rev() {
+            match u {
+                Undo::Seq(w, key, before) => restore(self.seq_layer(w), key, before),
+                Undo::Name(w, key, before) => restore(self.name_layer(w), key, before),
+            }
+        }
+    }
+
+    /// Writes every change into redb (the checkpoint's transaction).
+    pub fn write_to(&self, txn: &WriteTransaction) -> Result<()> {
+        for (table, layer) in [(MESSAGES, &self.messages), (DELIVERED, &self.delivered)] {
+            let mut t = txn.open_table(table)?;
+            for ((src, seq), slot) in layer {
+                match slot {
+                    Slot::Put(v) => drop(t.insert((src.as_str(), *seq), v.as_str())?),
+                    Slot::Gone => drop(t.remove((src.as_str(), *seq))?),
+                }
+            }
+        }
+        for (table, layer) in [(COUNTERS, &self.counters), (REPLY_REFS, &self.reply_refs)] {
+            let mut t = txn.open_table(table)?;
+            for (key, slot) in layer {
+                match slot {
+                    Slot::Put(v) => drop(t.insert(key.as_str(), v.as_str())?),
+                    Slot::Gone => drop(t.remove(key.as_str())?),
+                }
+            }
+        }
+        for (key, slot) in &self.meta {
+            match slot {
+                Slot::Put(v) => store::set_meta(txn, key, Some(v))?,
+                Slot::Gone => store::set_meta(txn, key, None)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+fn restore<K: Ord>(layer: &mut BTreeMap<K, Slot>, key: K, before: Option<Slot>) {
+    match before {
+        Some(slot) => drop(layer.insert(key, slot)),
+        None => drop(layer.remove(&key)),
+    }
+}
+
+/// Walks two key-ordered sequences as one: redb's rows (`base`) under the overlay's slots
+/// (`over`), the overlay winning on equal keys and a `Gone` hiding its row. `each` answers
+/// whether to go on.
+pub fn merge<'a, K: Ord>(
+    mut base: impl Iterator<Item = Result<(K, String)>>,
+    mut over: impl Iterator<Item = (K, &'a Slot)>,
+    mut each: impl FnMut(K, &str) -> bool,
+) -> Result<()> {
+    let mut b = base.next().transpose()?;
+    let mut o = over.next();
+    loop {
+        let base_first = match (&b, &o) {
+            (None, None) => return Ok(()),
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+            (Some((kb, _)), Some((ko, _))) => kb < ko,
+        };
+        if base_first {
+            if let Some((k, v)) = b.take() {
+                if !each(k, &v) {
+                    return Ok(());
+                }
+            }
+            b = base.next().transpose()?;
+            continue;
+        }
+        if let Some((k, slot)) = o.take() {
+            if b.as_ref().is_some_and(|(kb, _)| *kb == k) {
+                b = base.next().transpose()?;
+            }
+            if let Slot::Put(v) = slot {
+                if !each(k, v) {
+                    return Ok(());
+                }
+            }
+        }
+        o = over.next();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn walk(base: &[(u64, &str)], over: &[(u64, Slot)], stop_after: usize) -> Vec<(u64, String)> {
+        let mut out = Vec::new();
+        merge(
+            base.iter().map(|(k, v)| Ok((*k, v.to_string()))),
+            over.iter().map(|(k, s)| (*k, s)),
+            |k, v| {
+                out.push((k, v.to_string()));
+                out.len() < stop_after
+            },
+        )
+        .unwrap();
+        out
+    }
+
+    #[test]
+    fn the_overlay_wins_over_redb_and_a_removal_hides_the_row() {
+        let base = [(1, "a"), (2, "b"), (3, "c")];
+        let over = [(2, Slot::Gone), (3, Slot::Put("C".into())), (5, Slot::Put("e".into()))];
+        let all = walk(&base, &over, usize::MAX);
+        assert_eq!(all, [(1, "a".into()), (3, "C".into()), (5, "e".into())]);
+        assert_eq!(walk(&base, &over, 2).len(), 2, "each stops the walk");
+        assert_eq!(walk(&[], &over, usize::MAX).len(), 2);
+        assert_eq!(walk(&base, &[], usize::MAX).len(), 3);
+    }
+
+    #[test]
+    fn undo_restores_every_slot_newest_first() {
+        let mut ov = Overlay::default();
+        ov.messages.insert(("s".into(), 1), Slot::Put("one".into()));
+        let undo = vec![
+            Undo::Seq(Which::Messages, ("s".into(), 1), Some(Slot::Put("one".into()))),
+            Undo::Seq(Which::Messages, ("s".into(), 1), Some(Slot::Gone)),
+            Undo::Name(Which::Counters, "s".into(), None),
+        ];
+        ov.messages.insert(("s".into(), 1), Slot::Put("three".into()));
+        ov.counters.insert("s".into(), Slot::Put("{}".into()));
+        ov.undo(undo);
+        assert_eq!(ov.messages.get(&("s".to_string(), 1)), Some(&Slot::Put("one".into())));
+        assert!(ov.counters.is_empty());
+    }
+}
