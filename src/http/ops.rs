@@ -175,6 +175,15 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError
     out.push_str(&format!("imgate_outbox_log_replayed_total {}\n", log.replayed));
     out.push_str("# TYPE imgate_outbox_log_unreadable_total counter\n");
     out.push_str(&format!("imgate_outbox_log_unreadable_total {}\n", log.unreadable));
+    out.push_str("# TYPE imgate_outbox_checkpointed_messages_total counter\n");
+    out.push_str(&format!(
+        "imgate_outbox_checkpointed_messages_total {}\n",
+        log.checkpointed_messages
+    ));
+    out.push_str("# TYPE imgate_outbox_log_bytes gauge\n");
+    out.push_str(&format!("imgate_outbox_log_bytes {}\n", log.log_bytes));
+    out.push_str("# TYPE imgate_store_commits_total counter\n");
+    out.push_str(&format!("imgate_store_commits_total {}\n", app.outbox.store_commits()));
     out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");
     out.push_str(&format!("imgate_queue_ttl_seconds {}\n", q.ttl.as_secs()));
     out.push_str(&format!(
