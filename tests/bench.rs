@@ -460,34 +460,6 @@ fn disk_written(d: &Daemon, disk: Option<&common::ext4::Ext4>) -> u64 {
     }
 }
 
-/// Accepted and delivered: `load` POSTs `total` messages while a simulated xAgent takes them;
-/// disk bytes written per message.
-fn bytes_per_delivered(d: &Daemon, disk: Option<&common::ext4::Ext4>, total: usize, load: impl FnOnce()) -> u64 {
-    let mut x = d.xagent();
-    x.hello("");
-    let (cch, _) = x.open(None);
-    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
-    let before = disk_written(d, disk);
-    let receiver = std::thread::spawn(move || {
-        let mut got = 0;
-        while got < total {
-            match x.next_push(Duration::from_secs(10)) {
-                Some(_) => got += 1,
-                None => break,
-            }
-        }
-        // Let the last barrier and its commit pass.
-        x.recv_within(Duration::from_millis(300));
-        got
-    });
-    load();
-    let got = receiver.join().unwrap();
-    assert_eq!(got, total, "every message was delivered");
-    // Past the next checkpoint, so that its writes are counted too.
-    std::thread::sleep(Duration::from_millis(1500));
-    (disk_written(d, disk) - before) / total as u64
-}
-
 /// The write path under a model of an SD card's fsync latency: ingest at 1, 16 and 64
 /// connections with no fsync at all (the ceiling), the real disk, and fsync delayed 2, 10 and
 /// 20 ms.
@@ -538,38 +510,303 @@ fn bench_disk_latency() {
     println!("(req/s, then p50/p99 latency)");
 }
 
-/// Disk bytes written per accepted-and-delivered message at 1 and 16 senders.
+/// The builds compared side by side: this one, and `IMGATE_BENCH_BASELINE` when set (an
+/// earlier build of imgate, for example the commit before a change, built with
+/// `cargo build --release` in a worktree of its own).
+fn builds() -> Vec<(String, String)> {
+    let mut out = vec![("this build".to_string(), bin().to_string())];
+    if let Ok(b) = std::env::var("IMGATE_BENCH_BASELINE") {
+        out.push(("baseline".to_string(), b));
+    }
+    out
+}
+
+const ROOMY_QUEUE: &str =
+    "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 1GiB\nmax_bytes_total = 1GiB\n";
+
+/// A daemon of `program` in a fresh `dir`, with `alerts` bound to a channel and, with
+/// `deliver`, a simulated xAgent taking every push on a thread of its own (pongs included).
+struct Live {
+    d: Daemon,
+    pushed: Arc<std::sync::atomic::AtomicU64>,
+    stop: Arc<AtomicBool>,
+    taker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Live {
+    fn start(program: &str, dir: &std::path::Path, deliver: bool, config_extra: &str) -> Live {
+        std::fs::create_dir_all(dir).unwrap();
+        let config = config_text(free_port(), dir, None, &format!("{ROOMY_QUEUE}{config_extra}"))
+            .replace("log_level = debug", "max_connections = 256");
+        let d = Daemon::start_program(program, dir, &config, "warn", &[]);
+        let mut x = d.xagent();
+        x.hello("");
+        let (cch, _) = x.open(None);
+        x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+        let pushed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let taker = deliver.then(|| {
+            let (pushed, stop) = (pushed.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    if x.next_push(Duration::from_millis(100)).is_some() {
+                        pushed.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        });
+        Live { d, pushed, stop, taker }
+    }
+
+    /// Waits until `total` were pushed and nothing is pending (the last barrier committed).
+    fn drained(&self, total: u64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.pushed.load(Ordering::SeqCst) < total || pending(&self.d) > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{} of {total} pushed",
+                self.pushed.load(Ordering::SeqCst)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGTERM with xAgent still connected (as `systemctl stop` finds it), and the exit it asks
+    /// for (the clean shutdown's checkpoint included).
+    fn stop(mut self) {
+        self.d.signal("TERM");
+        assert!(
+            self.d.wait_exit(Duration::from_secs(20)).is_some(),
+            "imgate stops on SIGTERM"
+        );
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.taker.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Bytes the ext4 loop device wrote per message accepted and delivered while `load` ran: from
+/// after the start and binding to after SIGTERM and a syncfs, so deferred writeback and the
+/// shutdown's checkpoint are counted.
+fn device_bytes_per_message(
+    program: &str,
+    disk: &common::ext4::Ext4,
+    tag: &str,
+    total: u64,
+    load: impl FnOnce(&Daemon),
+) -> (u64, u64) {
+    let live = Live::start(program, &disk.mnt().join(tag), true, "");
+    let before = disk_written(&live.d, Some(disk));
+    load(&live.d);
+    live.drained(total);
+    let running = disk_written(&live.d, Some(disk));
+    live.stop();
+    let after = disk_written_fs(disk);
+    ((after - before) / total, (after - running) / total)
+}
+
+fn disk_written_fs(disk: &common::ext4::Ext4) -> u64 {
+    let _ = std::process::Command::new("sync").arg("-f").arg(disk.mnt()).status();
+    disk.device_written()
+}
+
+/// Webhook ingest at 16 connections with wrk, and the peak RSS: `(req/s, VmHWM KiB)`.
+fn ingest(program: &str, deliver: bool) -> (f64, u64) {
+    let live = Live::start(program, &temp_dir("bench-ingest"), deliver, "");
+    let load = wrk(
+        &live.d.url("/hooks/alerts"),
+        16,
+        Some((&format!("i{}", u8::from(deliver)), HOOK_SECRET)),
+        None,
+    )
+    .expect("wrk runs");
+    let hwm = hwm_kib(live.d.pid());
+    if std::env::var("IMGATE_BENCH_MEMORY").is_ok() {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", live.d.pid())).unwrap_or_default();
+        for l in status
+            .lines()
+            .filter(|l| l.starts_with("Rss") || l.starts_with("VmHWM"))
+        {
+            println!("  pid {} deliver={deliver}: {l}", live.d.pid());
+        }
+    }
+    live.stop();
+    (load.rate, hwm)
+}
+
+/// Time from a start to READY=1 (sd_notify), and what the start replayed: once after a clean
+/// stop, once after SIGKILL with `n` messages of 1 KiB in the log and nothing delivered.
+fn ready_after_kill(program: &str, n: usize) -> (Duration, Duration, u64, u64) {
+    use std::os::unix::net::UnixDatagram;
+    let dir = temp_dir("bench-ready");
+    let sock_path = dir.join("notify.sock");
+    let sock = UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let ready_within = |sock: &UnixDatagram, t0: Instant| {
+        let mut buf = [0u8; 256];
+        loop {
+            let len = sock.recv(&mut buf).expect("READY=1 arrives");
+            if buf[..len].starts_with(b"READY=1") {
+                return t0.elapsed();
+            }
+        }
+    };
+    let config = config_text(free_port(), &dir, None, ROOMY_QUEUE);
+    let notify = sock_path.to_str().unwrap();
+    let mut d = Daemon::start_program(program, &dir, &config, "warn", &[("NOTIFY_SOCKET", notify)]);
+    ready_within(&sock, Instant::now());
+    d.signal("TERM");
+    d.wait_exit(Duration::from_secs(20));
+    let t0 = Instant::now();
+    let mut d = d.restart();
+    let clean = ready_within(&sock, t0);
+    let text = "x".repeat(1000);
+    post_load(&d, 4, n / 4, &text, "ready");
+    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    let log_bytes = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("imgate_outbox_log_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    d.kill();
+    let t0 = Instant::now();
+    let d = d.restart();
+    let after_kill = ready_within(&sock, t0);
+    let replayed = get_json(&d.url("/status"))["outbox"]["log_replayed"]
+        .as_u64()
+        .unwrap_or(0);
+    (clean, after_kill, log_bytes, replayed)
+}
+
+/// The SD card at an appliance's pace, side by side with `IMGATE_BENCH_BASELINE` when set:
+/// bytes the block device wrote per message accepted and delivered (ext4 on a loop device,
+/// needs root; each phase ends with SIGTERM and a syncfs), webhook ingest against the
+/// tiny_http ceiling with and without delivery, peak RSS, and READY after SIGKILL with a
+/// full log.
 #[test]
 #[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
-fn bench_disk_bytes() {
-    let queue = "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 1GiB\nmax_bytes_total = 1GiB\n";
-    let dir = temp_dir("bench-bytes");
-    // An SD card's partition: ext4 on a loop device, counted by the device (needs root).
-    let disk = std::panic::catch_unwind(|| common::ext4::Ext4::mount(&dir.join("disk.img"), &dir.join("state"))).ok();
-    let d = Daemon::start_logging(&dir, &config_text(free_port(), &dir, None, queue), "warn");
-    let one = bytes_per_delivered(&d, disk.as_ref(), 1000, || {
-        post_load(&d, 1, 1000, "hello", "b1");
-    });
-    let sixteen = bytes_per_delivered(&d, disk.as_ref(), 4000, || {
-        post_load(&d, 16, 250, "hello", "b16");
-    });
-    let (commits, messages) = commits(&d);
-    // An appliance's usual pace: 30 messages a second apart share the checkpoint that comes
-    // when the first is 30 s old.
-    let paced = bytes_per_delivered(&d, disk.as_ref(), 30, || {
-        for i in 0..30 {
-            post_load(&d, 1, 1, "hello", &format!("paced{i}"));
-            std::thread::sleep(Duration::from_secs(1));
-        }
-    });
-    let how = if disk.is_some() {
-        "written to an ext4 loop device"
-    } else {
-        "write_bytes of the process"
+fn bench_sd_card() {
+    let builds = builds();
+    let dir = temp_dir("bench-sd");
+    let disk = std::panic::catch_unwind(|| common::ext4::Ext4::mount(&dir.join("disk.img"), &dir.join("state")));
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    let mut row = |name: &str, cells: Vec<String>| {
+        println!("{name:<52} {}", cells.join("  |  "));
+        rows.push((name.to_string(), cells));
     };
     println!(
-        "disk bytes per accepted-and-delivered message ({how}): 1 sender {one}, 16 senders {sixteen} ({commits} group commits of {messages} messages), one message a second {paced}"
+        "{:<52} {}",
+        "",
+        builds.iter().map(|b| b.0.clone()).collect::<Vec<_>>().join("  |  ")
     );
+    // `IMGATE_BENCH_ONLY=ingest` (or `bytes`, `one a second`, `READY`...) runs only the figures
+    // whose names contain it.
+    let only = std::env::var("IMGATE_BENCH_ONLY").unwrap_or_default();
+    let wanted = |name: &str| name.contains(only.as_str());
+    // `IMGATE_BENCH_PACED=N`: messages of the one-a-second phase (default 60).
+    let paced: u64 = std::env::var("IMGATE_BENCH_PACED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60);
+    match &disk {
+        Ok(disk) => {
+            let each = |tag: &str, total: u64, load: &dyn Fn(&Daemon)| -> Vec<String> {
+                builds
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (_, p))| device_bytes_per_message(p, disk, &format!("{tag}{i}"), total, load))
+                    .map(|(b, at_stop)| format!("{b} B ({at_stop} at stop)"))
+                    .collect()
+            };
+            if wanted("bytes/message, one sender back to back") {
+                row(
+                    "bytes/message, one sender back to back (1000)",
+                    each("one", 1000, &|d: &Daemon| {
+                        post_load(d, 1, 1000, "hello", "one");
+                    }),
+                );
+            }
+            if wanted("bytes/message, 16 senders") {
+                row(
+                    "bytes/message, 16 senders (4000)",
+                    each("sixteen", 4000, &|d: &Daemon| {
+                        post_load(d, 16, 250, "hello", "sixteen");
+                    }),
+                );
+            }
+            if wanted("bytes/message, one a second") {
+                row(
+                    &format!("bytes/message, one a second ({paced} s)"),
+                    each("paced", paced, &|d: &Daemon| {
+                        for i in 0..paced {
+                            post_load(d, 1, 1, "hello", &format!("paced{i}"));
+                            std::thread::sleep(Duration::from_secs(1));
+                        }
+                    }),
+                );
+            }
+        }
+        Err(_) => println!("no ext4 loop device (needs root): disk bytes skipped"),
+    }
+    let with_wrk = std::process::Command::new("wrk").arg("--version").output().is_ok();
+    if with_wrk && wanted("ingest, 16 connections") {
+        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
+        let url = format!(
+            "http://127.0.0.1:{}/hooks/alerts",
+            server.server_addr().to_ip().unwrap().port()
+        );
+        for _ in 0..16 {
+            let server = server.clone();
+            std::thread::spawn(move || {
+                while let Ok(mut req) = server.recv() {
+                    let mut body = String::new();
+                    let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
+                    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                    let answer = json!({"status": "accepted", "message_id": v["message_id"]}).to_string();
+                    let _ = req.respond(tiny_http::Response::from_string(answer).with_status_code(202));
+                }
+            });
+        }
+        let ceiling = wrk(&url, 16, Some(("ceiling", HOOK_SECRET)), None)
+            .expect("wrk runs")
+            .rate;
+        row(
+            "tiny_http ceiling, 16 connections (req/s)",
+            vec![format!("{ceiling:.0}")],
+        );
+        let mut alone = Vec::new();
+        let mut live = Vec::new();
+        let mut rss = Vec::new();
+        for (_, p) in &builds {
+            let (rate, _) = ingest(p, false);
+            alone.push(format!("{rate:.0} ({:.2}x)", rate / ceiling));
+            let (rate, hwm) = ingest(p, true);
+            live.push(format!("{rate:.0} ({:.2}x)", rate / ceiling));
+            rss.push(format!("{:.1} MiB", hwm as f64 / 1024.0));
+        }
+        row("ingest, 16 connections, no xAgent (req/s, x ceiling)", alone);
+        row("ingest, 16 connections, delivering live", live);
+        row("peak RSS (VmHWM) while delivering live", rss);
+    } else if !with_wrk {
+        println!("wrk is not installed: ingest figures skipped (apt-get install wrk)");
+    }
+    if !wanted("READY after") {
+        return;
+    }
+    let mut clean = Vec::new();
+    let mut killed = Vec::new();
+    for (_, p) in &builds {
+        let (c, k, log_bytes, replayed) = ready_after_kill(p, 388);
+        clean.push(format!("{:.0} ms", ms(c)));
+        killed.push(format!(
+            "{:.0} ms ({replayed} records, log {} KiB)",
+            ms(k),
+            log_bytes / 1024
+        ));
+    }
+    row("READY after a clean stop", clean);
+    row("READY after SIGKILL, 388 x 1 KiB pending in the log", killed);
 }
 
 /// A burst of Feishu events over one long connection, into one chat or spread over 16, on this

@@ -111,6 +111,8 @@ pub struct Daemon {
     pub env: Vec<(String, String)>,
     /// A command the daemon runs under (`prlimit --nofile=…`), empty for none.
     pub wrapper: Vec<String>,
+    /// The binary: `bin()`, or another build (a benchmark's baseline).
+    pub program: String,
 }
 
 pub const API_KEY: &str = "test-api-key-7f3a";
@@ -142,14 +144,21 @@ impl Daemon {
     pub fn start_env(dir: &Path, config: &str, rust_log: &str, env: &[(&str, &str)]) -> Daemon {
         let (path, port) = Self::write_config(dir, config);
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        Self::spawn(dir, path, port, rust_log, env, Vec::new())
+        Self::spawn(dir, path, port, rust_log, env, Vec::new(), bin())
+    }
+
+    /// Like `start_env` with another build of imgate (a benchmark's baseline).
+    pub fn start_program(program: &str, dir: &Path, config: &str, rust_log: &str, env: &[(&str, &str)]) -> Daemon {
+        let (path, port) = Self::write_config(dir, config);
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Self::spawn(dir, path, port, rust_log, env, Vec::new(), program)
     }
 
     /// Like `start`, run under `wrapper` (a command that ends by running its arguments).
     pub fn start_wrapped(dir: &Path, config: &str, wrapper: &[&str]) -> Daemon {
         let (path, port) = Self::write_config(dir, config);
         let wrapper = wrapper.iter().map(|w| w.to_string()).collect();
-        Self::spawn(dir, path, port, "debug", Vec::new(), wrapper)
+        Self::spawn(dir, path, port, "debug", Vec::new(), wrapper, bin())
     }
 
     /// Writes `config` to `dir/imgate.conf`; its path and the port it listens on.
@@ -168,8 +177,9 @@ impl Daemon {
     pub fn restart(self) -> Daemon {
         let (dir, config, port, log) = (self.dir.clone(), self.config.clone(), self.port, self.log.clone());
         let (rust_log, env, wrapper) = (self.rust_log.clone(), self.env.clone(), self.wrapper.clone());
+        let program = self.program.clone();
         drop(self);
-        let d = Self::spawn(&dir, config, port, &rust_log, env, wrapper);
+        let d = Self::spawn(&dir, config, port, &rust_log, env, wrapper, &program);
         let old = log.lock().unwrap().clone();
         d.log.lock().unwrap().insert_str(0, &old);
         d
@@ -188,14 +198,15 @@ impl Daemon {
         rust_log: &str,
         env: Vec<(String, String)>,
         wrapper: Vec<String>,
+        program: &str,
     ) -> Daemon {
         let mut command = match wrapper.split_first() {
             Some((first, rest)) => {
                 let mut c = Command::new(first);
-                c.args(rest).arg(bin());
+                c.args(rest).arg(program);
                 c
             }
-            None => Command::new(bin()),
+            None => Command::new(program),
         };
         let mut child = command
             .envs(env.iter().map(|(k, v)| (k, v)))
@@ -228,6 +239,7 @@ impl Daemon {
             rust_log: rust_log.to_string(),
             env,
             wrapper,
+            program: program.to_string(),
         };
         d.wait_ready();
         d
