@@ -13,19 +13,24 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::json;
 
-/// `(commits, messages)` from `/metrics`.
-fn commits(d: &Daemon) -> (u64, u64) {
+/// The named counters from `/metrics` (0 for one a build does not have).
+fn metrics<const N: usize>(d: &Daemon, names: [&str; N]) -> [u64; N] {
     let (_, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
-    let get = |name: &str| {
+    names.map(|name| {
         text.lines()
-            .find_map(|l| l.strip_prefix(name))
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0)
-    };
-    (
-        get("imgate_outbox_commits_total "),
-        get("imgate_outbox_committed_messages_total "),
-    )
+    })
+}
+
+/// `(commits, messages)` from `/metrics`.
+fn commits(d: &Daemon) -> (u64, u64) {
+    let [c, m] = metrics(
+        d,
+        ["imgate_outbox_commits_total", "imgate_outbox_committed_messages_total"],
+    );
+    (c, m)
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -593,17 +598,50 @@ fn device_bytes_per_message(
     program: &str,
     disk: &common::ext4::Ext4,
     tag: &str,
-    total: u64,
     load: impl FnOnce(&Daemon),
 ) -> (u64, u64) {
     let live = Live::start(program, &disk.mnt().join(tag), true, "");
     let before = disk_written(&live.d, Some(disk));
     load(&live.d);
+    // Every message accepted, whether or not its sender saw the answer (wrk cuts the last ones).
+    let [total] = metrics(&live.d, ["imgate_outbox_committed_messages_total"]);
     live.drained(total);
     let running = disk_written(&live.d, Some(disk));
+    let [groups, grouped, checkpoints, store, log] = metrics(
+        &live.d,
+        [
+            "imgate_outbox_commits_total",
+            "imgate_outbox_committed_messages_total",
+            "imgate_outbox_checkpoints_total",
+            "imgate_store_commits_total",
+            "imgate_outbox_log_bytes",
+        ],
+    );
+    println!(
+        "  {tag}: {groups} groups of {grouped} messages, {checkpoints} checkpoints, {store} store commits, {log} B in the log"
+    );
     live.stop();
     let after = disk_written_fs(disk);
     ((after - before) / total, (after - running) / total)
+}
+
+/// Bytes written to the device per message at a slow pace (one a minute, say): each message
+/// accepted and delivered alone, then 45 s for the kernel to write back everything it left
+/// (the log held for 5 s, dirty pages for 30 s, ext4's journal commit every 5 s). No syncfs:
+/// the counter shows what the disk would have seen; the stop is not counted (a day has none).
+fn device_bytes_per_lone_message(program: &str, disk: &common::ext4::Ext4, tag: &str, n: u64) -> u64 {
+    let live = Live::start(program, &disk.mnt().join(tag), true, "");
+    let settle = Duration::from_secs(45);
+    std::thread::sleep(settle);
+    let before = disk.device_written();
+    for i in 0..n {
+        post_load(&live.d, 1, 1, "hello", &format!("{tag}-{i}"));
+        live.drained(i + 1);
+        std::thread::sleep(settle);
+    }
+    let after = disk.device_written();
+    live.stop();
+    (after - before) / n
 }
 
 fn disk_written_fs(disk: &common::ext4::Ext4) -> u64 {
@@ -663,12 +701,7 @@ fn ready_after_kill(program: &str, n: usize) -> (Duration, Duration, u64, u64) {
     let clean = ready_within(&sock, t0);
     let text = "x".repeat(1000);
     post_load(&d, 4, n / 4, &text, "ready");
-    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
-    let log_bytes = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("imgate_outbox_log_bytes "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
+    let [log_bytes] = metrics(&d, ["imgate_outbox_log_bytes"]);
     d.kill();
     let t0 = Instant::now();
     let d = d.restart();
@@ -705,51 +738,78 @@ fn bench_sd_card() {
     let only = std::env::var("IMGATE_BENCH_ONLY").unwrap_or_default();
     let wanted = |name: &str| name.contains(only.as_str());
     // `IMGATE_BENCH_PACED=N`: messages of the one-a-second phase (default 60).
+    let with_wrk = std::process::Command::new("wrk").arg("--version").output().is_ok();
     let paced: u64 = std::env::var("IMGATE_BENCH_PACED")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(60);
     match &disk {
         Ok(disk) => {
-            let each = |tag: &str, total: u64, load: &dyn Fn(&Daemon)| -> Vec<String> {
+            let measured = |tag: &str, load: &dyn Fn(&Daemon)| -> Vec<(u64, u64)> {
                 builds
                     .iter()
                     .enumerate()
-                    .map(|(i, (_, p))| device_bytes_per_message(p, disk, &format!("{tag}{i}"), total, load))
+                    .map(|(i, (_, p))| device_bytes_per_message(p, disk, &format!("{tag}{i}"), load))
+                    .collect()
+            };
+            let shown = |figures: Vec<(u64, u64)>| -> Vec<String> {
+                figures
+                    .into_iter()
                     .map(|(b, at_stop)| format!("{b} B ({at_stop} at stop)"))
                     .collect()
             };
+            let each = |tag: &str, load: &dyn Fn(&Daemon)| shown(measured(tag, load));
             if wanted("bytes/message, one sender back to back") {
                 row(
                     "bytes/message, one sender back to back (1000)",
-                    each("one", 1000, &|d: &Daemon| {
+                    each("one", &|d: &Daemon| {
                         post_load(d, 1, 1000, "hello", "one");
                     }),
                 );
             }
-            if wanted("bytes/message, 16 senders") {
+            if wanted("bytes/message, 16 senders") && with_wrk {
                 row(
-                    "bytes/message, 16 senders (4000)",
-                    each("sixteen", 4000, &|d: &Daemon| {
-                        post_load(d, 16, 250, "hello", "sixteen");
+                    "bytes/message, 16 senders (wrk, 5 s)",
+                    each("sixteen", &|d: &Daemon| {
+                        wrk(&d.url("/hooks/alerts"), 16, Some(("sixteen", HOOK_SECRET)), None).expect("wrk runs");
                     }),
                 );
             }
             if wanted("bytes/message, one a second") {
-                row(
-                    &format!("bytes/message, one a second ({paced} s)"),
-                    each("paced", paced, &|d: &Daemon| {
-                        for i in 0..paced {
-                            post_load(d, 1, 1, "hello", &format!("paced{i}"));
-                            std::thread::sleep(Duration::from_secs(1));
-                        }
-                    }),
-                );
+                let figures = measured("paced", &|d: &Daemon| {
+                    for i in 0..paced {
+                        post_load(d, 1, 1, "hello", &format!("paced{i}"));
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                });
+                // A day has no stop: its figure is the running part.
+                let day: Vec<String> = figures
+                    .iter()
+                    .map(|(b, at_stop)| format!("{:.2} GB", ((b - at_stop) * 86_400) as f64 / 1e9))
+                    .collect();
+                row(&format!("bytes/message, one a second ({paced} s)"), shown(figures));
+                row("  so a day at one a second (running part x 86,400)", day);
             }
         }
         Err(_) => println!("no ext4 loop device (needs root): disk bytes skipped"),
     }
-    let with_wrk = std::process::Command::new("wrk").arg("--version").output().is_ok();
+    if let (Ok(disk), true) = (&disk, wanted("bytes/message, one a minute")) {
+        let lone: Vec<u64> = builds
+            .iter()
+            .enumerate()
+            .map(|(i, (_, p))| device_bytes_per_lone_message(p, disk, &format!("lone{i}"), 3))
+            .collect();
+        row(
+            "bytes/message, one a minute (3 alone, 45 s apart)",
+            lone.iter().map(|b| format!("{b} B")).collect(),
+        );
+        row(
+            "  so a day at one a minute (x 1,440)",
+            lone.iter()
+                .map(|b| format!("{:.1} MB", (b * 1440) as f64 / 1e6))
+                .collect(),
+        );
+    }
     if with_wrk && wanted("ingest, 16 connections") {
         let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
         let url = format!(

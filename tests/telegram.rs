@@ -300,6 +300,7 @@ fn the_offset_survives_a_restart_and_old_or_foreign_updates_are_counted_not_push
         x.recv_within(Duration::from_millis(50));
     }
     x.close();
+    wait_log_written(&d);
     let mut d = d;
     d.kill();
     let d = d.restart();

@@ -193,7 +193,8 @@ fn an_unacked_message_is_sent_again_after_a_reconnect_and_after_sigkill() {
     y.open(Some(&cch));
     let again = y.next_chat(Duration::from_secs(10)).expect("after a reconnect");
     assert_eq!(again["payload"], first["payload"], "same message_id, same content");
-    // Now between the send and the ack, the process dies.
+    // Now between the send and the ack, the process dies (once the first attempt is on disk).
+    wait_log_written(&d);
     let mut d = d;
     d.kill();
     let d = d.restart();

@@ -206,6 +206,7 @@ fn the_sync_buffer_survives_a_restart_so_nothing_is_pushed_twice_or_lost() {
         &mut x
     ));
     x.close();
+    wait_log_written(&d);
     let d = d.restart();
     let mut y = d.xagent();
     y.hello(&d.connector_id());

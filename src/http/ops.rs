@@ -182,6 +182,8 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError
     ));
     out.push_str("# TYPE imgate_outbox_log_bytes gauge\n");
     out.push_str(&format!("imgate_outbox_log_bytes {}\n", log.log_bytes));
+    out.push_str("# TYPE imgate_outbox_log_held_bytes gauge\n");
+    out.push_str(&format!("imgate_outbox_log_held_bytes {}\n", log.held_bytes));
     out.push_str("# TYPE imgate_store_commits_total counter\n");
     out.push_str(&format!("imgate_store_commits_total {}\n", app.outbox.store_commits()));
     out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");

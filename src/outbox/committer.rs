@@ -1,5 +1,6 @@
 //! The committer thread: gathers concurrent enqueues into one group, commits it with one synced
-//! log append, answers every sender, and checkpoints when the log asks for one.
+//! log append, answers every sender, checkpoints when the log asks for one, and writes the
+//! log records held for a sync that did not come (`wal::HOLD`).
 //!
 //! Senders hand their jobs over through `Queue`, a mutex-guarded list the committer drains
 //! whole. A sender wakes the committer only when it is needed: the first job while the
@@ -40,8 +41,8 @@ struct Waiting {
     bytes: usize,
     /// How many queued jobs make the committer want to be woken; 0 while it is busy.
     want: usize,
-    /// The log asks for a checkpoint.
-    checkpoint: bool,
+    /// The log asks for upkeep (a checkpoint, or held records to write in time).
+    upkeep: bool,
     /// The outbox is being dropped: commit what is queued, checkpoint and exit.
     stop: bool,
 }
@@ -73,9 +74,9 @@ impl Queue {
         true
     }
 
-    /// The log is full enough for a checkpoint.
+    /// The log needs upkeep: a checkpoint, or a new deadline for held records.
     pub fn wake(&self) {
-        self.lock().checkpoint = true;
+        self.lock().upkeep = true;
         self.ready.notify_one();
     }
 
@@ -89,11 +90,12 @@ impl Queue {
 ///
 /// Waiting pays only while senders are still arriving, one after the other, as the answers to
 /// the last group go out: each one caught saves an fsync and a log page. So the committer waits
-/// for as many as the last group had, for at most one commit's time (`LINGER` at most). Senders
-/// already queued are taken without waiting, so groups grow with the load; a lone sender never
-/// waits.
+/// for as many as the last group had plus those that queued up while it committed (they show
+/// there are more senders than one group held), for at most one commit's time (`LINGER` at
+/// most). So concurrent senders that drifted apart into small groups merge again, and a lone
+/// sender, whom nobody ever joins, never waits.
 struct Batcher {
-    /// The last group's size.
+    /// The last group's size plus the jobs queued when it was committed.
     target: usize,
     last_commit: Duration,
 }
@@ -107,11 +109,11 @@ pub fn run(shared: &Shared, counted: &(AtomicUsize, AtomicUsize)) {
     };
     loop {
         // Asked outside the queue's lock: a writer holding the outbox's lock may be waking us.
-        let due = shared.checkpoint_due();
-        let (jobs, checkpoint, stop) = {
+        let due = shared.upkeep_due();
+        let (jobs, upkeep, stop) = {
             let mut w = queue.lock();
             w.want = 1;
-            if w.jobs.is_empty() && !w.checkpoint && !w.stop {
+            if w.jobs.is_empty() && !w.upkeep && !w.stop {
                 w = match due {
                     None => queue.ready.wait(w).unwrap_or_else(|e| e.into_inner()),
                     Some(wait) => queue.ready.wait_timeout(w, wait).unwrap_or_else(|e| e.into_inner()).0,
@@ -137,21 +139,22 @@ pub fn run(shared: &Shared, counted: &(AtomicUsize, AtomicUsize)) {
             w.bytes -= bytes;
             let jobs: Vec<Job> = w.jobs.drain(..n).collect();
             let stop = w.stop && w.jobs.is_empty();
-            (jobs, std::mem::take(&mut w.checkpoint), stop)
+            (jobs, std::mem::take(&mut w.upkeep), stop)
         };
         if !jobs.is_empty() {
-            batch.target = jobs.len();
             let started = Instant::now();
+            let grouped = jobs.len();
             counted.0.fetch_add(1, Ordering::Relaxed);
-            counted.1.fetch_add(jobs.len(), Ordering::Relaxed);
+            counted.1.fetch_add(grouped, Ordering::Relaxed);
             commit_group(shared, jobs);
             batch.last_commit = started.elapsed();
+            batch.target = (grouped + queue.lock().jobs.len()).min(MAX_GROUP);
         }
         if stop {
             break;
         }
-        if (checkpoint || due.is_some()) && shared.checkpoint_due() == Some(Duration::ZERO) {
-            shared.checkpoint();
+        if upkeep || due.is_some() {
+            shared.upkeep();
         }
     }
     // Clean shutdown: the log is applied to redb durably, so the next start replays nothing.

@@ -28,7 +28,6 @@
 //!   again: it never accepts a message it could not make durable, and one outage is one outage
 //!   (no accepts between failed checkpoints flapping the store's outage log).
 
-use std::io::BufReader;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -66,6 +65,8 @@ pub struct LogReport {
     pub checkpointed_messages: u64,
     /// Bytes of records in the log since the last checkpoint.
     pub log_bytes: u64,
+    /// Of those, bytes held in memory for a sync (`wal::HOLD`).
+    pub held_bytes: u64,
 }
 
 pub(super) struct State {
@@ -136,6 +137,12 @@ impl Shared {
         self.lock().retry_checkpoint_at = Some(Instant::now() + Duration::from_secs(3600));
     }
 
+    /// Tests: the held log records written, as `wal::HOLD` after the last would.
+    #[cfg(test)]
+    pub fn flush_log(&self) {
+        self.lock().log.flush().unwrap();
+    }
+
     /// Tests: message records the overlay holds (what the next checkpoint would write).
     #[cfg(test)]
     pub fn overlay_messages(&self) -> u64 {
@@ -146,6 +153,7 @@ impl Shared {
         let st = self.lock();
         LogReport {
             log_bytes: st.log.used(),
+            held_bytes: st.log.held(),
             ..st.report
         }
     }
@@ -223,10 +231,12 @@ impl Shared {
         if redo.is_empty() {
             return Ok((v, false));
         }
+        let held_before = st.log.held_until().is_some();
         match st.log.append(st.next_seq, &redo, sync) {
             Ok(Ok(())) => {
                 st.next_seq += 1;
-                if st.log.used() >= CHECKPOINT_BYTES {
+                // Upkeep has news: a checkpoint is due, or held records start their wait.
+                if st.log.used() >= CHECKPOINT_BYTES || (!held_before && st.log.held_until().is_some()) {
                     self.queue.wake();
                 }
                 Ok((v, true))
@@ -254,16 +264,59 @@ impl Shared {
         }
     }
 
-    /// How long until a checkpoint is due (zero: now); `None` while none is needed or possible.
-    pub fn checkpoint_due(&self) -> Option<Duration> {
+    /// How long until `upkeep` has work (zero: now): a checkpoint, or held log records to
+    /// write; `None` while there is none, or none is possible.
+    pub fn upkeep_due(&self) -> Option<Duration> {
         let st = self.lock();
         if st.stalled || self.db.needs_recovery() {
             return None;
         }
-        if let Some(at) = st.retry_checkpoint_at {
-            return Some(at.saturating_duration_since(Instant::now()));
+        let now = Instant::now();
+        [Self::checkpoint_at(&st, now), st.log.held_until()]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|at| at.saturating_duration_since(now))
+    }
+
+    /// When the next checkpoint is due: once the log holds `CHECKPOINT_BYTES`, or when a
+    /// failed one is retried (not before, however full the log).
+    fn checkpoint_at(st: &State, now: Instant) -> Option<Instant> {
+        match st.retry_checkpoint_at {
+            Some(at) => Some(at),
+            None => (st.log.used() >= CHECKPOINT_BYTES).then_some(now),
         }
-        (st.log.used() >= CHECKPOINT_BYTES).then_some(Duration::ZERO)
+    }
+
+    /// Does what `upkeep_due` says is due now: a checkpoint, or writing the held log records.
+    pub fn upkeep(&self) {
+        let now = Instant::now();
+        let due = |at: Option<Instant>| at.is_some_and(|at| at <= now);
+        let held_due = {
+            let st = self.lock();
+            if due(Self::checkpoint_at(&st, now)) {
+                drop(st);
+                return self.checkpoint();
+            }
+            due(st.log.held_until())
+        };
+        if held_due {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            if let Err(e) = st.log.flush() {
+                self.log_failed(st, &e);
+            }
+        }
+    }
+
+    /// The disk under the log fails: the log is closed (so the disk can be repaired) and
+    /// writes wait until `recover` checkpoints the overlay and starts it again.
+    fn log_failed(&self, st: &mut State, e: &std::io::Error) {
+        let error = StoreError::Io(format!("{}: {e}", st.log.path().display()));
+        st.log.close();
+        st.stalled = true;
+        // The outage's bookkeeping (logged once, recovery woken), as for a failed append.
+        let _ = self.db.noted::<()>(Err(error));
     }
 
     /// Writes what the log holds into redb and recycles the log (when due, and at clean
@@ -360,7 +413,7 @@ impl Shared {
             let mut stopped: Option<String> = None;
             let found = match reader {
                 None => wal::Scanned::default(),
-                Some(f) => wal::scan(&mut BufReader::new(f), wal::LOG_BYTES, |seq, payload| {
+                Some(f) => wal::scan(&f, wal::LOG_BYTES, |seq, payload| {
                     if seq < next || stopped.is_some() {
                         return Ok(()); // already in redb, or past a stop
                     }

@@ -974,6 +974,21 @@ pub fn wait_until_alone(d: &Daemon) {
     }
 }
 
+/// Waits until the outbox log holds no record in memory only: deliveries, attempts and moved
+/// cursors wait there (at most 5 s) for an accept's sync, and a SIGKILL before that would make
+/// them happen again. Tests that pin what survives a SIGKILL wait for this first.
+pub fn wait_log_written(d: &Daemon) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (_, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+        if text.lines().any(|l| l == "imgate_outbox_log_held_bytes 0") {
+            return;
+        }
+        assert!(Instant::now() < deadline, "log records still held:\n{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Writes `bytes` on `s`, then reads until an answer's head is complete, `s` closes, or `wait`
 /// passes with nothing more: what arrived by then.
 pub fn send_and_read_head(s: &mut TcpStream, bytes: &[u8], wait: Duration) -> String {
