@@ -7,9 +7,10 @@
 //!   same lock; nobody sees the change before its record is in the log, and a change whose
 //!   record could not be logged is taken back (`Undo`). The hot path never writes redb.
 //! - Accepts are appended with `fdatasync` (a `202` means the record is on the disk). Deliveries,
-//!   attempts and sweeps are appended without one: the next sync carries them, or the kernel's
-//!   writeback, so a power cut can at worst deliver such a message once more, with the same
-//!   `message_id`.
+//!   attempts, sweeps and cursor moves are appended without one: the log holds their records in
+//!   memory for the next sync (at most `wal::HOLD`, then the committer writes them and the
+//!   kernel's writeback takes them to the disk), so a power cut or a crash can at worst deliver
+//!   such a message once more, with the same `message_id`.
 //! - A checkpoint writes the overlay into redb in one commit with `Durability::Immediate`,
 //!   naming the last record it contains (`outbox_log_applied`); only after it returns are the
 //!   overlay emptied and the log recycled from offset 0. What was accepted and delivered since
@@ -96,7 +97,7 @@ pub(super) struct Shared {
     state: Mutex<State>,
     pub policy: Policy,
     pub on_accept: OnceLock<AcceptHook>,
-    /// The committer's queue: told when the log is full enough for a checkpoint.
+    /// The committer's queue: told when the log needs upkeep (a checkpoint, held records).
     pub queue: Arc<Queue>,
     /// The index's pending bytes after the last change, readable without the lock (which a
     /// commit holds through its fsync), so the executor may ask.
