@@ -72,14 +72,29 @@ impl Overlay {
         self.messages.values().filter(|s| matches!(s, Slot::Put(_))).count() as u64
     }
 
-    pub fn seq_layer(&mut self, which: Which) -> &mut SeqLayer {
+    pub fn seq_layer(&self, which: Which) -> &SeqLayer {
+        match which {
+            Which::Delivered => &self.delivered,
+            _ => &self.messages,
+        }
+    }
+
+    pub fn name_layer(&self, which: Which) -> &NameLayer {
+        match which {
+            Which::Counters => &self.counters,
+            Which::ReplyRefs => &self.reply_refs,
+            _ => &self.meta,
+        }
+    }
+
+    pub fn seq_layer_mut(&mut self, which: Which) -> &mut SeqLayer {
         match which {
             Which::Delivered => &mut self.delivered,
             _ => &mut self.messages,
         }
     }
 
-    pub fn name_layer(&mut self, which: Which) -> &mut NameLayer {
+    pub fn name_layer_mut(&mut self, which: Which) -> &mut NameLayer {
         match which {
             Which::Counters => &mut self.counters,
             Which::ReplyRefs => &mut self.reply_refs,
@@ -91,8 +106,8 @@ impl Overlay {
     pub fn undo(&mut self, undo: Vec<Undo>) {
         for u in undo.into_iter().rev() {
             match u {
-                Undo::Seq(w, key, before) => restore(self.seq_layer(w), key, before),
-                Undo::Name(w, key, before) => restore(self.name_layer(w), key, before),
+                Undo::Seq(w, key, before) => restore(self.seq_layer_mut(w), key, before),
+                Undo::Name(w, key, before) => restore(self.name_layer_mut(w), key, before),
             }
         }
     }

@@ -84,12 +84,10 @@ impl<'t> Base<'t> {
     }
 
     fn get_name(&self, which: Which, key: &str) -> Result<Option<String>> {
-        let table = match which {
-            Which::Counters => opened(self.txn, &self.counters, COUNTERS)?,
-            Which::ReplyRefs => opened(self.txn, &self.reply_refs, REPLY_REFS)?,
-            _ => return store::meta(self.txn, key),
-        };
-        Ok(table.get(key)?.map(|v| v.value().to_string()))
+        if matches!(which, Which::Meta) {
+            return store::meta(self.txn, key);
+        }
+        Ok(self.name_table(which)?.get(key)?.map(|v| v.value().to_string()))
     }
 
     fn name_table(&self, which: Which) -> Result<&NameTable> {
@@ -112,11 +110,7 @@ impl<'a> Reader<'a> {
     }
 
     fn seq(&self, which: Which, src: &str, seq: u64) -> Result<Option<String>> {
-        let layer = match which {
-            Which::Delivered => &self.ov.delivered,
-            _ => &self.ov.messages,
-        };
-        match layer.get(&(src.to_string(), seq)) {
+        match self.ov.seq_layer(which).get(&(src.to_string(), seq)) {
             Some(Slot::Put(v)) => Ok(Some(v.clone())),
             Some(Slot::Gone) => Ok(None),
             None => self.base.get_seq(which, src, seq),
@@ -124,12 +118,7 @@ impl<'a> Reader<'a> {
     }
 
     fn name(&self, which: Which, key: &str) -> Result<Option<String>> {
-        let layer = match which {
-            Which::Counters => &self.ov.counters,
-            Which::ReplyRefs => &self.ov.reply_refs,
-            _ => &self.ov.meta,
-        };
-        match layer.get(key) {
+        match self.ov.name_layer(which).get(key) {
             Some(Slot::Put(v)) => Ok(Some(v.clone())),
             Some(Slot::Gone) => Ok(None),
             None => self.base.get_name(which, key),
@@ -177,33 +166,25 @@ impl<'a> Reader<'a> {
 
     /// Every row of `messages` or `delivered`, by source then seq, while `each` answers true.
     pub fn all_seq(&self, which: Which, mut each: impl FnMut(&str, u64, &str) -> bool) -> Result<()> {
-        let layer = match which {
-            Which::Delivered => &self.ov.delivered,
-            _ => &self.ov.messages,
-        };
         merge(
             self.base.seq_table(which)?.iter()?.map(|row| {
                 let (k, v) = row?;
                 let (src, seq) = k.value();
                 Ok(((src.to_string(), seq), v.value().to_string()))
             }),
-            layer.iter().map(|(k, slot)| (k.clone(), slot)),
+            self.ov.seq_layer(which).iter().map(|(k, slot)| (k.clone(), slot)),
             |(src, seq): (String, u64), v: &str| each(&src, seq, v),
         )
     }
 
     /// Every row of `counters` or `reply_refs`, by key, while `each` answers true.
     pub fn all_named(&self, which: Which, mut each: impl FnMut(&str, &str) -> bool) -> Result<()> {
-        let layer = match which {
-            Which::Counters => &self.ov.counters,
-            _ => &self.ov.reply_refs,
-        };
         merge(
             self.base.name_table(which)?.iter()?.map(|row| {
                 let (k, v) = row?;
                 Ok((k.value().to_string(), v.value().to_string()))
             }),
-            layer.iter().map(|(k, slot)| (k.clone(), slot)),
+            self.ov.name_layer(which).iter().map(|(k, slot)| (k.clone(), slot)),
             |k: String, v: &str| each(&k, v),
         )
     }
@@ -246,7 +227,10 @@ impl<'a> Tx<'a> {
         };
         let before = match value {
             Some(v) => {
-                let before = self.ov.seq_layer(which).insert(key.clone(), Slot::Put(v.to_string()));
+                let before = self
+                    .ov
+                    .seq_layer_mut(which)
+                    .insert(key.clone(), Slot::Put(v.to_string()));
                 self.note(op, src, Some(seq), value);
                 before
             }
@@ -262,7 +246,7 @@ impl<'a> Tx<'a> {
                 if old.is_none() {
                     return Ok(None);
                 }
-                let layer = self.ov.seq_layer(which);
+                let layer = self.ov.seq_layer_mut(which);
                 let before = match in_base {
                     true => layer.insert(key.clone(), Slot::Gone),
                     false => layer.remove(&key),
@@ -287,7 +271,7 @@ impl<'a> Tx<'a> {
         let before = match value {
             Some(v) => self
                 .ov
-                .name_layer(which)
+                .name_layer_mut(which)
                 .insert(key.to_string(), Slot::Put(v.to_string())),
             None => {
                 let in_base = match self.ov.name_layer(which).get(key) {
@@ -296,7 +280,7 @@ impl<'a> Tx<'a> {
                     None if self.base.get_name(which, key)?.is_some() => true,
                     None => return Ok(()),
                 };
-                let layer = self.ov.name_layer(which);
+                let layer = self.ov.name_layer_mut(which);
                 match in_base {
                     true => layer.insert(key.to_string(), Slot::Gone),
                     false => layer.remove(key),
