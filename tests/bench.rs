@@ -298,17 +298,11 @@ fn drive(conns: usize, per_conn: usize, request: impl Fn(&ureq::Agent, usize, us
     }
 }
 
-/// The HTTP edge, side by side in one run: tiny_http alone answering 202 (the ceiling of this
-/// machine's loopback and HTTP stack), then imgate's front door: `GET /health`, and durable
-/// webhook ingest at 1, 16 and 64 connections, with imgate's CPU per request and disk bytes
-/// written per message. The load comes from wrk when it is installed (`apt-get install wrk`),
-/// else from ureq threads in this process, which then share the two cores with the server.
-#[test]
-#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
-fn bench_http_edge() {
-    // The ceiling: tiny_http with 16 workers reading the same bodies and answering 202.
+/// The ceiling of this machine's loopback and HTTP stack: tiny_http with 16 workers reading the
+/// same webhook bodies and answering 202, with no disk at all. Its webhook URL.
+fn ceiling_server() -> String {
     let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
-    let ceiling_url = format!(
+    let url = format!(
         "http://127.0.0.1:{}/hooks/alerts",
         server.server_addr().to_ip().unwrap().port()
     );
@@ -324,6 +318,18 @@ fn bench_http_edge() {
             }
         });
     }
+    url
+}
+
+/// The HTTP edge, side by side in one run: tiny_http alone answering 202 (the ceiling of this
+/// machine's loopback and HTTP stack), then imgate's front door: `GET /health`, and durable
+/// webhook ingest at 1, 16 and 64 connections, with imgate's CPU per request and disk bytes
+/// written per message. The load comes from wrk when it is installed (`apt-get install wrk`),
+/// else from ureq threads in this process, which then share the two cores with the server.
+#[test]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
+fn bench_http_edge() {
+    let ceiling_url = ceiling_server();
     let post = |url: &str, agent: &ureq::Agent, tag: &str, c: usize, i: usize| {
         let body = json!({"message_id": format!("{tag}-{c}-{i}"), "sender_id": "bench", "text": "hello"});
         let r = agent
@@ -818,23 +824,7 @@ fn bench_sd_card() {
         );
     }
     if with_wrk && wanted("ingest, 16 connections") {
-        let server = Arc::new(tiny_http::Server::http("127.0.0.1:0").unwrap());
-        let url = format!(
-            "http://127.0.0.1:{}/hooks/alerts",
-            server.server_addr().to_ip().unwrap().port()
-        );
-        for _ in 0..16 {
-            let server = server.clone();
-            std::thread::spawn(move || {
-                while let Ok(mut req) = server.recv() {
-                    let mut body = String::new();
-                    let _ = std::io::Read::read_to_string(req.as_reader(), &mut body);
-                    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-                    let answer = json!({"status": "accepted", "message_id": v["message_id"]}).to_string();
-                    let _ = req.respond(tiny_http::Response::from_string(answer).with_status_code(202));
-                }
-            });
-        }
+        let url = ceiling_server();
         let ceiling = wrk(&url, 16, Some(("ceiling", HOOK_SECRET)), None)
             .expect("wrk runs")
             .rate;
