@@ -70,6 +70,11 @@ pub struct SourceIndex {
     /// start here, and so skip the rows a checkpoint wrote that were delivered since (hidden
     /// by the overlay, but still walked). Raised by every read that finds the head.
     pub first_seq: u64,
+    /// The expiry of the message the last enqueue found at the head of the queue (0: not read
+    /// yet). No pending message expires sooner: with one TTL, expiry follows acceptance order
+    /// (up to a step of the clock, which the sweep covers), and a message that leaves only
+    /// moves the head later. So an enqueue reads the head again only once this has passed.
+    pub head_expires: u64,
     /// The source's capacity warnings (a full queue refuses or evicts at the senders' rate).
     pub caps_log: Quiet,
     /// Its expiry warnings (each enqueue may expire the head of a queue nobody reads).

@@ -654,24 +654,28 @@ fn stored_id(tx: &Tx, src: &str, place: Place) -> Result<Option<String>> {
 
 /// Removes the expired messages at the head of one source.
 fn expire_head(tx: &mut Tx, idx: &mut Index, src: &str, now: u64) -> Result<u64> {
-    if idx.source(src).pending == 0 {
+    let si = idx.source(src);
+    if si.pending == 0 || now < si.head_expires {
         return Ok(0);
     }
     let mut gone = Vec::new();
     let mut head = None;
     tx.read()
-        .source_messages(src, idx.source(src).first_seq, |seq, v| match record::header(v) {
+        .source_messages(src, si.first_seq, |seq, v| match record::header(v) {
             Some(h) if h.expires_at <= now => {
                 gone.push((src.to_string(), seq, v.to_string()));
                 true
             }
-            _ => {
-                head = Some(seq);
+            // An unreadable header counts as expiring now: read again next time.
+            h => {
+                head = Some((seq, h.map_or(now, |h| h.expires_at)));
                 false
             }
         })?;
-    if let Some(head) = head {
-        idx.source(src).first_seq = head;
+    if let Some((seq, expires)) = head {
+        let si = idx.source(src);
+        si.first_seq = seq;
+        si.head_expires = expires;
     }
     remove_expired(tx, idx, gone)
 }
@@ -896,6 +900,21 @@ mod tests {
         s.enqueue(msg("new", 5000, 60_000)).unwrap();
         assert_eq!(counters(&s, "hook:a").expired, 1);
         assert!(s.reply_ref("rr_old").unwrap().is_none());
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn enqueue_expires_the_head_once_the_expiry_it_last_saw_there_has_passed() {
+        let s = store();
+        s.enqueue(msg("a", 1000, 100)).unwrap();
+        // Reads the head ("a", until 1100): nothing to expire before then.
+        s.enqueue(msg("b", 1050, 100)).unwrap();
+        s.enqueue(msg("c", 1080, 100)).unwrap();
+        assert_eq!(counters(&s, "hook:a").expired, 0);
+        // Past 1100 and 1150: "a" and "b" go, "c" (until 1180) stays the head.
+        s.enqueue(msg("d", 1160, 100)).unwrap();
+        assert_eq!(counters(&s, "hook:a").expired, 2);
+        assert_eq!(ids_of(&s, "hook:a", 1160), ["c", "d"]);
         assert_accounting(&s);
     }
 
