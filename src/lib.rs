@@ -5,6 +5,7 @@ mod app;
 mod channels;
 pub mod cli;
 mod config;
+mod cork;
 mod dataplane;
 mod faults;
 mod files;

@@ -17,6 +17,8 @@ use smol::future::FutureExt;
 use smol::io::{AsyncRead, AsyncWrite};
 use smol::net::TcpStream;
 
+use crate::cork::Corked;
+
 /// A parsed `ws://` or `wss://` URL.
 #[derive(Debug, PartialEq)]
 pub struct Target {
@@ -57,6 +59,9 @@ pub fn request(url: &str) -> Result<Request, String> {
 }
 
 /// A TCP connection, plain or inside TLS.
+/// A dialed WebSocket; its writer may hold the cork (`cork`).
+pub type Ws = WebSocketStream<Corked<Stream>>;
+
 pub enum Stream {
     Plain(TcpStream),
     Tls(Box<futures_rustls::client::TlsStream<TcpStream>>),
@@ -74,7 +79,7 @@ pub async fn connect(
     request: Request,
     ca_file: Option<&Path>,
     config: WebSocketConfig,
-) -> Result<WebSocketStream<Stream>, String> {
+) -> Result<Ws, String> {
     let timeout = async {
         smol::Timer::after(CONNECT_TIMEOUT).await;
         Err(format!("no connection within {CONNECT_TIMEOUT:?}"))
@@ -87,7 +92,7 @@ async fn handshakes(
     request: Request,
     ca_file: Option<&Path>,
     config: WebSocketConfig,
-) -> Result<WebSocketStream<Stream>, String> {
+) -> Result<Ws, String> {
     let tcp = TcpStream::connect((target.host.as_str(), target.port))
         .await
         .map_err(|e| format!("TCP connect failed: {e}"))?;
@@ -104,7 +109,7 @@ async fn handshakes(
     } else {
         Stream::Plain(tcp)
     };
-    let (ws, _) = async_tungstenite::client_async_with_config(request, stream, Some(config))
+    let (ws, _) = async_tungstenite::client_async_with_config(request, Corked::new(stream), Some(config))
         .await
         .map_err(|e| format!("WebSocket handshake failed: {e}"))?;
     Ok(ws)

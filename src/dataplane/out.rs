@@ -164,6 +164,11 @@ impl OutRx {
         self.rx.recv().await.ok()
     }
 
+    /// Nothing more is queued now.
+    pub fn is_empty(&self) -> bool {
+        self.rx.is_empty()
+    }
+
     /// A frame of `n` bytes left the queue (written or not): its bytes are free again.
     pub fn done(&self, n: usize) {
         self.queued.fetch_sub(n, Ordering::SeqCst);

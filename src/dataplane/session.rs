@@ -23,6 +23,7 @@ use super::delivery::Delivery;
 use super::out::{self, Out, Outgoing};
 use super::request::{Auth, OnChannel, Request};
 use super::{auth, blocking, control, Plane};
+use crate::cork::{Cork, Corked};
 use crate::hub::{Link, SessionId};
 use crate::ids;
 use crate::json::{self, obj, s, Object};
@@ -89,10 +90,11 @@ fn closing_error(e: &WsError) -> Option<CloseFrame> {
 }
 
 /// Serves one data-plane connection until it closes.
-pub async fn run<S>(plane: Arc<Plane>, ws: WebSocketStream<S>, peer: String)
+pub async fn run<S>(plane: Arc<Plane>, ws: WebSocketStream<Corked<S>>, peer: String)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let cork = ws.get_ref().cork();
     let (tx, mut rx) = ws.split();
     let (out_tx, out_rx) = out::queue();
     let (wake_tx, wake_rx) = smol::channel::bounded::<()>(1);
@@ -103,7 +105,7 @@ where
         stop: stop_tx.clone(),
     }));
     log::info!("data plane: session {id} with {peer} started");
-    let writer = crate::runtime::spawn(write(tx, out_rx, stop_tx.clone()));
+    let writer = crate::runtime::spawn(write(tx, cork, out_rx, stop_tx.clone()));
     let mut session = Session {
         delivery: Delivery::start(plane.clone(), id, out_tx.clone(), wake_rx, stop_tx),
         plane,
@@ -168,15 +170,19 @@ where
 }
 
 /// The writer: the only user of the socket's send half. It ends the session when a frame is
-/// not written by its deadline (the peer stopped reading).
+/// not written by its deadline (the peer stopped reading). While another frame is already
+/// queued it holds the cork, so a burst (pushes and their ping) leaves in one write; the last
+/// frame's deadline then covers what was held with it (`cork::MAX_HELD`, 4 s at `MIN_RATE`).
 async fn write<S>(
     mut tx: async_tungstenite::WebSocketSender<S>,
+    cork: Cork,
     out_rx: out::OutRx,
     stop: smol::channel::Sender<String>,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     while let Some(item) = out_rx.recv().await {
+        cork.hold(matches!(item, Outgoing::Frame { .. }) && !out_rx.is_empty());
         match item {
             Outgoing::Frame { kind, text } => {
                 log::trace!("data plane: -> {kind}");

@@ -11,6 +11,7 @@ use smol::net::TcpStream;
 
 use super::conn::{head_bytes, Answer, Body};
 use super::head::Head;
+use crate::cork::Corked;
 use crate::dataplane::Plane;
 use crate::ids;
 use crate::protocol::SUBPROTOCOL;
@@ -93,8 +94,13 @@ pub async fn upgrade(
     if stream.write_all(switching.as_bytes()).await.is_err() {
         return None;
     }
-    let ws =
-        WebSocketStream::from_partially_read(stream, early, Role::Server, Some(crate::dataplane::ws_config())).await;
+    let ws = WebSocketStream::from_partially_read(
+        Corked::new(stream),
+        early,
+        Role::Server,
+        Some(crate::dataplane::ws_config()),
+    )
+    .await;
     crate::dataplane::session::run(plane, ws, peer).await;
     None
 }

@@ -203,7 +203,7 @@ async fn endpoint(feishu: &Weak<Feishu>, app: &str, config: ClientConfig) -> Opt
     )
 }
 
-type Ws = async_tungstenite::WebSocketStream<wsclient::Stream>;
+type Ws = wsclient::Ws;
 
 async fn connect(ep: &Endpoint) -> Result<Ws, String> {
     let target = wsclient::parse_url(&ep.url)?;
