@@ -556,6 +556,9 @@ impl Live {
         x.bind_webhook(&cch, "alerts", HOOK_SECRET);
         let pushed = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
+        // The taker shares the two cores with imgate: it takes pushes without checking them
+        // against the schema (the integration tests do).
+        x.checked = false;
         let taker = deliver.then(|| {
             let (pushed, stop) = (pushed.clone(), stop.clone());
             std::thread::spawn(move || {
