@@ -100,7 +100,8 @@ impl Out {
 
     /// Queues `p`, waiting while the budget or the queue is full.
     pub async fn send(&self, p: Packet) -> Result<(), Ended> {
-        let (kind, text) = (p.kind.clone(), p.to_json());
+        let kind = p.kind.clone();
+        let text = p.into_json();
         let n = text.len();
         while !self.reserve(n) {
             if self.tx.is_closed() {
@@ -135,7 +136,8 @@ impl Out {
 
     /// Queues `p` if there is room now; false otherwise or when the session ended.
     pub fn try_send(&self, p: Packet) -> bool {
-        let (kind, text) = (p.kind.clone(), p.to_json());
+        let kind = p.kind.clone();
+        let text = p.into_json();
         let n = text.len();
         if !self.reserve(n) {
             return false;

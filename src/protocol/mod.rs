@@ -250,7 +250,9 @@ impl Packet {
         })
     }
 
-    pub fn to_json(&self) -> String {
+    /// The packet as sent. It takes the packet: its payload moves into the envelope instead of
+    /// being copied (a `message.push` is most of its bytes).
+    pub fn into_json(self) -> String {
         let mut o = Object::new();
         o.insert("schema".into(), json::s(PACKET_SCHEMA));
         o.insert("packet_id".into(), json::s(&self.packet_id));
@@ -268,7 +270,7 @@ impl Packet {
             o.insert("time".into(), json::n(t));
         }
         if !self.payload.is_empty() || self.error.is_none() {
-            o.insert("payload".into(), Value::Object(self.payload.clone()));
+            o.insert("payload".into(), Value::Object(self.payload));
         }
         if let Some((code, message)) = &self.error {
             o.insert(
@@ -326,7 +328,7 @@ mod tests {
         let a = Packet::answer(&req, "pong");
         assert_eq!(a.request_id.as_deref(), Some("r1"));
         assert_eq!(a.reply_to.as_deref(), Some("p1"));
-        let back = Packet::parse(&a.to_json()).unwrap();
+        let back = Packet::parse(&a.into_json()).unwrap();
         assert_eq!(back.kind, "pong");
         assert_eq!(back.channel.as_deref(), Some("c"));
     }
