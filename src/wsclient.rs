@@ -58,10 +58,10 @@ pub fn request(url: &str) -> Result<Request, String> {
     url.into_client_request().map_err(|e| format!("bad URL: {e}"))
 }
 
-/// A TCP connection, plain or inside TLS.
 /// A dialed WebSocket; its writer may hold the cork (`cork`).
 pub type Ws = WebSocketStream<Corked<Stream>>;
 
+/// A TCP connection, plain or inside TLS.
 pub enum Stream {
     Plain(TcpStream),
     Tls(Box<futures_rustls::client::TlsStream<TcpStream>>),
