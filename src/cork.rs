@@ -4,9 +4,10 @@
 //! on the peer's side, a wake-up. The writer holds the cork while another frame is already
 //! queued and lets go for the last one, whose flush writes everything held.
 //!
-//! Bounds: at most `MAX_HELD` bytes wait; a write that would pass it first writes what is held
-//! and then goes straight through. Nothing waits unless the writer holds the cork, and it holds
-//! it only while it has a frame to send next, whose flush comes at once.
+//! Bounds: at most `MAX_HELD` bytes wait, until the next flush the cork does not hold back; a
+//! write that would pass it first writes what is held and then goes straight through. Nothing
+//! waits unless the writer holds the cork, and it holds it only while it has a frame to send
+//! next, whose flush comes at once.
 
 use std::io;
 use std::pin::Pin;
@@ -67,12 +68,9 @@ impl<S: AsyncWrite + Unpin> Corked<S> {
             }
             self.written += n;
         }
-        self.held.clear();
+        // A burst's buffer is not kept: an idle session holds nothing (one allocation a burst).
+        self.held = Vec::new();
         self.written = 0;
-        // A burst's buffer is not kept for an idle session.
-        if self.held.capacity() > MAX_HELD {
-            self.held = Vec::new();
-        }
         Poll::Ready(Ok(()))
     }
 }
@@ -86,7 +84,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Corked<S> {
 impl<S: AsyncWrite + Unpin> AsyncWrite for Corked<S> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let me = self.get_mut();
-        if me.cork.held() && me.held.len() + buf.len() <= MAX_HELD {
+        // Joins what is held (the burst's last frame too, so it leaves with the others at the
+        // flush), or starts holding while the cork is held.
+        if (me.cork.held() || !me.held.is_empty()) && me.held.len() + buf.len() <= MAX_HELD {
             me.held.extend_from_slice(buf);
             return Poll::Ready(Ok(buf.len()));
         }
@@ -114,22 +114,35 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Corked<S> {
     }
 }
 
+/// A stream that records every write it is given (at most `limit` bytes of each) and never
+/// has anything to read: what a writer sent, and in how many writes.
 #[cfg(test)]
-mod tests {
+pub mod recorder {
     use super::*;
-    use smol::io::AsyncWriteExt;
+    use std::sync::Mutex;
 
-    /// Records every write it is given, and accepts at most `limit` bytes of each.
-    #[derive(Default)]
-    struct Recorder {
-        writes: Vec<Vec<u8>>,
-        limit: Option<usize>,
+    #[derive(Clone, Default)]
+    pub struct Recorder {
+        pub writes: Arc<Mutex<Vec<Vec<u8>>>>,
+        pub limit: Option<usize>,
+    }
+
+    impl Recorder {
+        pub fn writes(&self) -> Vec<Vec<u8>> {
+            self.writes.lock().unwrap().clone()
+        }
+    }
+
+    impl AsyncRead for Recorder {
+        fn poll_read(self: Pin<&mut Self>, _: &mut Context<'_>, _: &mut [u8]) -> Poll<io::Result<usize>> {
+            Poll::Pending
+        }
     }
 
     impl AsyncWrite for Recorder {
         fn poll_write(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
             let n = self.limit.map_or(buf.len(), |l| l.min(buf.len()));
-            self.get_mut().writes.push(buf[..n].to_vec());
+            self.writes.lock().unwrap().push(buf[..n].to_vec());
             Poll::Ready(Ok(n))
         }
         fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -139,13 +152,20 @@ mod tests {
             Poll::Ready(Ok(()))
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recorder::Recorder;
+    use super::*;
+    use smol::io::AsyncWriteExt;
 
     fn all(writes: &[Vec<u8>]) -> Vec<u8> {
         writes.concat()
     }
 
     #[test]
-    fn frames_written_while_the_cork_is_held_leave_in_one_write_at_the_flush_after_it() {
+    fn frames_written_while_the_cork_is_held_leave_with_the_next_one_in_one_write_at_its_flush() {
         smol::block_on(async {
             let mut s = Corked::new(Recorder::default());
             let cork = s.cork();
@@ -154,11 +174,11 @@ mod tests {
                 s.write_all(frame).await.unwrap();
                 s.flush().await.unwrap();
             }
-            assert!(s.inner.writes.is_empty(), "nothing written while held");
+            assert!(s.inner.writes().is_empty(), "nothing written while held");
             cork.hold(false);
             s.write_all(b"last").await.unwrap();
             s.flush().await.unwrap();
-            assert_eq!(s.inner.writes, [b"onetwothree".to_vec(), b"last".to_vec()]);
+            assert_eq!(s.inner.writes(), [b"onetwothreelast".to_vec()]);
         });
     }
 
@@ -168,7 +188,7 @@ mod tests {
             let mut s = Corked::new(Recorder::default());
             s.write_all(b"a").await.unwrap();
             s.write_all(b"b").await.unwrap();
-            assert_eq!(s.inner.writes, [b"a".to_vec(), b"b".to_vec()]);
+            assert_eq!(s.inner.writes(), [b"a".to_vec(), b"b".to_vec()]);
         });
     }
 
@@ -181,13 +201,13 @@ mod tests {
             s.write_all(&big).await.unwrap();
             s.write_all(b"0123456789abcdef").await.unwrap();
             // The second write did not fit: what was held went first, the new bytes wait.
-            assert_eq!(s.inner.writes.len(), 1);
+            assert_eq!(s.inner.writes().len(), 1);
             assert!(s.held.len() <= MAX_HELD);
             s.cork().hold(false);
             s.flush().await.unwrap();
             let mut expected = big.clone();
             expected.extend_from_slice(b"0123456789abcdef");
-            assert_eq!(all(&s.inner.writes), expected);
+            assert_eq!(all(&s.inner.writes()), expected);
         });
     }
 
@@ -203,7 +223,7 @@ mod tests {
             s.write_all(b"world").await.unwrap();
             s.cork().hold(false);
             s.close().await.unwrap();
-            assert_eq!(all(&s.inner.writes), b"hello world");
+            assert_eq!(all(&s.inner.writes()), b"hello world");
         });
     }
 }

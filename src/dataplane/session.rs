@@ -459,3 +459,43 @@ fn tool_invoke(plane: &Arc<Plane>, p: Packet, cch: String, out: Out) {
     })
     .detach();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cork::recorder::Recorder;
+    use async_tungstenite::tungstenite::protocol::Role;
+
+    /// Runs the writer over a recording stream until the queue's senders are gone; what it
+    /// wrote, write by write.
+    fn written(frames: usize) -> Vec<Vec<u8>> {
+        smol::block_on(async {
+            let recorder = Recorder::default();
+            let stream = Corked::new(recorder.clone());
+            let cork = stream.cork();
+            let (tx, _rx) = WebSocketStream::from_raw_socket(stream, Role::Server, None)
+                .await
+                .split();
+            let (out, out_rx) = out::queue();
+            for _ in 0..frames {
+                out.send(Packet::new("message.push")).await.unwrap();
+            }
+            drop(out);
+            let (stop, _stopped) = smol::channel::bounded(1);
+            write(tx, cork, out_rx, stop).await;
+            recorder.writes()
+        })
+    }
+
+    #[test]
+    fn frames_queued_together_leave_in_one_write_and_a_lone_frame_in_its_own() {
+        let burst = written(5);
+        assert_eq!(burst.len(), 1, "five queued frames, one write");
+        assert_eq!(
+            burst[0].windows(12).filter(|w| w == b"message.push").count(),
+            5,
+            "all five frames in it"
+        );
+        assert_eq!(written(1).len(), 1);
+    }
+}
