@@ -827,7 +827,7 @@ fn bench_sd_card() {
         );
     }
     if with_wrk && wanted("ingest, 16 connections") {
-        // This machine is shared: the ceiling alone moved between 29k and 43k req/s from one
+        // This machine is shared: the ceiling alone moved between 23k and 47k req/s from one
         // run to the next. So each round measures the ceiling and then every build, a ratio is
         // taken within its round, and the rows give the median over the rounds with the range.
         let rounds: usize = std::env::var("IMGATE_BENCH_ROUNDS")
@@ -858,23 +858,23 @@ fn bench_sd_card() {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
+        let spread = |v: &[f64]| {
+            (
+                v.iter().copied().fold(f64::MAX, f64::min),
+                v.iter().copied().fold(0.0, f64::max),
+            )
+        };
         let summary = |runs: &Vec<(f64, f64)>| {
             let mut rates: Vec<f64> = runs.iter().map(|r| r.0).collect();
             let mut ratios: Vec<f64> = runs.iter().map(|r| r.1).collect();
-            let (low, high) = (
-                ratios.iter().copied().fold(f64::MAX, f64::min),
-                ratios.iter().copied().fold(0.0, f64::max),
-            );
+            let (low, high) = spread(&ratios);
             format!(
                 "{:.0} ({:.2}x; {low:.2}-{high:.2})",
                 median(&mut rates),
                 median(&mut ratios)
             )
         };
-        let (low, high) = (
-            ceilings.iter().copied().fold(f64::MAX, f64::min),
-            ceilings.iter().copied().fold(0.0, f64::max),
-        );
+        let (low, high) = spread(&ceilings);
         row(
             &format!("tiny_http ceiling, 16 connections (req/s, median of {rounds})"),
             vec![format!("{:.0} ({low:.0}-{high:.0})", median(&mut ceilings))],
