@@ -231,14 +231,19 @@ fn run(cfg: config::Config) -> ExitCode {
     service::notify("READY=1");
     let why = runtime::block_on(async {
         let per_client = app.config.server.per_client_cap(max_connections);
-        let serve = front::serve(door, listener, max_connections, per_client);
-        let stop = service::stop_signal(signals);
-        async {
-            serve.await;
+        // Both run as tasks, polled only when their own I/O wakes them. The future `block_on`
+        // is given is polled at every wake of the executor thread, and a pending accept or
+        // signal read polled again tries its syscall again (for accept, one the kernel pays
+        // by allocating a socket): once per wake, thousands a second under load.
+        let mut serve = runtime::spawn(async move {
+            front::serve(door, listener, max_connections, per_client).await;
             "listener stopped"
-        }
-        .or(stop)
-        .await
+        });
+        let stop = runtime::spawn(service::stop_signal(signals));
+        let why = (&mut serve).or(stop).await;
+        // The listener closes here, before the stop begins: no connection is accepted after.
+        serve.cancel().await;
+        why
     });
     shutdown(plane, app, dial, why, &socket)
 }
