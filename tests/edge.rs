@@ -158,6 +158,43 @@ fn finding_3_a_second_request_on_a_connection_gets_its_own_head_deadline() {
     alive(&d);
 }
 
+#[test]
+fn finding_3_requests_pipelined_and_sent_while_an_answer_goes_out_are_each_answered_in_order() {
+    let d = daemon("edge-3-pipelined");
+    let post = |id: &str, last: bool| {
+        let body = format!(r#"{{"message_id":"{id}","sender_id":"u","text":"{id}"}}"#);
+        let close = if last { "Connection: close\r\n" } else { "" };
+        format!(
+            "POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {HOOK_SECRET}\r\n{close}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    // One answered alone, so the connection is waiting for its next request when the rest come.
+    s.write_all(post("p1", false).as_bytes()).unwrap();
+    let mut first = [0u8; 12];
+    s.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 202");
+    std::thread::sleep(Duration::from_millis(100));
+    // Two in one write (the second waits in imgate's buffer), then a third in its own write
+    // while their answers go out (it waits in the kernel's).
+    s.write_all(format!("{}{}", post("p2", false), post("p3", false)).as_bytes())
+        .unwrap();
+    s.write_all(post("p4", true).as_bytes()).unwrap();
+    let (rest, closed) = read_until_closed(&mut s, Duration::from_secs(10));
+    assert!(closed, "the last request asked to close: {rest:?}");
+    let statuses: Vec<&str> = rest.split("HTTP/1.1 ").skip(1).map(|a| &a[..3]).collect();
+    assert_eq!(statuses, ["202", "202", "202"], "{rest:?}");
+    for id in ["p1", "p2", "p3", "p4"] {
+        let (status, answer) = d.post_hook("alerts", &json!({"message_id": id, "sender_id": "u", "text": id}));
+        assert_eq!(
+            (status, answer["status"].as_str()),
+            (200, Some("duplicate")),
+            "{id} was kept"
+        );
+    }
+}
+
 // ---------- 4. memory ----------
 
 /// Writes up to `total` bytes of `pattern` after `start`; stops when the daemon closes.

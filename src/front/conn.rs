@@ -119,6 +119,11 @@ pub trait Lifecycle: Sync {
     fn admits(&self, _head: &Head) -> bool {
         true
     }
+    /// The connection's socket, to wait on for the next request without reading; `None`: read
+    /// at once.
+    fn socket(&self) -> Option<&smol::Async<std::net::TcpStream>> {
+        None
+    }
 }
 
 /// A connection nobody follows (the fuzz target, tests).
@@ -185,6 +190,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         let mut deadline = Instant::now() + if started { head } else { idle };
         if !started {
             life.idle(true);
+            // A client sends its next request once it has read the last answer, so a read
+            // now would nearly always come back empty: one wasted syscall a request. Waiting
+            // for the socket to turn readable costs nothing more (the read after it arms the
+            // same poll), and a pipelined request already there is reported at once.
+            if let Some(socket) = life.socket() {
+                if within(deadline, socket.readable()).await.is_none() {
+                    return Err(ReadError::TimedOut);
+                }
+            }
         }
         let mut checked = 0;
         loop {

@@ -433,6 +433,8 @@ pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize, per_
 struct Tracked<'a> {
     held: &'a slots::Held,
     door: &'a FrontDoor,
+    /// The stream's own socket (shared, not a second descriptor).
+    socket: Arc<smol::Async<std::net::TcpStream>>,
 }
 
 impl conn::Lifecycle for Tracked<'_> {
@@ -445,12 +447,17 @@ impl conn::Lifecycle for Tracked<'_> {
         !self.held.in_reserve()
             || (head.method == "GET" && self.door.route(&head.path) == "/ws" && self.door.authorized(head))
     }
+
+    fn socket(&self) -> Option<&smol::Async<std::net::TcpStream>> {
+        Some(&self.socket)
+    }
 }
 
 async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, held: slots::Held) {
     let life = Tracked {
         held: &held,
         door: &door,
+        socket: stream.clone().into(),
     };
     let (head, stream, early) = match conn::serve(stream, &*door, &LIMITS, &life).await {
         conn::Outcome::Closed => return,
