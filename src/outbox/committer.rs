@@ -4,9 +4,10 @@
 //!
 //! Senders hand their jobs over through `Queue`, a mutex-guarded list the committer drains
 //! whole. A sender wakes the committer only when it is needed: the first job while the
-//! committer is idle, or the one that completes the group it waits for. Jobs that arrive while
-//! a group commits just queue up and are taken at once by the next round, so a burst of
-//! senders costs one wake-up per group, not one per sender.
+//! committer is idle, or the one that completes the group it waits for, and only once a wait
+//! (the pushes before the committer runs again would each wake it, a syscall apiece). Jobs
+//! that arrive while a group commits just queue up and are taken at once by the next round,
+//! so a burst of senders costs one wake-up per group, not one per sender.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
@@ -33,6 +34,8 @@ pub struct Job {
 pub struct Queue {
     waiting: Mutex<Waiting>,
     ready: Condvar,
+    #[cfg(test)]
+    wakes: AtomicUsize,
 }
 
 #[derive(Default)]
@@ -67,8 +70,14 @@ impl Queue {
         w.bytes += job.message.payload.len();
         w.jobs.push(job);
         let wake = w.want > 0 && (w.jobs.len() >= w.want || w.full());
+        if wake {
+            // One wake-up a wait: the pushes until the committer runs would wake it again.
+            w.want = 0;
+        }
         drop(w);
         if wake {
+            #[cfg(test)]
+            self.wakes.fetch_add(1, Ordering::Relaxed);
             self.ready.notify_one();
         }
         true
@@ -193,5 +202,47 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
                 let _ = job.done.try_send(Err(e.clone()));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::NewMessage;
+
+    fn job(id: &str) -> Job {
+        let (done, _) = smol::channel::bounded(1);
+        let message = NewMessage {
+            source: "hook:a".into(),
+            message_id: id.into(),
+            payload: "{}".into(),
+            reply_ref: None,
+            accepted_at: 0,
+            expires_at: 1,
+            cursors: Vec::new(),
+        };
+        Job { message, done }
+    }
+
+    #[test]
+    fn only_the_push_the_committer_waits_for_wakes_it_and_only_once() {
+        let q = Queue::default();
+        let wakes = || q.wakes.load(Ordering::Relaxed);
+        q.lock().want = 3;
+        assert!(q.push(job("1")) && q.push(job("2")));
+        assert_eq!(wakes(), 0, "the group is not complete yet");
+        assert!(q.push(job("3")));
+        assert_eq!(wakes(), 1, "the third completes the group");
+        assert!(q.push(job("4")) && q.push(job("5")));
+        assert_eq!(
+            wakes(),
+            1,
+            "until the committer runs and waits again, nobody wakes it twice"
+        );
+        q.lock().want = 1;
+        assert!(q.push(job("6")));
+        assert_eq!(wakes(), 2, "waiting again, it is woken again");
+        q.stop();
+        assert!(!q.push(job("7")), "a stopped committer takes nothing");
     }
 }
