@@ -463,6 +463,8 @@ async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, h
         conn::Outcome::Closed => return,
         conn::Outcome::Upgrade(head, stream, early) => (head, stream, early),
     };
+    // The session owns the socket from here: its end closes it, not this function's.
+    drop(life);
     let Some(plane) = door.plane.upgrade().filter(|a| !a.is_stopping()) else {
         let mut s = stream;
         let _ = s.write_all(&conn::error_bytes(503, "stopping")).await;
