@@ -33,6 +33,14 @@ pub enum Outgoing {
     Close(Option<CloseFrame>),
 }
 
+/// `p` as the writer takes it, and its bytes against the budget.
+fn frame(p: Packet) -> (Outgoing, usize) {
+    let kind = p.kind.clone();
+    let text = p.into_json();
+    let n = text.len();
+    (Outgoing::Frame { kind, text }, n)
+}
+
 /// The session ended: nothing more can be sent.
 #[derive(Debug)]
 pub struct Ended;
@@ -100,9 +108,7 @@ impl Out {
 
     /// Queues `p`, waiting while the budget or the queue is full.
     pub async fn send(&self, p: Packet) -> Result<(), Ended> {
-        let kind = p.kind.clone();
-        let text = p.into_json();
-        let n = text.len();
+        let (frame, n) = frame(p);
         while !self.reserve(n) {
             if self.tx.is_closed() {
                 return Err(Ended);
@@ -117,7 +123,7 @@ impl Out {
                 })
                 .await;
         }
-        self.tx.send(Outgoing::Frame { kind, text }).await.map_err(|_| {
+        self.tx.send(frame).await.map_err(|_| {
             self.queued.fetch_sub(n, Ordering::SeqCst);
             Ended
         })
@@ -136,13 +142,11 @@ impl Out {
 
     /// Queues `p` if there is room now; false otherwise or when the session ended.
     pub fn try_send(&self, p: Packet) -> bool {
-        let kind = p.kind.clone();
-        let text = p.into_json();
-        let n = text.len();
+        let (frame, n) = frame(p);
         if !self.reserve(n) {
             return false;
         }
-        if self.tx.try_send(Outgoing::Frame { kind, text }).is_err() {
+        if self.tx.try_send(frame).is_err() {
             self.queued.fetch_sub(n, Ordering::SeqCst);
             return false;
         }
