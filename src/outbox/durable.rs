@@ -12,24 +12,33 @@
 //!   kernel's writeback takes them to the disk), so a power cut or a crash can at worst deliver
 //!   such a message once more, with the same `message_id`.
 //! - A checkpoint writes the overlay into redb in one commit with `Durability::Immediate`,
-//!   naming the last record it contains (`outbox_log_applied`); only after it returns are the
-//!   overlay emptied and the log recycled from offset 0. What was accepted and delivered since
-//!   the last checkpoint is no longer in the overlay, so it never reaches redb.
+//!   naming the last record it contains (`outbox_log_applied`). What was accepted and delivered
+//!   since the last checkpoint is no longer in the overlay, so it never reaches redb.
+//! - The log is two files (`wal::FILES`). A checkpoint due by the log's size runs on a thread of
+//!   its own: the file is sealed (synced whole), appends move to the other file, and a copy of
+//!   the overlay is written. The overlay stays whole meanwhile (it holds every change since the
+//!   last checkpoint that completed; a remove of a key the copy holds leaves `Gone`, which
+//!   `Base::under` tells `Tx`), and forgets what the copy said only once the commit returned;
+//!   then the sealed file is free again. A failure loses nothing: the next checkpoint is made
+//!   in place (the other file is not free), writes the whole overlay and frees both files, as
+//!   do the checkpoints at shutdown, for a record that does not fit, and in recovery.
 //! - Checkpoints run only when they pay: when the log holds `CHECKPOINT_BYTES` (which bounds
 //!   the overlay's memory and replay's work), at clean shutdown (so the next start replays
 //!   nothing), and when a record does not fit in the log (that change is then made durable by
 //!   the checkpoint itself). No timer: an idle outbox, or one whose messages are all delivered,
 //!   writes nothing more.
-//! - Replay (at start) reads the log from offset 0, applies the records past
-//!   `outbox_log_applied` to the overlay through the same `Tx` methods, then checkpoints (no
-//!   commit at all when there were none, as after a clean stop). It stops at the first
-//!   unreadable record, counted and logged once.
+//! - Replay (at start) reads both files, the older first, each from offset 0, applies the
+//!   records past `outbox_log_applied` to the overlay through the same `Tx` methods, then
+//!   checkpoints (no commit at all when there were none, as after a clean stop). It stops at
+//!   the first gap in the sequence or unreadable record not made good by the other file,
+//!   counted and logged once.
 //! - When the log fails, or a checkpoint cannot write redb (a full or failing disk), the outbox
 //!   refuses writes (`503`) until `recover` has checkpointed the overlay and started the log
 //!   again: it never accepts a message it could not make durable, and one outage is one outage
 //!   (no accepts between failed checkpoints flapping the store's outage log).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -73,7 +82,13 @@ pub struct LogReport {
 pub(super) struct State {
     pub index: Index,
     overlay: Overlay,
+    /// The log file appends go to.
     log: Log,
+    /// The other file: it holds only records redb has (`spare_free`), or those the checkpoint
+    /// in flight is writing into it.
+    spare: Log,
+    spare_free: bool,
+    inflight: Option<Inflight>,
     /// The sequence number of the next record.
     next_seq: u64,
     /// The log failed, or a checkpoint could not write redb: writes are refused until
@@ -81,6 +96,13 @@ pub(super) struct State {
     stalled: bool,
     retry_checkpoint_at: Option<Instant>,
     report: LogReport,
+}
+
+/// A checkpoint running on a thread of its own: the copy of the overlay it writes into redb,
+/// and where its outcome arrives.
+struct Inflight {
+    writing: Arc<Overlay>,
+    done: Receiver<Result<()>>,
 }
 
 impl State {
@@ -102,18 +124,24 @@ pub(super) struct Shared {
     /// The index's pending bytes after the last change, readable without the lock (which a
     /// commit holds through its fsync), so the executor may ask.
     pending_bytes: AtomicU64,
+    /// Tests: held, a checkpoint in flight waits before it writes; `true` in it, it fails.
+    #[cfg(test)]
+    pub checkpoint_gate: Arc<Mutex<bool>>,
 }
 
 impl Shared {
     /// Replays the log left by the last run and starts the log again.
     pub fn open(db: Arc<Db>, policy: Policy, queue: Arc<Queue>) -> Result<Shared> {
-        let log = Log::new(db.dir());
+        let [log, spare] = wal::FILES.map(|name| Log::new(db.dir().join(name)));
         let shared = Shared {
             db,
             state: Mutex::new(State {
                 index: Index::default(),
                 overlay: Overlay::default(),
                 log,
+                spare,
+                spare_free: true,
+                inflight: None,
                 next_seq: 1,
                 stalled: false,
                 retry_checkpoint_at: None,
@@ -123,6 +151,8 @@ impl Shared {
             on_accept: OnceLock::new(),
             queue,
             pending_bytes: AtomicU64::new(0),
+            #[cfg(test)]
+            checkpoint_gate: Arc::default(),
         };
         shared.replay(&mut shared.lock())?;
         Ok(shared)
@@ -142,6 +172,12 @@ impl Shared {
     #[cfg(test)]
     pub fn flush_log(&self) {
         self.lock().log.flush().unwrap();
+    }
+
+    /// Tests: whether a checkpoint runs on its own thread now.
+    #[cfg(test)]
+    pub fn checkpoint_in_flight(&self) -> bool {
+        self.lock().inflight.is_some()
     }
 
     /// Tests: message records the overlay holds (what the next checkpoint would write).
@@ -172,9 +208,10 @@ impl Shared {
     pub fn view<T>(&self, f: impl FnOnce(&Reader, &mut Index) -> Result<T>) -> Result<T> {
         let mut guard = self.lock();
         let st = &mut *guard;
+        let writing = st.inflight.as_ref().map(|i| &*i.writing);
         let (overlay, index) = (&st.overlay, &mut st.index);
         self.db.read(|txn| {
-            let base = Base::new(txn);
+            let base = Base::under(txn, writing);
             f(&Reader::new(&base, overlay), index)
         })
     }
@@ -214,9 +251,10 @@ impl Shared {
         sync: bool,
         f: impl FnOnce(&mut Tx, &mut Index) -> Result<T>,
     ) -> Result<(T, bool)> {
+        let writing = st.inflight.as_ref().map(|i| &*i.writing);
         let (overlay, index) = (&mut st.overlay, &mut st.index);
         let (out, redo, undo) = self.db.read(|txn| {
-            let base = Base::new(txn);
+            let base = Base::under(txn, writing);
             let mut tx = Tx::new(&base, overlay);
             let out = f(&mut tx, index);
             let (redo, undo) = tx.finish();
@@ -281,29 +319,28 @@ impl Shared {
     }
 
     /// When the next checkpoint is due: once the log holds `CHECKPOINT_BYTES`, or when a
-    /// failed one is retried (not before, however full the log).
+    /// failed one is retried (not before, however full the log); never while one is in flight
+    /// (its end wakes the committer).
     fn checkpoint_at(st: &State, now: Instant) -> Option<Instant> {
         match st.retry_checkpoint_at {
+            _ if st.inflight.is_some() => None,
             Some(at) => Some(at),
             None => (st.log.used() >= CHECKPOINT_BYTES).then_some(now),
         }
     }
 
-    /// Does what `upkeep_due` says is due now: a checkpoint, or writing the held log records.
+    /// Does what `upkeep_due` says is due now (a checkpoint, or writing the held log records),
+    /// and takes in the outcome of a checkpoint in flight that has ended.
     pub fn upkeep(&self) {
         let now = Instant::now();
         let due = |at: Option<Instant>| at.is_some_and(|at| at <= now);
-        let held_due = {
-            let st = self.lock();
-            if due(Self::checkpoint_at(&st, now)) {
-                drop(st);
-                return self.checkpoint();
-            }
-            due(st.log.held_until())
-        };
-        if held_due {
-            let mut guard = self.lock();
-            let st = &mut *guard;
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        self.settle(st, false);
+        if due(Self::checkpoint_at(st, now)) {
+            return self.start_checkpoint(st);
+        }
+        if due(st.log.held_until()) {
             if let Err(e) = st.log.flush() {
                 self.log_failed(st, &e);
             }
@@ -320,12 +357,101 @@ impl Shared {
         let _ = self.db.noted::<()>(Err(error));
     }
 
-    /// Writes what the log holds into redb and recycles the log (when due, and at clean
-    /// shutdown); nothing when nothing was logged since the last one.
+    /// Starts a checkpoint on a thread of its own, so that accepts go on meanwhile: the log is
+    /// sealed, appends move to the other file, and a copy of the overlay is written into redb
+    /// (`settle` then drops from the overlay what redb has). When the other file still holds
+    /// records redb lacks (the last checkpoint failed), the checkpoint is made here instead.
+    fn start_checkpoint(&self, st: &mut State) {
+        if !st.spare_free || st.stalled {
+            return self.checkpoint_here(st);
+        }
+        crate::faults::crash_at("outbox-checkpoint");
+        if let Err(e) = st.log.seal() {
+            return self.log_failed(st, &e);
+        }
+        let last = st.next_seq - 1;
+        let writing = Arc::new(st.overlay.clone());
+        std::mem::swap(&mut st.log, &mut st.spare);
+        st.spare_free = false;
+        if let Err(e) = st.log.restart() {
+            return self.log_failed(st, &e);
+        }
+        let (tell, done) = mpsc::sync_channel(1);
+        let (db, queue, copy) = (self.db.clone(), self.queue.clone(), writing.clone());
+        #[cfg(test)]
+        let gate = self.checkpoint_gate.clone();
+        let spawned = std::thread::Builder::new()
+            .name("outbox-checkpoint".into())
+            .spawn(move || {
+                #[cfg(test)]
+                if *gate.lock().unwrap_or_else(|e| e.into_inner()) {
+                    let _ = tell.send(Err(StoreError::Internal("failed by the test".into())));
+                    return queue.wake();
+                }
+                let _ = tell.send(write_checkpoint(&db, &copy, last));
+                queue.wake();
+            });
+        // Without the thread its sender is gone: `settle` counts a failed checkpoint, and the
+        // next one is made on the committer's thread.
+        if let Err(e) = spawned {
+            log::debug!("outbox: cannot start a checkpoint thread: {e}");
+        }
+        st.inflight = Some(Inflight { writing, done });
+    }
+
+    /// Takes in the outcome of the checkpoint in flight, once it has one (waiting for it with
+    /// `wait`): a failure is retried, or is an outage `recover` ends.
+    fn settle(&self, st: &mut State, wait: bool) {
+        match self.end_inflight(st, wait) {
+            // An outage (logged once by the store): writes wait until `recover` has checkpointed.
+            Some(Err(e)) if e.is_outage() => st.stalled = true,
+            Some(Err(e)) => {
+                log::debug!("outbox: checkpoint failed: {e}");
+                st.retry_checkpoint_at = Some(Instant::now() + CHECKPOINT_RETRY);
+            }
+            Some(Ok(())) | None => {}
+        }
+    }
+
+    /// The outcome of the checkpoint in flight, once it has one. On success the overlay
+    /// forgets what redb now holds and the other file is free; on failure the overlay still
+    /// holds all of it, and the next checkpoint (made on the committer's thread, as the other
+    /// file still holds records redb lacks) writes it.
+    fn end_inflight(&self, st: &mut State, wait: bool) -> Option<Result<()>> {
+        let inflight = st.inflight.as_ref()?;
+        let outcome = match wait {
+            true => inflight.done.recv().map_err(|_| TryRecvError::Disconnected),
+            false => inflight.done.try_recv(),
+        };
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(TryRecvError::Empty) => return None,
+            Err(TryRecvError::Disconnected) => {
+                Err(StoreError::Internal("the checkpoint thread gave no outcome".into()))
+            }
+        };
+        let done = st.inflight.take()?;
+        if outcome.is_ok() {
+            st.overlay.forget(&done.writing);
+            st.report.checkpoints += 1;
+            st.report.checkpointed_messages += done.writing.message_puts();
+            st.spare_free = true;
+            st.retry_checkpoint_at = None;
+        }
+        Some(outcome)
+    }
+
+    /// Writes what the log holds into redb and recycles the log, here and now (at clean
+    /// shutdown, after the checkpoint in flight); nothing when nothing was logged since.
     pub fn checkpoint(&self) {
         let mut guard = self.lock();
         let st = &mut *guard;
-        if st.log.used() == 0 || st.stalled {
+        self.settle(st, true);
+        self.checkpoint_here(st);
+    }
+
+    fn checkpoint_here(&self, st: &mut State) {
+        if (st.log.used() == 0 && st.spare_free) || st.stalled {
             return;
         }
         let last = st.next_seq - 1;
@@ -340,21 +466,19 @@ impl Shared {
         }
     }
 
-    /// One durable commit of the overlay, naming `last` as the last record it contains; then
-    /// the overlay is empty and the log starts again.
+    /// One durable commit of the overlay on this thread (after the checkpoint in flight),
+    /// naming `last` as the last record it contains; then the overlay is empty, both files hold
+    /// only what redb has, and the log starts again.
     fn checkpoint_locked(&self, st: &mut State, last: u64) -> Result<()> {
+        // Whether it failed does not matter: the overlay holds all it wrote, and more.
+        if let Some(Err(e)) = self.end_inflight(st, true) {
+            log::debug!("outbox: checkpoint failed: {e}");
+        }
         crate::faults::crash_at("outbox-checkpoint");
-        let overlay = &st.overlay;
-        self.db.write(|txn| {
-            overlay.write_to(txn)?;
-            store::set_meta(txn, APPLIED_KEY, Some(&last.to_string()))?;
-            // A crash inside the commit: redb keeps the last checkpoint whole.
-            crate::faults::crash_at("outbox-checkpoint-writing");
-            Ok(())
-        })?;
-        crate::faults::crash_at("outbox-checkpoint-committed");
+        write_checkpoint(&self.db, &st.overlay, last)?;
         st.report.checkpointed_messages += st.overlay.message_puts();
         st.overlay = Overlay::default();
+        st.spare_free = true;
         self.restart_log(st);
         Ok(())
     }
@@ -397,13 +521,21 @@ impl Shared {
         }
     }
 
-    /// Applies the log past what redb holds to the overlay, checkpoints it, starts the log
-    /// again and builds the index.
+    /// Applies the log past what redb holds to the overlay (both files, the older first: the
+    /// records of one follow on from the other's, or are all in redb already), checkpoints it,
+    /// starts the log again and builds the index.
     fn replay(&self, st: &mut State) -> Result<()> {
-        let reader = st
-            .log
-            .reader()
-            .map_err(|e| StoreError::Io(format!("cannot read {}: {e}", st.log.path().display())))?;
+        let mut files = Vec::new();
+        for log in [&st.log, &st.spare] {
+            let reader = log
+                .reader()
+                .map_err(|e| StoreError::Io(format!("cannot read {}: {e}", log.path().display())))?;
+            if let Some(f) = reader {
+                files.push((wal::first_seq(&f), log.path().display().to_string(), f));
+            }
+        }
+        // A file without a readable first record comes last: a torn first write is the newest.
+        files.sort_by_key(|(first, _, _)| (first.is_none(), *first));
         let overlay = &mut st.overlay;
         let replayed = self.db.read(|txn| {
             let applied = store::parse_u64(APPLIED_KEY, store::meta(txn, APPLIED_KEY)?)?.unwrap_or(0);
@@ -412,14 +544,15 @@ impl Shared {
             let (mut next, mut applied_now) = (applied + 1, 0u64);
             // Why replay stopped before the log's end, if it did.
             let mut stopped: Option<String> = None;
-            let found = match reader {
-                None => wal::Scanned::default(),
-                Some(f) => wal::scan(&f, wal::LOG_BYTES, |seq, payload| {
+            let mut unreadable: Option<String> = None;
+            for (_, path, f) in &files {
+                let before = applied_now;
+                let found = wal::scan(f, wal::LOG_BYTES, |seq, payload| {
                     if seq < next || stopped.is_some() {
                         return Ok(()); // already in redb, or past a stop
                     }
                     if seq > next {
-                        stopped = Some(format!("records {next} to {} are missing", seq - 1));
+                        stopped = Some(format!("{path}: records {next} to {} are missing", seq - 1));
                         return Ok(());
                     }
                     match tx.apply(payload) {
@@ -429,16 +562,22 @@ impl Shared {
                             Ok(())
                         }
                         Err(StoreError::Corrupt(why)) => {
-                            stopped = Some(format!("record {seq}: {why}"));
+                            stopped = Some(format!("{path}: record {seq}: {why}"));
                             Ok(())
                         }
                         Err(e) => Err(e),
                     }
-                })?,
-            };
-            let unreadable = found
-                .unreadable
-                .map(|u| format!("the record at offset {} is unreadable ({})", u.offset, u.why));
+                })?;
+                if applied_now > before {
+                    unreadable = None; // this file went on where the older one stopped
+                }
+                if let Some(u) = found.unreadable {
+                    unreadable = Some(format!(
+                        "{path}: the record at offset {} is unreadable ({})",
+                        u.offset, u.why
+                    ));
+                }
+            }
             Ok((applied_now, next - 1, stopped.or(unreadable)))
         });
         let (found, last, stopped) = match replayed {
@@ -451,11 +590,10 @@ impl Shared {
         if let Some(why) = &stopped {
             st.report.unreadable += 1;
             log::warn!(
-                "outbox: {}: {why}; replay stopped there ({found} record(s) replayed). A record cut by a crash during its write was never acknowledged; anything after a corrupt one is lost",
-                st.log.path().display()
+                "outbox: {why}; replay stopped there ({found} record(s) replayed). A record cut by a crash during its write was never acknowledged; anything after a corrupt one is lost"
             );
         } else if found > 0 {
-            log::info!("outbox: replayed {found} record(s) from {}", st.log.path().display());
+            log::info!("outbox: replayed {found} record(s) from the log");
         }
         st.report.replayed += found;
         st.next_seq = last + 1;
@@ -470,12 +608,30 @@ impl Shared {
             // Nothing past what redb holds (a start after a clean stop): no commit to sync.
             self.restart_log(st);
         }
+        // Appends start in the first file; what the other holds is all in redb now, and after
+        // a stop at a missing or unreadable record it may hold records numbered past it.
+        st.spare
+            .clear()
+            .map_err(|e| StoreError::Io(format!("cannot clear {}: {e}", st.spare.path().display())))?;
         st.index = self
             .db
             .read(|txn| load_index(&Reader::new(&Base::new(txn), &st.overlay)))?;
         self.publish(st);
         Ok(())
     }
+}
+
+/// One durable redb commit of `overlay`, naming `last` as the last log record redb contains.
+fn write_checkpoint(db: &Db, overlay: &Overlay, last: u64) -> Result<()> {
+    db.write(|txn| {
+        overlay.write_to(txn)?;
+        store::set_meta(txn, APPLIED_KEY, Some(&last.to_string()))?;
+        // A crash inside the commit: redb keeps the last checkpoint whole.
+        crate::faults::crash_at("outbox-checkpoint-writing");
+        Ok(())
+    })?;
+    crate::faults::crash_at("outbox-checkpoint-committed");
+    Ok(())
 }
 
 /// Builds the index from what the outbox holds (startup, and after a failed change).

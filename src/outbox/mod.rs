@@ -1102,8 +1102,10 @@ mod tests {
         std::fs::create_dir_all(&to).unwrap();
         {
             let _no_writes = s.shared.lock();
-            for f in ["imgate.redb", "outbox.log"] {
-                std::fs::copy(dir.join(f), to.join(f)).unwrap();
+            for f in ["imgate.redb", wal::FILES[0], wal::FILES[1]] {
+                if dir.join(f).exists() {
+                    std::fs::copy(dir.join(f), to.join(f)).unwrap();
+                }
             }
         }
         if let Some(len) = cut {
@@ -1199,7 +1201,10 @@ mod tests {
                 ..msg(&format!("b{sent}"), 1000, 60_000)
             };
             assert!(accepted(s.enqueue(big)));
-            if s.log_report().checkpoints > before || s.shared.upkeep_due() == Some(Duration::ZERO) {
+            if s.log_report().checkpoints > before
+                || s.shared.upkeep_due() == Some(Duration::ZERO)
+                || s.shared.checkpoint_in_flight()
+            {
                 break;
             }
         }
@@ -1213,6 +1218,132 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(s.shared.upkeep_due(), None, "the log is empty again");
+    }
+
+    /// Accepts of 4 KB until a checkpoint is due, then waits for the committer to start it (it
+    /// is held at `checkpoint_gate`); how many were sent, all of them in what it writes.
+    fn fill_until_a_checkpoint_starts(s: &Outbox, prefix: &str) -> usize {
+        let mut sent = 0;
+        while s.shared.upkeep_due() != Some(Duration::ZERO) && !s.shared.checkpoint_in_flight() {
+            assert!(sent < 400, "no checkpoint due after {sent} messages of 4 KB");
+            sent += 1;
+            let big = NewMessage {
+                payload: "x".repeat(4000),
+                ..msg(&format!("{prefix}{sent:03}"), 1000, 60_000)
+            };
+            assert!(accepted(s.enqueue(big)));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !s.shared.checkpoint_in_flight() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the committer starts the checkpoint"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        sent
+    }
+
+    #[test]
+    fn accepts_and_deliveries_go_on_during_a_checkpoint_and_a_crash_meanwhile_loses_nothing() {
+        let (db, dir) = store::temp_db("inflight");
+        let s = Outbox::open(db.clone(), ROOMY).unwrap();
+        let gate = s.shared.checkpoint_gate.clone();
+        let held = gate.lock().unwrap();
+        let checkpoints = s.log_report().checkpoints;
+        let before = fill_until_a_checkpoint_starts(&s, "a");
+        // While the checkpoint waits at the gate: new accepts (into the other log file), and
+        // deliveries of messages it is writing and of one accepted since.
+        for i in 0..20 {
+            assert!(accepted(s.enqueue(msg(&format!("n{i:02}"), 1000, 60_000))));
+        }
+        let p = s.pending("hook:a", 1000, 1000).unwrap();
+        assert_eq!(p.len(), before + 20);
+        s.mark_delivered("hook:a", &[p[0].seq, p[1].seq, p[before].seq])
+            .unwrap();
+        let live = ids_of(&s, "hook:a", 1000);
+        assert_eq!(live.len(), before + 17);
+        assert!(s.shared.checkpoint_in_flight(), "it still waits");
+        // The deliveries' records, held for a sync, written as `wal::HOLD` after them would.
+        s.shared.flush_log();
+        let r = crash_copy(&s, &dir, None);
+        assert_eq!(ids_of(&r, "hook:a", 1000), live, "a crash replays both files");
+        assert_accounting(&r);
+        drop(r);
+
+        drop(held);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while s.shared.checkpoint_in_flight() {
+            assert!(std::time::Instant::now() < deadline, "the checkpoint ends");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(s.log_report().checkpoints, checkpoints + 1);
+        assert_eq!(ids_of(&s, "hook:a", 1000), live, "the same after it");
+        assert_eq!(
+            s.shared.overlay_messages(),
+            19,
+            "what redb now holds left the overlay; the 19 accepted since and still pending stayed"
+        );
+        s.shared.flush_log();
+        let r = crash_copy(&s, &dir, None);
+        assert_eq!(ids_of(&r, "hook:a", 1000), live, "and after a crash now");
+        assert_accounting(&r);
+        drop(r);
+        // The two delivered while it ran are removed from redb by the next checkpoint.
+        s.shared.checkpoint();
+        let in_redb = db
+            .read(|txn| {
+                use redb::ReadableTableMetadata;
+                Ok(txn.open_table(tx::MESSAGES)?.len()?)
+            })
+            .unwrap();
+        assert_eq!(in_redb as usize, live.len());
+        assert_accounting(&s);
+    }
+
+    #[test]
+    fn a_checkpoint_that_fails_in_flight_loses_nothing_and_the_next_writes_it_all() {
+        let (db, dir) = store::temp_db("inflight-fail");
+        let s = Outbox::open(db.clone(), ROOMY).unwrap();
+        let gate = s.shared.checkpoint_gate.clone();
+        let mut held = gate.lock().unwrap();
+        let before = fill_until_a_checkpoint_starts(&s, "a");
+        for i in 0..5 {
+            assert!(accepted(s.enqueue(msg(&format!("n{i}"), 1000, 60_000))));
+        }
+        *held = true;
+        drop(held);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while s.shared.checkpoint_in_flight() {
+            assert!(std::time::Instant::now() < deadline, "the checkpoint ends");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let due = s.shared.upkeep_due().expect("a retry is due");
+        assert!(due > Duration::ZERO, "after a pause, not at once");
+        let live = ids_of(&s, "hook:a", 1000);
+        assert_eq!(live.len(), before + 5);
+        // Both files hold records redb lacks: a crash now replays both.
+        let r = crash_copy(&s, &dir, None);
+        assert_eq!(ids_of(&r, "hook:a", 1000), live);
+        drop(r);
+        // The next checkpoint (made in place: the other file is not free) writes them all.
+        *gate.lock().unwrap() = false;
+        let commits = db.commits();
+        s.shared.checkpoint();
+        assert_eq!(db.commits(), commits + 1);
+        assert!(!s.shared.checkpoint_in_flight());
+        assert_eq!(s.shared.overlay_messages(), 0);
+        let in_redb = db
+            .read(|txn| {
+                use redb::ReadableTableMetadata;
+                Ok(txn.open_table(tx::MESSAGES)?.len()?)
+            })
+            .unwrap();
+        assert_eq!(in_redb as usize, live.len());
+        let r = crash_copy(&s, &dir, None);
+        assert_eq!(ids_of(&r, "hook:a", 1000), live);
+        assert_eq!(r.log_report().replayed, 0, "nothing left to replay");
+        assert_accounting(&r);
     }
 
     #[test]

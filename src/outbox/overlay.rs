@@ -31,7 +31,7 @@ pub type SeqLayer = BTreeMap<(String, u64), Slot>;
 /// A table keyed by a name (source, token, meta key).
 pub type NameLayer = BTreeMap<String, Slot>;
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Overlay {
     pub messages: SeqLayer,
     pub delivered: SeqLayer,
@@ -112,6 +112,17 @@ impl Overlay {
         }
     }
 
+    /// After `written` (an earlier copy of this overlay) was committed to redb: drops every slot
+    /// that still says what `written` said, as redb now does. A slot changed since stays.
+    pub fn forget(&mut self, written: &Overlay) {
+        for w in [Which::Messages, Which::Delivered] {
+            forget_in(self.seq_layer_mut(w), written.seq_layer(w));
+        }
+        for w in [Which::Counters, Which::ReplyRefs, Which::Meta] {
+            forget_in(self.name_layer_mut(w), written.name_layer(w));
+        }
+    }
+
     /// Writes every change into redb (the checkpoint's transaction).
     pub fn write_to(&self, txn: &WriteTransaction) -> Result<()> {
         for (table, layer) in [(MESSAGES, &self.messages), (DELIVERED, &self.delivered)] {
@@ -139,6 +150,14 @@ impl Overlay {
             }
         }
         Ok(())
+    }
+}
+
+fn forget_in<K: Ord>(layer: &mut BTreeMap<K, Slot>, written: &BTreeMap<K, Slot>) {
+    for (key, slot) in written {
+        if layer.get(key) == Some(slot) {
+            layer.remove(key);
+        }
     }
 }
 

@@ -40,9 +40,11 @@ const REMOVE: u8 = 0x80;
 type SeqTable = ReadOnlyTable<(&'static str, u64), &'static str>;
 type NameTable = ReadOnlyTable<&'static str, &'static str>;
 
-/// redb as of the last checkpoint, its tables opened once per transaction when first read.
+/// redb as of the last checkpoint, its tables opened once per transaction when first read; and
+/// what a checkpoint in flight is writing into it (`durable.rs`), for removes to know.
 pub struct Base<'t> {
     txn: &'t ReadTransaction,
+    writing: Option<&'t Overlay>,
     messages: OnceCell<SeqTable>,
     delivered: OnceCell<SeqTable>,
     counters: OnceCell<NameTable>,
@@ -63,8 +65,14 @@ fn opened<'c, K: redb::Key + 'static, V: redb::Value + 'static>(
 
 impl<'t> Base<'t> {
     pub fn new(txn: &'t ReadTransaction) -> Base<'t> {
+        Base::under(txn, None)
+    }
+
+    /// redb with a checkpoint in flight writing `writing` into it.
+    pub fn under(txn: &'t ReadTransaction, writing: Option<&'t Overlay>) -> Base<'t> {
         Base {
             txn,
+            writing,
             messages: OnceCell::new(),
             delivered: OnceCell::new(),
             counters: OnceCell::new(),
@@ -88,6 +96,24 @@ impl<'t> Base<'t> {
             return store::meta(self.txn, key);
         }
         Ok(self.name_table(which)?.get(key)?.map(|v| v.value().to_string()))
+    }
+
+    /// Whether redb holds the row, or may once the checkpoint in flight has committed: a remove
+    /// must then leave `Gone` in the overlay rather than drop the key from it. (Every key of
+    /// the checkpoint in flight is in the overlay too, which only a remove could undo.)
+    fn may_hold_seq(&self, which: Which, src: &str, seq: u64) -> Result<bool> {
+        let key = (src.to_string(), seq);
+        if self.writing.is_some_and(|w| w.seq_layer(which).contains_key(&key)) {
+            return Ok(true);
+        }
+        Ok(self.get_seq(which, src, seq)?.is_some())
+    }
+
+    fn may_hold_name(&self, which: Which, key: &str) -> Result<bool> {
+        if self.writing.is_some_and(|w| w.name_layer(which).contains_key(key)) {
+            return Ok(true);
+        }
+        Ok(self.get_name(which, key)?.is_some())
     }
 
     fn name_table(&self, which: Which) -> Result<&NameTable> {
@@ -237,7 +263,7 @@ impl<'a> Tx<'a> {
             None => {
                 let (old, in_base) = match self.ov.seq_layer(which).get(&key) {
                     Some(Slot::Gone) => return Ok(None),
-                    Some(Slot::Put(v)) => (Some(v.clone()), self.base.get_seq(which, src, seq)?.is_some()),
+                    Some(Slot::Put(v)) => (Some(v.clone()), self.base.may_hold_seq(which, src, seq)?),
                     None => {
                         let b = self.base.get_seq(which, src, seq)?;
                         (b.clone(), b.is_some())
@@ -276,7 +302,7 @@ impl<'a> Tx<'a> {
             None => {
                 let in_base = match self.ov.name_layer(which).get(key) {
                     Some(Slot::Gone) => return Ok(()),
-                    Some(Slot::Put(_)) => self.base.get_name(which, key)?.is_some(),
+                    Some(Slot::Put(_)) => self.base.may_hold_name(which, key)?,
                     None if self.base.get_name(which, key)?.is_some() => true,
                     None => return Ok(()),
                 };

@@ -203,10 +203,21 @@ pub struct Log {
 #[derive(Debug, PartialEq)]
 pub struct NoRoom;
 
+/// The log's two files in the state dir. Appends go to one while a checkpoint of what the other
+/// holds runs; the files trade places at every checkpoint (`durable.rs`).
+pub const FILES: [&str; 2] = ["outbox.log", "outbox.1.log"];
+
+/// The sequence number of a file's first record, when it has one (a replay reads the files
+/// oldest first). A torn or garbled first header may name anything: such a file has no
+/// readable record, so where it sorts changes nothing.
+pub fn first_seq(r: &(impl ReadAt + ?Sized)) -> Option<u64> {
+    header_seq(r, 0)
+}
+
 impl Log {
-    pub fn new(state_dir: &Path) -> Log {
+    pub fn new(path: PathBuf) -> Log {
         Log {
-            path: state_dir.join("outbox.log"),
+            path,
             file: None,
             offset: 0,
             held: Vec::new(),
@@ -269,6 +280,31 @@ impl Log {
             File::open(dir)?.sync_all()?;
         }
         Ok(f)
+    }
+
+    /// Makes the file read as empty, durably, and closes it (the spare file at start: what it
+    /// holds is all in redb, and none of it may ever pass for a record written later).
+    pub fn clear(&mut self) -> io::Result<()> {
+        self.close();
+        crate::faults::fail("outbox-log-write")?;
+        match OpenOptions::new().write(true).open(&self.path) {
+            Ok(f) => f.write_all_at(&END, 0).and_then(|()| f.sync_data()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes the held records and syncs the file: nothing it holds is left only in memory or
+    /// in the page cache (before appends move to the other file, so a power cut cannot keep a
+    /// later record and lose an earlier one).
+    pub fn seal(&mut self) -> io::Result<()> {
+        if !self.held.is_empty() {
+            return self.write_held(true);
+        }
+        match &self.file {
+            Some(f) => f.sync_data(),
+            None => Err(io::Error::other("the outbox log is closed after an earlier error")),
+        }
     }
 
     /// Closes the file (after an I/O error, so a failing disk can be unmounted); `restart`
@@ -422,7 +458,7 @@ mod tests {
     fn temp_log(tag: &str) -> Log {
         let dir = std::env::temp_dir().join(format!("imgate-log-{tag}-{}", crate::ids::random_hex(4)));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut log = Log::new(&dir);
+        let mut log = Log::new(dir.join(FILES[0]));
         log.restart().unwrap();
         log
     }
