@@ -935,8 +935,7 @@ mod tests {
 
     #[test]
     fn secret_file_with_bare_name_reads_credentials_directory() {
-        let dir = std::env::temp_dir().join(format!("imgate-cred-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::scratch_dir("cred");
         std::fs::write(dir.join("token"), "s3cret\n").unwrap();
         let text = format!("[thing]\ntoken_file = {}\n", dir.join("token").display());
         let c = parse(&text, "t", None, &READERS).unwrap();

@@ -21,6 +21,8 @@ mod protocol;
 mod providers;
 mod quiet;
 mod runtime;
+#[cfg(test)]
+mod scratch;
 mod service;
 mod source;
 mod store;

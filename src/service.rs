@@ -125,8 +125,7 @@ mod tests {
 
     #[test]
     fn notify_reaches_a_datagram_socket_named_by_notify_socket() {
-        let dir = std::env::temp_dir().join(format!("imgate-notify-{}", crate::ids::random_hex(4)));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::scratch_dir("notify");
         let path = dir.join("notify.sock");
         let server = UnixDatagram::bind(&path).unwrap();
         // SAFETY-free: tests in this module are the only users of NOTIFY_SOCKET in this process.

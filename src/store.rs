@@ -335,7 +335,7 @@ pub fn parse_u64(key: &str, v: Option<String>) -> Result<Option<u64>> {
 
 #[cfg(test)]
 pub(crate) fn temp_db(tag: &str) -> (Arc<Db>, PathBuf) {
-    let dir = std::env::temp_dir().join(format!("imgate-{tag}-{}", crate::ids::random_hex(4)));
+    let dir = crate::scratch::scratch_dir(tag);
     (Db::open(&dir).unwrap(), dir)
 }
 

@@ -103,7 +103,7 @@ impl Provider for StandIn {
 
 /// A plane on a fresh state directory with `provider` as its only provider.
 pub fn plane_with(provider: Arc<StandIn>) -> Arc<Plane> {
-    let dir = std::env::temp_dir().join(format!("imgate-plane-{}", crate::ids::random_hex(4)));
+    let dir = crate::scratch::scratch_dir("plane");
     let text = format!("[server]\nstate_dir = {}\n", dir.display());
     let config = crate::config::parse(&text, "test.conf", None, &crate::providers::readers()).unwrap();
     let app = App::open_with(config, |_| Ok(Registry::of_providers(vec![provider]))).unwrap();

@@ -1098,8 +1098,7 @@ mod tests {
     /// What a process crash at this moment leaves behind: the files as the page cache holds
     /// them (no outbox write runs while they are copied). `cut` truncates the log copy.
     fn crash_copy(s: &Outbox, dir: &std::path::Path, cut: Option<u64>) -> Outbox {
-        let to = std::env::temp_dir().join(format!("imgate-crash-{}", crate::ids::random_hex(4)));
-        std::fs::create_dir_all(&to).unwrap();
+        let to = crate::scratch::scratch_dir("crash");
         {
             let _no_writes = s.shared.lock();
             for f in ["imgate.redb", wal::FILES[0], wal::FILES[1]] {
@@ -1463,8 +1462,7 @@ mod tests {
     fn a_corrupt_record_stops_the_replay_there_and_is_counted() {
         let (s, dir) = logged_history();
         let r = {
-            let to = std::env::temp_dir().join(format!("imgate-flip-{}", crate::ids::random_hex(4)));
-            std::fs::create_dir_all(&to).unwrap();
+            let to = crate::scratch::scratch_dir("flip");
             let _no_writes = s.shared.lock();
             std::fs::copy(dir.join("imgate.redb"), to.join("imgate.redb")).unwrap();
             let mut log = std::fs::read(dir.join("outbox.log")).unwrap();

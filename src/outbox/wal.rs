@@ -456,8 +456,7 @@ mod tests {
     use std::io::Read;
 
     fn temp_log(tag: &str) -> Log {
-        let dir = std::env::temp_dir().join(format!("imgate-log-{tag}-{}", crate::ids::random_hex(4)));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::scratch::scratch_dir(&format!("log-{tag}"));
         let mut log = Log::new(dir.join(FILES[0]));
         log.restart().unwrap();
         log

@@ -7,6 +7,8 @@ pub mod botapi;
 pub mod ext4;
 pub mod feishu;
 pub mod ilink;
+#[path = "../../src/scratch.rs"]
+mod scratch;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -86,12 +88,7 @@ pub fn free_port() -> u16 {
 }
 
 pub fn temp_dir(tag: &str) -> PathBuf {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let d = std::env::temp_dir().join(format!("imgate-it-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    scratch::scratch_dir(tag)
 }
 
 /// The binary under test: `IMGATE_BIN` (a cross-built one, for budgets) or cargo's own build.
