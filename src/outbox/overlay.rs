@@ -11,6 +11,7 @@
 //! the queue caps.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use redb::WriteTransaction;
 
@@ -20,8 +21,9 @@ use crate::store::{self, Result};
 /// One key's state in the overlay.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Slot {
-    /// Written since the last checkpoint.
-    Put(String),
+    /// Written since the last checkpoint (shared, so the copy a checkpoint in flight writes
+    /// costs no second copy of the values).
+    Put(Arc<str>),
     /// Removed since the last checkpoint while redb still holds it.
     Gone,
 }
@@ -129,7 +131,7 @@ impl Overlay {
             let mut t = txn.open_table(table)?;
             for ((src, seq), slot) in layer {
                 match slot {
-                    Slot::Put(v) => drop(t.insert((src.as_str(), *seq), v.as_str())?),
+                    Slot::Put(v) => drop(t.insert((src.as_str(), *seq), &**v)?),
                     Slot::Gone => drop(t.remove((src.as_str(), *seq))?),
                 }
             }
@@ -138,7 +140,7 @@ impl Overlay {
             let mut t = txn.open_table(table)?;
             for (key, slot) in layer {
                 match slot {
-                    Slot::Put(v) => drop(t.insert(key.as_str(), v.as_str())?),
+                    Slot::Put(v) => drop(t.insert(key.as_str(), &**v)?),
                     Slot::Gone => drop(t.remove(key.as_str())?),
                 }
             }

@@ -137,7 +137,7 @@ impl<'a> Reader<'a> {
 
     fn seq(&self, which: Which, src: &str, seq: u64) -> Result<Option<String>> {
         match self.ov.seq_layer(which).get(&(src.to_string(), seq)) {
-            Some(Slot::Put(v)) => Ok(Some(v.clone())),
+            Some(Slot::Put(v)) => Ok(Some(v.to_string())),
             Some(Slot::Gone) => Ok(None),
             None => self.base.get_seq(which, src, seq),
         }
@@ -145,7 +145,7 @@ impl<'a> Reader<'a> {
 
     fn name(&self, which: Which, key: &str) -> Result<Option<String>> {
         match self.ov.name_layer(which).get(key) {
-            Some(Slot::Put(v)) => Ok(Some(v.clone())),
+            Some(Slot::Put(v)) => Ok(Some(v.to_string())),
             Some(Slot::Gone) => Ok(None),
             None => self.base.get_name(which, key),
         }
@@ -253,17 +253,14 @@ impl<'a> Tx<'a> {
         };
         let before = match value {
             Some(v) => {
-                let before = self
-                    .ov
-                    .seq_layer_mut(which)
-                    .insert(key.clone(), Slot::Put(v.to_string()));
+                let before = self.ov.seq_layer_mut(which).insert(key.clone(), Slot::Put(v.into()));
                 self.note(op, src, Some(seq), value);
                 before
             }
             None => {
                 let (old, in_base) = match self.ov.seq_layer(which).get(&key) {
                     Some(Slot::Gone) => return Ok(None),
-                    Some(Slot::Put(v)) => (Some(v.clone()), self.base.may_hold_seq(which, src, seq)?),
+                    Some(Slot::Put(v)) => (Some(v.to_string()), self.base.may_hold_seq(which, src, seq)?),
                     None => {
                         let b = self.base.get_seq(which, src, seq)?;
                         (b.clone(), b.is_some())
@@ -298,7 +295,7 @@ impl<'a> Tx<'a> {
             Some(v) => self
                 .ov
                 .name_layer_mut(which)
-                .insert(key.to_string(), Slot::Put(v.to_string())),
+                .insert(key.to_string(), Slot::Put(v.into())),
             None => {
                 let in_base = match self.ov.name_layer(which).get(key) {
                     Some(Slot::Gone) => return Ok(()),
