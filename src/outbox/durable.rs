@@ -15,13 +15,14 @@
 //!   naming the last record it contains (`outbox_log_applied`). What was accepted and delivered
 //!   since the last checkpoint is no longer in the overlay, so it never reaches redb.
 //! - The log is two files (`wal::FILES`). A checkpoint due by the log's size runs on a thread of
-//!   its own: the file is sealed (synced whole), appends move to the other file, and a copy of
-//!   the overlay is written. The overlay stays whole meanwhile (it holds every change since the
-//!   last checkpoint that completed; a remove of a key the copy holds leaves `Gone`, which
-//!   `Base::under` tells `Tx`), and forgets what the copy said only once the commit returned;
-//!   then the sealed file is free again. A failure loses nothing: the next checkpoint is made
-//!   in place (the other file is not free), writes the whole overlay and frees both files, as
-//!   do the checkpoints at shutdown, for a record that does not fit, and in recovery.
+//!   its own: the file is sealed (synced whole), appends move to the other file, and the
+//!   overlay is handed to the thread and a new, empty one takes its place. Until the commit
+//!   returns, reads see three layers (`Base::under`: the new overlay, the one being written,
+//!   redb), and a remove of a key the one being written holds leaves `Gone`. Then the sealed
+//!   file is free again. A failure loses nothing: the overlay written goes back under the new
+//!   one, and the next checkpoint is made in place (the other file is not free), writes the
+//!   whole overlay and frees both files, as do the checkpoints at shutdown, for a record that
+//!   does not fit, and in recovery.
 //! - Checkpoints run only when they pay: when the log holds `CHECKPOINT_BYTES` (which bounds
 //!   the overlay's memory and replay's work), at clean shutdown (so the next start replays
 //!   nothing), and when a record does not fit in the log (that change is then made durable by
@@ -226,9 +227,10 @@ impl Shared {
         }
         let result = self.write_locked(st, sync, f);
         if result.is_err() {
+            let writing = st.inflight.as_ref().map(|i| &*i.writing);
             let fresh = self
                 .db
-                .read(|txn| load_index(&Reader::new(&Base::new(txn), &st.overlay)));
+                .read(|txn| load_index(&Reader::new(&Base::under(txn, writing), &st.overlay)));
             match fresh {
                 Ok(fresh) => st.index = fresh,
                 // Rebuilt on the next failure; the outage itself is logged once.
@@ -358,9 +360,10 @@ impl Shared {
     }
 
     /// Starts a checkpoint on a thread of its own, so that accepts go on meanwhile: the log is
-    /// sealed, appends move to the other file, and a copy of the overlay is written into redb
-    /// (`settle` then drops from the overlay what redb has). When the other file still holds
-    /// records redb lacks (the last checkpoint failed), the checkpoint is made here instead.
+    /// sealed, appends move to the other file, and the overlay is handed to the thread (reads
+    /// see it under the new, empty one until `settle` hears the commit returned). When the other
+    /// file still holds records redb lacks (the last checkpoint failed), the checkpoint is made
+    /// here instead.
     fn start_checkpoint(&self, st: &mut State) {
         if !st.spare_free || st.stalled {
             return self.checkpoint_here(st);
@@ -370,7 +373,7 @@ impl Shared {
             return self.log_failed(st, &e);
         }
         let last = st.next_seq - 1;
-        let writing = Arc::new(st.overlay.clone());
+        let writing = Arc::new(std::mem::take(&mut st.overlay));
         std::mem::swap(&mut st.log, &mut st.spare);
         st.spare_free = false;
         if let Err(e) = st.log.restart() {
@@ -413,10 +416,10 @@ impl Shared {
         }
     }
 
-    /// The outcome of the checkpoint in flight, once it has one. On success the overlay
-    /// forgets what redb now holds and the other file is free; on failure the overlay still
-    /// holds all of it, and the next checkpoint (made on the committer's thread, as the other
-    /// file still holds records redb lacks) writes it.
+    /// The outcome of the checkpoint in flight, once it has one. On success what it wrote is
+    /// redb's and the other file is free; on failure its overlay goes back under the overlay,
+    /// and the next checkpoint (made on the committer's thread, as the other file still holds
+    /// records redb lacks) writes it all.
     fn end_inflight(&self, st: &mut State, wait: bool) -> Option<Result<()>> {
         let inflight = st.inflight.as_ref()?;
         let outcome = match wait {
@@ -431,12 +434,14 @@ impl Shared {
             }
         };
         let done = st.inflight.take()?;
-        if outcome.is_ok() {
-            st.overlay.forget(&done.writing);
-            st.report.checkpoints += 1;
-            st.report.checkpointed_messages += done.writing.message_puts();
-            st.spare_free = true;
-            st.retry_checkpoint_at = None;
+        match &outcome {
+            Ok(()) => {
+                st.report.checkpoints += 1;
+                st.report.checkpointed_messages += done.writing.message_puts();
+                st.spare_free = true;
+                st.retry_checkpoint_at = None;
+            }
+            Err(_) => st.overlay.absorb(&done.writing),
         }
         Some(outcome)
     }

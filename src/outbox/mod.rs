@@ -1281,7 +1281,7 @@ mod tests {
         assert_eq!(
             s.shared.overlay_messages(),
             19,
-            "what redb now holds left the overlay; the 19 accepted since and still pending stayed"
+            "the overlay holds only what came since: the 19 accepted and still pending"
         );
         s.shared.flush_log();
         let r = crash_copy(&s, &dir, None);

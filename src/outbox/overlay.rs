@@ -10,6 +10,7 @@
 //! `durable::CHECKPOINT_BYTES`, so the overlay is bounded by the checkpoint trigger, not by
 //! the queue caps.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -114,14 +115,14 @@ impl Overlay {
         }
     }
 
-    /// After `written` (an earlier copy of this overlay) was committed to redb: drops every slot
-    /// that still says what `written` said, as redb now does. A slot changed since stays.
-    pub fn forget(&mut self, written: &Overlay) {
+    /// After a checkpoint of `older` (the overlay before this one) failed: takes its slots back
+    /// under this overlay's, so it again holds every change since the last checkpoint made.
+    pub fn absorb(&mut self, older: &Overlay) {
         for w in [Which::Messages, Which::Delivered] {
-            forget_in(self.seq_layer_mut(w), written.seq_layer(w));
+            absorb_into(self.seq_layer_mut(w), older.seq_layer(w));
         }
         for w in [Which::Counters, Which::ReplyRefs, Which::Meta] {
-            forget_in(self.name_layer_mut(w), written.name_layer(w));
+            absorb_into(self.name_layer_mut(w), older.name_layer(w));
         }
     }
 
@@ -155,10 +156,10 @@ impl Overlay {
     }
 }
 
-fn forget_in<K: Ord>(layer: &mut BTreeMap<K, Slot>, written: &BTreeMap<K, Slot>) {
-    for (key, slot) in written {
-        if layer.get(key) == Some(slot) {
-            layer.remove(key);
+fn absorb_into<K: Ord + Clone>(layer: &mut BTreeMap<K, Slot>, older: &BTreeMap<K, Slot>) {
+    for (key, slot) in older {
+        if !layer.contains_key(key) {
+            layer.insert(key.clone(), slot.clone());
         }
     }
 }
@@ -170,43 +171,98 @@ fn restore<K: Ord>(layer: &mut BTreeMap<K, Slot>, key: K, before: Option<Slot>) 
     }
 }
 
-/// Walks two key-ordered sequences as one: redb's rows (`base`) under the overlay's slots
-/// (`over`), the overlay winning on equal keys and a `Gone` hiding its row. `each` answers
-/// whether to go on.
+/// Walks two key-ordered sequences as one: the rows below (`base`) under the overlay's slots
+/// (`over`), the overlay winning on equal keys and a `Gone` hiding the row below it. `each`
+/// answers whether to go on.
 pub fn merge<'a, K: Ord>(
-    mut base: impl Iterator<Item = Result<(K, String)>>,
-    mut over: impl Iterator<Item = (K, &'a Slot)>,
+    base: impl Iterator<Item = Result<(K, Cow<'a, str>)>>,
+    over: impl Iterator<Item = (K, &'a Slot)>,
     mut each: impl FnMut(K, &str) -> bool,
 ) -> Result<()> {
-    let mut b = base.next().transpose()?;
-    let mut o = over.next();
-    loop {
-        let base_first = match (&b, &o) {
-            (None, None) => return Ok(()),
-            (Some(_), None) => true,
-            (None, Some(_)) => false,
-            (Some((kb, _)), Some((ko, _))) => kb < ko,
-        };
-        if base_first {
-            if let Some((k, v)) = b.take() {
-                if !each(k, &v) {
-                    return Ok(());
-                }
-            }
-            b = base.next().transpose()?;
-            continue;
+    for row in layered(base, over) {
+        let (k, v) = row?;
+        if !each(k, &v) {
+            break;
         }
-        if let Some((k, slot)) = o.take() {
-            if b.as_ref().is_some_and(|(kb, _)| *kb == k) {
-                b = base.next().transpose()?;
+    }
+    Ok(())
+}
+
+/// The rows `merge` walks, as an iterator: so a layer can lie under another (redb's rows under
+/// the overlay a checkpoint in flight writes, under the overlay). Stops at the first error.
+pub fn layered<'a, K: Ord>(
+    base: impl Iterator<Item = Result<(K, Cow<'a, str>)>>,
+    over: impl Iterator<Item = (K, &'a Slot)>,
+) -> impl Iterator<Item = Result<(K, Cow<'a, str>)>> {
+    Layered {
+        base,
+        over,
+        b: None,
+        o: None,
+        primed: false,
+    }
+}
+
+struct Layered<'a, K, B, O> {
+    base: B,
+    over: O,
+    /// The next row of each, once primed.
+    b: Option<(K, Cow<'a, str>)>,
+    o: Option<(K, &'a Slot)>,
+    primed: bool,
+}
+
+impl<'a, K, B, O> Layered<'a, K, B, O>
+where
+    B: Iterator<Item = Result<(K, Cow<'a, str>)>>,
+{
+    fn pull(&mut self) -> Result<()> {
+        self.b = self.base.next().transpose()?;
+        Ok(())
+    }
+}
+
+impl<'a, K, B, O> Iterator for Layered<'a, K, B, O>
+where
+    K: Ord,
+    B: Iterator<Item = Result<(K, Cow<'a, str>)>>,
+    O: Iterator<Item = (K, &'a Slot)>,
+{
+    type Item = Result<(K, Cow<'a, str>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if !self.primed {
+            self.primed = true;
+            self.o = self.over.next();
+            if let Err(e) = self.pull() {
+                return Some(Err(e));
+            }
+        }
+        loop {
+            let base_first = match (&self.b, &self.o) {
+                (None, None) => return None,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (Some((kb, _)), Some((ko, _))) => kb < ko,
+            };
+            if base_first {
+                let row = self.b.take();
+                if let Err(e) = self.pull() {
+                    return Some(Err(e));
+                }
+                return row.map(Ok);
+            }
+            let (k, slot) = self.o.take()?;
+            self.o = self.over.next();
+            if self.b.as_ref().is_some_and(|(kb, _)| *kb == k) {
+                if let Err(e) = self.pull() {
+                    return Some(Err(e));
+                }
             }
             if let Slot::Put(v) = slot {
-                if !each(k, v) {
-                    return Ok(());
-                }
+                return Some(Ok((k, Cow::Borrowed(&**v))));
             }
         }
-        o = over.next();
     }
 }
 
@@ -217,7 +273,7 @@ mod tests {
     fn walk(base: &[(u64, &str)], over: &[(u64, Slot)], stop_after: usize) -> Vec<(u64, String)> {
         let mut out = Vec::new();
         merge(
-            base.iter().map(|(k, v)| Ok((*k, v.to_string()))),
+            base.iter().map(|(k, v)| Ok((*k, Cow::Borrowed(*v)))),
             over.iter().map(|(k, s)| (*k, s)),
             |k, v| {
                 out.push((k, v.to_string()));
@@ -237,6 +293,30 @@ mod tests {
         assert_eq!(walk(&base, &over, 2).len(), 2, "each stops the walk");
         assert_eq!(walk(&[], &over, usize::MAX).len(), 2);
         assert_eq!(walk(&base, &[], usize::MAX).len(), 3);
+    }
+
+    #[test]
+    fn three_layers_read_as_one_the_top_winning() {
+        let base = [(1, "a"), (2, "b"), (3, "c"), (4, "d")];
+        let mid = [(1, Slot::Gone), (2, Slot::Put("B".into())), (6, Slot::Put("f".into()))];
+        let top = [(2, Slot::Gone), (3, Slot::Put("C".into())), (1, Slot::Put("A".into()))];
+        let mut top = top.to_vec();
+        top.sort_by_key(|(k, _)| *k);
+        let mut out = Vec::new();
+        merge(
+            layered(
+                base.iter().map(|(k, v)| Ok((*k, Cow::Borrowed(*v)))),
+                mid.iter().map(|(k, s)| (*k, s)),
+            ),
+            top.iter().map(|(k, s)| (*k, s)),
+            |k, v| {
+                out.push((k, v.to_string()));
+                true
+            },
+        )
+        .unwrap();
+        let want = [(1, "A"), (3, "C"), (4, "d"), (6, "f")];
+        assert_eq!(out, want.map(|(k, v)| (k, v.to_string())));
     }
 
     #[test]

@@ -13,11 +13,12 @@
 //! value  = len:u32 utf8[len]
 //! ```
 
+use std::borrow::Cow;
 use std::cell::OnceCell;
 
 use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition};
 
-use super::overlay::{merge, Overlay, Slot, Undo, Which};
+use super::overlay::{layered, merge, Overlay, Slot, Undo, Which};
 use crate::store::{self, Result, StoreError};
 
 /// `(source, seq)` → record (`record.rs`). `seq` grows per source: key order is acceptance order.
@@ -40,8 +41,9 @@ const REMOVE: u8 = 0x80;
 type SeqTable = ReadOnlyTable<(&'static str, u64), &'static str>;
 type NameTable = ReadOnlyTable<&'static str, &'static str>;
 
-/// redb as of the last checkpoint, its tables opened once per transaction when first read; and
-/// what a checkpoint in flight is writing into it (`durable.rs`), for removes to know.
+/// What lies under the overlay: redb as of the last checkpoint made (its tables opened once per
+/// transaction when first read), and over it the overlay a checkpoint in flight is writing into
+/// it (`durable.rs`), if one is.
 pub struct Base<'t> {
     txn: &'t ReadTransaction,
     writing: Option<&'t Overlay>,
@@ -88,32 +90,89 @@ impl<'t> Base<'t> {
     }
 
     fn get_seq(&self, which: Which, src: &str, seq: u64) -> Result<Option<String>> {
+        if let Some(slot) = self
+            .writing
+            .and_then(|w| w.seq_layer(which).get(&(src.to_string(), seq)))
+        {
+            return Ok(slot_value(slot));
+        }
+        self.redb_seq(which, src, seq)
+    }
+
+    fn redb_seq(&self, which: Which, src: &str, seq: u64) -> Result<Option<String>> {
         Ok(self.seq_table(which)?.get((src, seq))?.map(|v| v.value().to_string()))
     }
 
     fn get_name(&self, which: Which, key: &str) -> Result<Option<String>> {
+        if let Some(slot) = self.writing.and_then(|w| w.name_layer(which).get(key)) {
+            return Ok(slot_value(slot));
+        }
+        self.redb_name(which, key)
+    }
+
+    fn redb_name(&self, which: Which, key: &str) -> Result<Option<String>> {
         if matches!(which, Which::Meta) {
             return store::meta(self.txn, key);
         }
         Ok(self.name_table(which)?.get(key)?.map(|v| v.value().to_string()))
     }
 
-    /// Whether redb holds the row, or may once the checkpoint in flight has committed: a remove
-    /// must then leave `Gone` in the overlay rather than drop the key from it. (Every key of
-    /// the checkpoint in flight is in the overlay too, which only a remove could undo.)
+    /// Whether redb holds the row now, or may once the checkpoint in flight has committed (or
+    /// failed: its overlay then comes back under this one): a remove must then leave `Gone`
+    /// rather than drop the key from the overlay.
     fn may_hold_seq(&self, which: Which, src: &str, seq: u64) -> Result<bool> {
         let key = (src.to_string(), seq);
         if self.writing.is_some_and(|w| w.seq_layer(which).contains_key(&key)) {
             return Ok(true);
         }
-        Ok(self.get_seq(which, src, seq)?.is_some())
+        Ok(self.redb_seq(which, src, seq)?.is_some())
     }
 
     fn may_hold_name(&self, which: Which, key: &str) -> Result<bool> {
         if self.writing.is_some_and(|w| w.name_layer(which).contains_key(key)) {
             return Ok(true);
         }
-        Ok(self.get_name(which, key)?.is_some())
+        Ok(self.redb_name(which, key)?.is_some())
+    }
+
+    /// One source's rows of `messages` from `from` on, in key order.
+    fn messages_from<'s>(
+        &'s self,
+        src: &'s str,
+        from: u64,
+    ) -> Result<impl Iterator<Item = Result<(u64, Cow<'s, str>)>> + 's> {
+        let rows = self.seq_table(Which::Messages)?.range((src, from)..=(src, u64::MAX))?;
+        let rows = rows.map(|row| {
+            let (k, v) = row?;
+            Ok((k.value().1, Cow::Owned(v.value().to_string())))
+        });
+        let range = (src.to_string(), from)..=(src.to_string(), u64::MAX);
+        let writing = self
+            .writing
+            .into_iter()
+            .flat_map(move |w| w.messages.range(range.clone()));
+        Ok(layered(rows, writing.map(|((_, seq), slot)| (*seq, slot))))
+    }
+
+    /// Every row of `messages` or `delivered`, by source then seq.
+    fn all_seq(&self, which: Which) -> Result<impl Iterator<Item = Result<((String, u64), Cow<'_, str>)>> + '_> {
+        let rows = self.seq_table(which)?.iter()?.map(|row| {
+            let (k, v) = row?;
+            let (src, seq) = k.value();
+            Ok(((src.to_string(), seq), Cow::Owned(v.value().to_string())))
+        });
+        let writing = self.writing.into_iter().flat_map(move |w| w.seq_layer(which).iter());
+        Ok(layered(rows, writing.map(|(k, slot)| (k.clone(), slot))))
+    }
+
+    /// Every row of `counters` or `reply_refs`, by key.
+    fn all_named(&self, which: Which) -> Result<impl Iterator<Item = Result<(String, Cow<'_, str>)>> + '_> {
+        let rows = self.name_table(which)?.iter()?.map(|row| {
+            let (k, v) = row?;
+            Ok((k.value().to_string(), Cow::Owned(v.value().to_string())))
+        });
+        let writing = self.writing.into_iter().flat_map(move |w| w.name_layer(which).iter());
+        Ok(layered(rows, writing.map(|(k, slot)| (k.clone(), slot))))
     }
 
     fn name_table(&self, which: Which) -> Result<&NameTable> {
@@ -121,6 +180,13 @@ impl<'t> Base<'t> {
             Which::Counters => opened(self.txn, &self.counters, COUNTERS),
             _ => opened(self.txn, &self.reply_refs, REPLY_REFS),
         }
+    }
+}
+
+fn slot_value(slot: &Slot) -> Option<String> {
+    match slot {
+        Slot::Put(v) => Some(v.to_string()),
+        Slot::Gone => None,
     }
 }
 
@@ -175,16 +241,9 @@ impl<'a> Reader<'a> {
     /// One source's messages from `from` on (a seq below which all have left: see
     /// `SourceIndex::first_seq`), in acceptance order, while `each` answers true.
     pub fn source_messages(&self, src: &str, from: u64, mut each: impl FnMut(u64, &str) -> bool) -> Result<()> {
-        let base = self
-            .base
-            .seq_table(Which::Messages)?
-            .range((src, from)..=(src, u64::MAX))?;
         let range = (src.to_string(), from)..=(src.to_string(), u64::MAX);
         merge(
-            base.map(|row| {
-                let (k, v) = row?;
-                Ok((k.value().1, v.value().to_string()))
-            }),
+            self.base.messages_from(src, from)?,
             self.ov.messages.range(range).map(|((_, seq), slot)| (*seq, slot)),
             |seq, v| each(seq, v),
         )
@@ -193,11 +252,7 @@ impl<'a> Reader<'a> {
     /// Every row of `messages` or `delivered`, by source then seq, while `each` answers true.
     pub fn all_seq(&self, which: Which, mut each: impl FnMut(&str, u64, &str) -> bool) -> Result<()> {
         merge(
-            self.base.seq_table(which)?.iter()?.map(|row| {
-                let (k, v) = row?;
-                let (src, seq) = k.value();
-                Ok(((src.to_string(), seq), v.value().to_string()))
-            }),
+            self.base.all_seq(which)?,
             self.ov.seq_layer(which).iter().map(|(k, slot)| (k.clone(), slot)),
             |(src, seq): (String, u64), v: &str| each(&src, seq, v),
         )
@@ -206,10 +261,7 @@ impl<'a> Reader<'a> {
     /// Every row of `counters` or `reply_refs`, by key, while `each` answers true.
     pub fn all_named(&self, which: Which, mut each: impl FnMut(&str, &str) -> bool) -> Result<()> {
         merge(
-            self.base.name_table(which)?.iter()?.map(|row| {
-                let (k, v) = row?;
-                Ok((k.value().to_string(), v.value().to_string()))
-            }),
+            self.base.all_named(which)?,
             self.ov.name_layer(which).iter().map(|(k, slot)| (k.clone(), slot)),
             |k: String, v: &str| each(&k, v),
         )
