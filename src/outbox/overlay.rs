@@ -171,11 +171,14 @@ fn restore<K: Ord>(layer: &mut BTreeMap<K, Slot>, key: K, before: Option<Slot>) 
     }
 }
 
+/// A row of a table as read: its key and value (borrowed from an overlay, or read from redb).
+pub type Row<'a, K> = Result<(K, Cow<'a, str>)>;
+
 /// Walks two key-ordered sequences as one: the rows below (`base`) under the overlay's slots
 /// (`over`), the overlay winning on equal keys and a `Gone` hiding the row below it. `each`
 /// answers whether to go on.
 pub fn merge<'a, K: Ord>(
-    base: impl Iterator<Item = Result<(K, Cow<'a, str>)>>,
+    base: impl Iterator<Item = Row<'a, K>>,
     over: impl Iterator<Item = (K, &'a Slot)>,
     mut each: impl FnMut(K, &str) -> bool,
 ) -> Result<()> {
@@ -191,9 +194,9 @@ pub fn merge<'a, K: Ord>(
 /// The rows `merge` walks, as an iterator: so a layer can lie under another (redb's rows under
 /// the overlay a checkpoint in flight writes, under the overlay). Stops at the first error.
 pub fn layered<'a, K: Ord>(
-    base: impl Iterator<Item = Result<(K, Cow<'a, str>)>>,
+    base: impl Iterator<Item = Row<'a, K>>,
     over: impl Iterator<Item = (K, &'a Slot)>,
-) -> impl Iterator<Item = Result<(K, Cow<'a, str>)>> {
+) -> impl Iterator<Item = Row<'a, K>> {
     Layered {
         base,
         over,
@@ -214,7 +217,7 @@ struct Layered<'a, K, B, O> {
 
 impl<'a, K, B, O> Layered<'a, K, B, O>
 where
-    B: Iterator<Item = Result<(K, Cow<'a, str>)>>,
+    B: Iterator<Item = Row<'a, K>>,
 {
     fn pull(&mut self) -> Result<()> {
         self.b = self.base.next().transpose()?;
@@ -225,10 +228,10 @@ where
 impl<'a, K, B, O> Iterator for Layered<'a, K, B, O>
 where
     K: Ord,
-    B: Iterator<Item = Result<(K, Cow<'a, str>)>>,
+    B: Iterator<Item = Row<'a, K>>,
     O: Iterator<Item = (K, &'a Slot)>,
 {
-    type Item = Result<(K, Cow<'a, str>)>;
+    type Item = Row<'a, K>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if !self.primed {

@@ -18,7 +18,7 @@ use std::cell::OnceCell;
 
 use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition};
 
-use super::overlay::{layered, merge, Overlay, Slot, Undo, Which};
+use super::overlay::{layered, merge, Overlay, Row, Slot, Undo, Which};
 use crate::store::{self, Result, StoreError};
 
 /// `(source, seq)` → record (`record.rs`). `seq` grows per source: key order is acceptance order.
@@ -136,11 +136,7 @@ impl<'t> Base<'t> {
     }
 
     /// One source's rows of `messages` from `from` on, in key order.
-    fn messages_from<'s>(
-        &'s self,
-        src: &'s str,
-        from: u64,
-    ) -> Result<impl Iterator<Item = Result<(u64, Cow<'s, str>)>> + 's> {
+    fn messages_from<'s>(&'s self, src: &'s str, from: u64) -> Result<impl Iterator<Item = Row<'s, u64>> + 's> {
         let rows = self.seq_table(Which::Messages)?.range((src, from)..=(src, u64::MAX))?;
         let rows = rows.map(|row| {
             let (k, v) = row?;
@@ -155,7 +151,7 @@ impl<'t> Base<'t> {
     }
 
     /// Every row of `messages` or `delivered`, by source then seq.
-    fn all_seq(&self, which: Which) -> Result<impl Iterator<Item = Result<((String, u64), Cow<'_, str>)>> + '_> {
+    fn all_seq(&self, which: Which) -> Result<impl Iterator<Item = Row<'_, (String, u64)>> + '_> {
         let rows = self.seq_table(which)?.iter()?.map(|row| {
             let (k, v) = row?;
             let (src, seq) = k.value();
@@ -166,7 +162,7 @@ impl<'t> Base<'t> {
     }
 
     /// Every row of `counters` or `reply_refs`, by key.
-    fn all_named(&self, which: Which) -> Result<impl Iterator<Item = Result<(String, Cow<'_, str>)>> + '_> {
+    fn all_named(&self, which: Which) -> Result<impl Iterator<Item = Row<'_, String>> + '_> {
         let rows = self.name_table(which)?.iter()?.map(|row| {
             let (k, v) = row?;
             Ok((k.value().to_string(), Cow::Owned(v.value().to_string())))
