@@ -101,8 +101,8 @@ pub(super) struct State {
     report: LogReport,
 }
 
-/// A checkpoint running on a thread of its own: the copy of the overlay it writes into redb,
-/// and where its outcome arrives.
+/// A checkpoint running on a thread of its own: the overlay it writes into redb (reads see it
+/// under the new one, through `Base::under`), and where its outcome arrives.
 struct Inflight {
     writing: Arc<Overlay>,
     done: Receiver<Result<()>>,
@@ -399,15 +399,19 @@ impl Shared {
         if let Err(e) = st.log.seal() {
             return self.log_failed(st, &e);
         }
+        // The other file is readied first: when it cannot be (a full disk), nothing has moved
+        // yet, and the checkpoint is made here with the one file.
+        if let Err(e) = st.spare.restart() {
+            log::debug!("outbox: cannot ready {}: {e}", st.spare.path().display());
+            st.spare.close();
+            return self.checkpoint_here(st);
+        }
         let last = st.next_seq - 1;
         let writing = Arc::new(std::mem::take(&mut st.overlay));
         std::mem::swap(&mut st.log, &mut st.spare);
         st.spare_free = false;
-        if let Err(e) = st.log.restart() {
-            return self.log_failed(st, &e);
-        }
         let (tell, done) = mpsc::sync_channel(1);
-        let (db, queue, copy) = (self.db.clone(), self.queue.clone(), writing.clone());
+        let (db, queue, written) = (self.db.clone(), self.queue.clone(), writing.clone());
         #[cfg(test)]
         let gate = self.checkpoint_gate.clone();
         let spawned = std::thread::Builder::new()
@@ -418,7 +422,7 @@ impl Shared {
                     let _ = tell.send(Err(StoreError::Internal("failed by the test".into())));
                     return queue.wake();
                 }
-                let _ = tell.send(write_checkpoint(&db, &copy, last));
+                let _ = tell.send(write_checkpoint(&db, &written, last));
                 queue.wake();
             });
         // Without the thread its sender is gone: `settle` counts a failed checkpoint, and the

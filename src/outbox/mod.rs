@@ -1346,6 +1346,36 @@ mod tests {
     }
 
     #[test]
+    fn when_the_second_log_file_cannot_be_made_the_checkpoint_is_made_in_place_and_loses_nothing() {
+        let (db, dir) = store::temp_db("nospare");
+        // A directory where the second file is made: it cannot be, as on a full disk.
+        std::fs::create_dir_all(dir.join(format!("{}.tmp", wal::FILES[1]))).unwrap();
+        let s = Outbox::open(db, ROOMY).unwrap();
+        let checkpoints = s.log_report().checkpoints;
+        let mut sent = 0;
+        while s.log_report().checkpoints == checkpoints {
+            assert!(sent < 400, "no checkpoint after {sent} messages of 4 KB");
+            sent += 1;
+            let big = NewMessage {
+                payload: "x".repeat(4000),
+                ..msg(&format!("a{sent:03}"), 1000, 60_000)
+            };
+            assert!(accepted(s.enqueue(big)));
+        }
+        assert!(!s.shared.checkpoint_in_flight());
+        assert!(
+            s.shared.upkeep_due().is_none(),
+            "done, not failed: {:?}",
+            s.shared.upkeep_due()
+        );
+        let live = ids_of(&s, "hook:a", 1000);
+        assert_eq!(live.len(), sent);
+        let r = crash_copy(&s, &dir, None);
+        assert_eq!(ids_of(&r, "hook:a", 1000), live);
+        assert_accounting(&r);
+    }
+
+    #[test]
     fn a_message_accepted_and_delivered_between_checkpoints_never_reaches_redb() {
         let (db, dir) = store::temp_db("hot");
         let s = Outbox::open(db.clone(), ROOMY).unwrap();

@@ -12,7 +12,6 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use redb::WriteTransaction;
 
@@ -22,9 +21,8 @@ use crate::store::{self, Result};
 /// One key's state in the overlay.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Slot {
-    /// Written since the last checkpoint (shared, so the copy a checkpoint in flight writes
-    /// costs no second copy of the values).
-    Put(Arc<str>),
+    /// Written since the last checkpoint.
+    Put(String),
     /// Removed since the last checkpoint while redb still holds it.
     Gone,
 }

@@ -181,7 +181,7 @@ impl<'t> Base<'t> {
 
 fn slot_value(slot: &Slot) -> Option<String> {
     match slot {
-        Slot::Put(v) => Some(v.to_string()),
+        Slot::Put(v) => Some(v.clone()),
         Slot::Gone => None,
     }
 }
@@ -199,7 +199,7 @@ impl<'a> Reader<'a> {
 
     fn seq(&self, which: Which, src: &str, seq: u64) -> Result<Option<String>> {
         match self.ov.seq_layer(which).get(&(src.to_string(), seq)) {
-            Some(Slot::Put(v)) => Ok(Some(v.to_string())),
+            Some(Slot::Put(v)) => Ok(Some(v.clone())),
             Some(Slot::Gone) => Ok(None),
             None => self.base.get_seq(which, src, seq),
         }
@@ -207,7 +207,7 @@ impl<'a> Reader<'a> {
 
     fn name(&self, which: Which, key: &str) -> Result<Option<String>> {
         match self.ov.name_layer(which).get(key) {
-            Some(Slot::Put(v)) => Ok(Some(v.to_string())),
+            Some(Slot::Put(v)) => Ok(Some(v.clone())),
             Some(Slot::Gone) => Ok(None),
             None => self.base.get_name(which, key),
         }
@@ -301,14 +301,17 @@ impl<'a> Tx<'a> {
         };
         let before = match value {
             Some(v) => {
-                let before = self.ov.seq_layer_mut(which).insert(key.clone(), Slot::Put(v.into()));
+                let before = self
+                    .ov
+                    .seq_layer_mut(which)
+                    .insert(key.clone(), Slot::Put(v.to_string()));
                 self.note(op, src, Some(seq), value);
                 before
             }
             None => {
                 let (old, in_base) = match self.ov.seq_layer(which).get(&key) {
                     Some(Slot::Gone) => return Ok(None),
-                    Some(Slot::Put(v)) => (Some(v.to_string()), self.base.may_hold_seq(which, src, seq)?),
+                    Some(Slot::Put(v)) => (Some(v.clone()), self.base.may_hold_seq(which, src, seq)?),
                     None => {
                         let b = self.base.get_seq(which, src, seq)?;
                         (b.clone(), b.is_some())
@@ -343,7 +346,7 @@ impl<'a> Tx<'a> {
             Some(v) => self
                 .ov
                 .name_layer_mut(which)
-                .insert(key.to_string(), Slot::Put(v.into())),
+                .insert(key.to_string(), Slot::Put(v.to_string())),
             None => {
                 let in_base = match self.ov.name_layer(which).get(key) {
                     Some(Slot::Gone) => return Ok(()),

@@ -263,12 +263,21 @@ impl Log {
     /// leaves a half-made log: the zeros are real blocks, so later appends change no metadata.
     fn preallocate(&self) -> io::Result<File> {
         let tmp = self.path.with_extension("log.tmp");
+        let made = self.write_zeros(&tmp);
+        if made.is_err() {
+            // A full disk: the part written would only take space the database needs.
+            let _ = std::fs::remove_file(&tmp);
+        }
+        made
+    }
+
+    fn write_zeros(&self, tmp: &Path) -> io::Result<File> {
         let mut f = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
-            .open(&tmp)?;
+            .open(tmp)?;
         let zeros = vec![0u8; 64 << 10];
         let mut left = LOG_BYTES;
         while left > 0 {
@@ -277,7 +286,7 @@ impl Log {
             left -= n as u64;
         }
         f.sync_all()?;
-        std::fs::rename(&tmp, &self.path)?;
+        std::fs::rename(tmp, &self.path)?;
         if let Some(dir) = self.path.parent() {
             File::open(dir)?.sync_all()?;
         }
