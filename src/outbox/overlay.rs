@@ -130,7 +130,7 @@ impl Overlay {
             let mut t = txn.open_table(table)?;
             for ((src, seq), slot) in layer {
                 match slot {
-                    Slot::Put(v) => drop(t.insert((src.as_str(), *seq), &**v)?),
+                    Slot::Put(v) => drop(t.insert((src.as_str(), *seq), v.as_str())?),
                     Slot::Gone => drop(t.remove((src.as_str(), *seq))?),
                 }
             }
@@ -139,7 +139,7 @@ impl Overlay {
             let mut t = txn.open_table(table)?;
             for (key, slot) in layer {
                 match slot {
-                    Slot::Put(v) => drop(t.insert(key.as_str(), &**v)?),
+                    Slot::Put(v) => drop(t.insert(key.as_str(), v.as_str())?),
                     Slot::Gone => drop(t.remove(key.as_str())?),
                 }
             }
@@ -261,7 +261,7 @@ where
                 }
             }
             if let Slot::Put(v) = slot {
-                return Some(Ok((k, Cow::Borrowed(&**v))));
+                return Some(Ok((k, Cow::Borrowed(v.as_str()))));
             }
         }
     }
