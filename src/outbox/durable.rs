@@ -371,8 +371,10 @@ impl Shared {
         let _ = self.db.noted::<()>(Err(error));
     }
 
+    /// Closes both files, so nothing of the outbox holds the failing disk.
     fn close_log(&self, st: &mut State, e: &std::io::Error) -> StoreError {
         st.log.close();
+        st.spare.close();
         st.stalled = true;
         StoreError::Io(format!("{}: {e}", st.log.path().display()))
     }
@@ -525,6 +527,7 @@ impl Shared {
         if let Err(e) = st.log.restart() {
             log::debug!("outbox: cannot restart the log: {e}");
             st.log.close();
+            st.spare.close();
             st.stalled = true;
             self.db.report_trouble();
         }
@@ -645,10 +648,18 @@ impl Shared {
             self.restart_log(st);
         }
         // Appends start in the first file; what the other holds is all in redb now, and after
-        // a stop at a missing or unreadable record it may hold records numbered past it.
-        st.spare
-            .clear()
-            .map_err(|e| StoreError::Io(format!("cannot clear {}: {e}", st.spare.path().display())))?;
+        // a stop at a missing or unreadable record it may hold records numbered past it: it
+        // must be cleared. One not made yet (a first start) that cannot be (a full disk) only
+        // leaves checkpoints to be made in place until it can be.
+        let existed = st.spare.path().exists();
+        if let Err(e) = st.spare.clear() {
+            let path = st.spare.path().display();
+            if existed {
+                return Err(StoreError::Io(format!("cannot clear {path}: {e}")));
+            }
+            log::warn!("outbox: cannot make {path}: {e}; checkpoints are made in place until it can be");
+            st.spare.close();
+        }
         st.index = self
             .db
             .read(|txn| load_index(&Reader::new(&Base::new(txn), &st.overlay)))?;

@@ -293,15 +293,14 @@ impl Log {
         Ok(f)
     }
 
-    /// Makes the file read as empty, durably, and closes it (the spare file at start: what it
-    /// holds is all in redb, and none of it may ever pass for a record written later).
+    /// The file appends do not go to, at start: made as `restart` makes it (so its zeros are
+    /// written once, at the first start, like the other's), and made to read as empty,
+    /// durably: what it holds is all in redb, and none of it may pass for a later record.
     pub fn clear(&mut self) -> io::Result<()> {
-        self.close();
-        crate::faults::fail("outbox-log-write")?;
-        match OpenOptions::new().write(true).open(&self.path) {
-            Ok(f) => f.write_all_at(&END, 0).and_then(|()| f.sync_data()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
+        self.restart()?;
+        match &self.file {
+            Some(f) => f.sync_data(),
+            None => Err(io::Error::other("the outbox log is closed after an earlier error")),
         }
     }
 
