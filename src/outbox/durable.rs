@@ -4,11 +4,9 @@
 //! Invariants (the log's format is in `wal.rs`, the redo records in `tx.rs`, the overlay in
 //! `overlay.rs`):
 //! - A change is made to the overlay (memory) and its redo record appended to the log under the
-//!   same lock; nobody sees the change before its record is written to the log, and a change
-//!   whose record could not be written is taken back (`Undo`). The hot path never writes redb.
-//! - Accepts are appended with `fdatasync` (a `202` means the record is on the disk), which runs
-//!   after the lock is let go: deliveries and reads do not wait for the disk, and a sync that
-//!   fails cannot take its change back (senders get `503`; recovery makes it durable). Deliveries,
+//!   same lock; nobody sees the change before its record is in the log, and a change whose
+//!   record could not be logged is taken back (`Undo`). The hot path never writes redb.
+//! - Accepts are appended with `fdatasync` (a `202` means the record is on the disk). Deliveries,
 //!   attempts, sweeps and cursor moves are appended without one: the log holds their records in
 //!   memory for the next sync (at most `wal::HOLD`, then the committer writes them and the
 //!   kernel's writeback takes them to the disk), so a power cut or a crash can at worst deliver
@@ -240,20 +238,6 @@ impl Shared {
             }
         }
         self.publish(st);
-        // An accept's sync runs without the lock, so deliveries and reads do not wait for the
-        // disk: the change is visible from now on, and answered only once the sync returned.
-        let unsynced = match &result {
-            Ok((_, true)) if sync => st.log.unsynced(),
-            _ => None,
-        };
-        drop(guard);
-        let result = match (result, unsynced) {
-            (Ok(done), Some(file)) => match wal::sync(&file) {
-                Ok(()) => Ok(done),
-                Err(e) => Err(self.sync_failed(&e)),
-            },
-            (result, _) => result,
-        };
         match result {
             // Nothing changed, so nothing reached the disk: no news about an outage.
             Ok((v, false)) => Ok(v),
@@ -377,15 +361,6 @@ impl Shared {
         st.spare.close();
         st.stalled = true;
         StoreError::Io(format!("{}: {e}", st.log.path().display()))
-    }
-
-    /// An accept's sync failed after its change became visible: it cannot be taken back (it
-    /// may be delivered already), so the senders hear of the failure (`503`) and the change is
-    /// kept; `recover` makes it durable with the rest of the overlay. A sender that sends again
-    /// finds it known.
-    fn sync_failed(&self, e: &std::io::Error) -> StoreError {
-        let mut guard = self.lock();
-        self.close_log(&mut guard, e)
     }
 
     /// Starts a checkpoint on a thread of its own, so that accepts go on meanwhile: the log is

@@ -31,7 +31,6 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The size of the file. Appends that would not fit are not logged: that transaction is
@@ -190,8 +189,7 @@ fn header_seq(r: &(impl ReadAt + ?Sized), offset: u64) -> Option<u64> {
 /// them with its redb state); the log only frames, writes and syncs.
 pub struct Log {
     path: PathBuf,
-    /// Shared, so an append's sync can run without the outbox's lock (`unsynced`).
-    file: Option<Arc<File>>,
+    file: Option<File>,
     /// Where the written records end.
     offset: u64,
     /// Framed records not written yet (appends without sync), then the one being written; kept,
@@ -247,8 +245,8 @@ impl Log {
         let file = match self.file.take() {
             Some(f) => f,
             None => match OpenOptions::new().read(true).write(true).open(&self.path) {
-                Ok(f) if f.metadata()?.len() == LOG_BYTES => Arc::new(f),
-                Ok(_) | Err(_) => Arc::new(self.preallocate()?),
+                Ok(f) if f.metadata()?.len() == LOG_BYTES => f,
+                Ok(_) | Err(_) => self.preallocate()?,
             },
         };
         // Older records stay behind the marker; they are all covered by the checkpoint.
@@ -334,7 +332,7 @@ impl Log {
     pub fn probe(&self) -> io::Result<()> {
         crate::faults::fail("outbox-log-write")?;
         match OpenOptions::new().write(true).open(&self.path) {
-            Ok(f) => sync(&f),
+            Ok(f) => f.sync_data(),
             // Gone: `restart` makes a new one (and fails if the disk cannot hold it).
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),
@@ -377,10 +375,9 @@ impl Log {
         }
     }
 
-    /// Appends one record; with `sync`, it (and every record before it) is written at once, and
-    /// is on the disk once the caller has run `sync` on `unsynced()`, which it may do without
-    /// the outbox's lock. Without, it may be held in memory (see the module's notes).
-    /// `Ok(Err(NoRoom))` when the record does not fit: nothing was written or held.
+    /// Appends one record; with `sync`, returns only once it (and every record before it) is
+    /// on the disk. Without, it may be held in memory (see the module's notes). `Ok(Err(NoRoom))`
+    /// when the record does not fit: nothing was written or held.
     pub fn append(&mut self, seq: u64, payload: &[u8], sync: bool) -> io::Result<Result<(), NoRoom>> {
         if self.file.is_none() {
             return Err(io::Error::other("the outbox log is closed after an earlier error"));
@@ -402,13 +399,8 @@ impl Log {
             self.held_since.get_or_insert_with(Instant::now);
             return Ok(Ok(()));
         }
-        self.write_held(false)?;
+        self.write_held(sync)?;
         Ok(Ok(()))
-    }
-
-    /// The file, for the sync of an append made with `sync` (`sync` below).
-    pub fn unsynced(&self) -> Option<Arc<File>> {
-        self.file.clone()
     }
 
     /// Writes the held records and an end marker after them, synced with `sync`.
@@ -436,12 +428,6 @@ impl Log {
         crate::faults::crash_at("outbox-log-appended");
         Ok(())
     }
-}
-
-/// Makes what was written to a log file durable (an append made with `sync`).
-pub fn sync(file: &File) -> io::Result<()> {
-    crate::faults::fail("outbox-log-sync")?;
-    file.sync_data()
 }
 
 /// CRC32C (Castagnoli) of a record's length, sequence number and payload.
