@@ -1,7 +1,9 @@
-//! The outbox's write-ahead log, `state_dir/outbox.log`: what makes an accept durable with one
-//! sequential append and one `fdatasync`, instead of a redb commit's scattered page writes.
+//! The outbox's write-ahead log, `state_dir/outbox.log` and `outbox.1.log` (`FILES`): what makes
+//! an accept durable with one sequential append and one `fdatasync`, instead of a redb commit's
+//! scattered page writes. One `Log` is one file; `durable.rs` moves appends from one to the
+//! other when a checkpoint starts.
 //!
-//! The file is preallocated (zeros written once, at creation) and recycled from offset 0 after
+//! Each file is preallocated (zeros written once, at creation) and recycled from offset 0 after
 //! every checkpoint, so an append never changes the file's size or extents: `fdatasync` writes
 //! the record's pages and nothing else, always the same few pages near the start of the file.
 //!
@@ -296,10 +298,7 @@ impl Log {
     /// durably: what it holds is all in redb, and none of it may pass for a later record.
     pub fn clear(&mut self) -> io::Result<()> {
         self.restart()?;
-        match &self.file {
-            Some(f) => f.sync_data(),
-            None => Err(io::Error::other("the outbox log is closed after an earlier error")),
-        }
+        opened(&self.file)?.sync_data()
     }
 
     /// Writes the held records and syncs the file: nothing it holds is left only in memory or
@@ -309,10 +308,7 @@ impl Log {
         if !self.held.is_empty() {
             return self.write_held(true);
         }
-        match &self.file {
-            Some(f) => f.sync_data(),
-            None => Err(io::Error::other("the outbox log is closed after an earlier error")),
-        }
+        opened(&self.file)?.sync_data()
     }
 
     /// Closes the file (after an I/O error, so a failing disk can be unmounted); `restart`
@@ -379,9 +375,7 @@ impl Log {
     /// on the disk. Without, it may be held in memory (see the module's notes). `Ok(Err(NoRoom))`
     /// when the record does not fit: nothing was written or held.
     pub fn append(&mut self, seq: u64, payload: &[u8], sync: bool) -> io::Result<Result<(), NoRoom>> {
-        if self.file.is_none() {
-            return Err(io::Error::other("the outbox log is closed after an earlier error"));
-        }
+        opened(&self.file)?;
         let with_held = (self.held.len() + HEADER + payload.len()) as u64;
         let fits = self.place(with_held) + with_held + END.len() as u64 <= LOG_BYTES;
         if payload.is_empty() || payload.len() > u32::MAX as usize || !fits {
@@ -405,9 +399,7 @@ impl Log {
 
     /// Writes the held records and an end marker after them, synced with `sync`.
     fn write_held(&mut self, sync: bool) -> io::Result<()> {
-        let Some(file) = &self.file else {
-            return Err(io::Error::other("the outbox log is closed after an earlier error"));
-        };
+        let file = opened(&self.file)?;
         let at = self.place(self.held.len() as u64);
         let records = self.held.len();
         self.held.extend_from_slice(&END);
@@ -428,6 +420,12 @@ impl Log {
         crate::faults::crash_at("outbox-log-appended");
         Ok(())
     }
+}
+
+/// The log's file, unless it was closed after an error (`restart` opens it again).
+fn opened(file: &Option<File>) -> io::Result<&File> {
+    file.as_ref()
+        .ok_or_else(|| io::Error::other("the outbox log is closed after an earlier error"))
 }
 
 /// CRC32C (Castagnoli) of a record's length, sequence number and payload.
