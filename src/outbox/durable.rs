@@ -277,7 +277,9 @@ impl Shared {
             Ok(Ok(())) => {
                 st.next_seq += 1;
                 // Upkeep has news: a checkpoint is due, or held records start their wait.
-                if st.log.used() >= CHECKPOINT_BYTES || (!held_before && st.log.held_until().is_some()) {
+                // (One in flight wakes the committer itself when it ends.)
+                let due = st.inflight.is_none() && st.log.used() >= CHECKPOINT_BYTES;
+                if due || (!held_before && st.log.held_until().is_some()) {
                     self.queue.wake();
                 }
                 Ok((v, true))
@@ -622,18 +624,21 @@ impl Shared {
             // Nothing past what redb holds (a start after a clean stop): no commit to sync.
             self.restart_log(st);
         }
-        // Appends start in the first file; what the other holds is all in redb now, and after
-        // a stop at a missing or unreadable record it may hold records numbered past it: it
-        // must be cleared. One not made yet (a first start) that cannot be (a full disk) only
-        // leaves checkpoints to be made in place until it can be.
+        // Appends start in the first file. What the other holds is all in redb now, numbered
+        // below anything appended next, so it is left as it is; except after a stop at a
+        // missing or unreadable record, when it may hold records numbered past it: then it is
+        // cleared. At the first start it is made (its zeros written once, like the first's);
+        // one that cannot be made (a full disk) leaves checkpoints in place until it can be.
         let existed = st.spare.path().exists();
-        if let Err(e) = st.spare.clear() {
-            let path = st.spare.path().display();
-            if existed {
-                return Err(StoreError::Io(format!("cannot clear {path}: {e}")));
+        if stopped.is_some() || !existed {
+            if let Err(e) = st.spare.clear() {
+                let path = st.spare.path().display();
+                if existed {
+                    return Err(StoreError::Io(format!("cannot clear {path}: {e}")));
+                }
+                log::warn!("outbox: cannot make {path}: {e}; checkpoints are made in place until it can be");
+                st.spare.close();
             }
-            log::warn!("outbox: cannot make {path}: {e}; checkpoints are made in place until it can be");
-            st.spare.close();
         }
         st.index = self
             .db

@@ -1509,6 +1509,47 @@ mod tests {
     }
 
     #[test]
+    fn the_other_log_file_is_cleared_after_a_replay_that_stopped_short_and_otherwise_left_alone() {
+        let (s, dir) = logged_history();
+        // Both files hold the same 50 records: a copy of the log in place of the other file.
+        let start_with = |flip: bool| {
+            let to = crate::scratch::scratch_dir("spare");
+            let _no_writes = s.shared.lock();
+            std::fs::copy(dir.join("imgate.redb"), to.join("imgate.redb")).unwrap();
+            let mut log = std::fs::read(dir.join(wal::FILES[0])).unwrap();
+            if flip {
+                log[2000] ^= 0x40;
+            }
+            std::fs::write(to.join(wal::FILES[0]), &log).unwrap();
+            std::fs::write(to.join(wal::FILES[1]), &log).unwrap();
+            drop(_no_writes);
+            let r = Outbox::open(Db::open(&to).unwrap(), ROOMY).unwrap();
+            let spare = std::fs::read(to.join(wal::FILES[1])).unwrap();
+            (r, log, spare)
+        };
+        let records = |bytes: &[u8]| {
+            wal::scan(bytes, wal::LOG_BYTES, |_, _| Ok::<_, ()>(()))
+                .unwrap()
+                .records
+        };
+
+        let (r, log, spare) = start_with(false);
+        assert_eq!(r.log_report().unreadable, 0);
+        assert_eq!(
+            spare, log,
+            "all of it is in redb now and numbered below what comes next"
+        );
+        let (r, log, spare) = start_with(true);
+        assert_eq!(r.log_report().unreadable, 1);
+        assert!(records(&log) > 0);
+        assert_eq!(
+            records(&spare),
+            0,
+            "what lies past the stop can never pass for a later record"
+        );
+    }
+
+    #[test]
     fn a_change_too_large_for_the_log_is_committed_durably_instead() {
         let big = Policy {
             max_bytes_per_channel: 8 << 20,

@@ -293,9 +293,9 @@ impl Log {
         Ok(f)
     }
 
-    /// The file appends do not go to, at start: made as `restart` makes it (so its zeros are
-    /// written once, at the first start, like the other's), and made to read as empty,
-    /// durably: what it holds is all in redb, and none of it may pass for a later record.
+    /// The file appends do not go to, at start: made as `restart` makes it (at the first start,
+    /// so its zeros are written once, like the other's), or made to read as empty, durably
+    /// (after a replay that stopped short: what it holds may be numbered past what comes next).
     pub fn clear(&mut self) -> io::Result<()> {
         self.restart()?;
         opened(&self.file)?.sync_data()
