@@ -195,6 +195,24 @@ impl Db {
         run().map_err(|e| self.seen(e))
     }
 
+    /// A read transaction to keep: what the database holds now, however it changes later.
+    pub fn snapshot(&self) -> Result<ReadTransaction> {
+        let run = || -> Result<ReadTransaction> { Ok(self.handle()?.begin_read()?) };
+        run().map_err(|e| self.seen(e))
+    }
+
+    /// Runs `f` in `snapshot` when given, else in a read transaction begun now.
+    pub fn read_in<T>(
+        &self,
+        snapshot: Option<&ReadTransaction>,
+        f: impl FnOnce(&ReadTransaction) -> Result<T>,
+    ) -> Result<T> {
+        match snapshot {
+            Some(txn) => f(txn).map_err(|e| self.seen(e)),
+            None => self.read(f),
+        }
+    }
+
     /// Runs `f` in a write transaction committed with fsync (`Durability::Immediate`); an `Err`
     /// from `f` aborts it. Nobody may be told of a change before this returns `Ok`.
     pub fn write<T>(&self, f: impl FnOnce(&WriteTransaction) -> Result<T>) -> Result<T> {

@@ -303,3 +303,51 @@ fn a_batch_of_pushes_is_confirmed_by_one_ping() {
         "nothing is delivered before the pong"
     );
 }
+
+/// A checkpoint's commit may grow the database file, and redb syncs the longer file under the
+/// lock every read transaction begins with. Accepts must not wait for that sync: while a
+/// checkpoint is in flight the outbox reads from the snapshot taken when it started. Here the
+/// database's syncs are held (a preloaded shim, as a slow SD card would hold them) from before
+/// the first checkpoint until the messages after it have filled much of the other log file.
+#[test]
+fn accepts_go_on_while_a_checkpoint_waits_for_the_disk_and_nothing_is_lost() {
+    let dir = temp_dir("held-checkpoint");
+    let flag = dir.join("hold");
+    let env = sync_hold_env("/imgate.redb", &flag);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let config = config_text(free_port(), &dir, None, "[queue]\nmax_messages_per_channel = 5000\n");
+    let mut d = Daemon::start_program(bin(), &dir, &config, "warn", &env);
+    let checkpoints = || {
+        let (_, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+        text.lines()
+            .find_map(|l| l.strip_prefix("imgate_outbox_checkpoints_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .expect("the checkpoint count in /metrics")
+    };
+    let before = checkpoints();
+    std::fs::write(&flag, "").unwrap();
+    // 1,200 messages of 1 KiB from 4 senders: the checkpoint starts at 512 KiB of log (about
+    // 380 of them); the rest go into the other file (1.1 of its 2 MiB) while it waits. Each
+    // POST fails after 10 s.
+    post_load(&d, 4, 300, &"x".repeat(1000), "held");
+    assert!(
+        dir.join("hold.held").exists(),
+        "the checkpoint's sync was held while they were accepted (a dynamically linked imgate preloads the shim)"
+    );
+    std::fs::remove_file(&flag).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while checkpoints() == before {
+        assert!(
+            Instant::now() < deadline,
+            "the held checkpoint ends once the disk syncs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.kill();
+    let d = d.restart();
+    let status = get_json(&d.url("/status"));
+    assert_eq!(
+        status["unbound"]["pending"], 1200,
+        "every message accepted is kept: {status}"
+    );
+}

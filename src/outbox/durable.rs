@@ -43,7 +43,7 @@ use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use redb::WriteTransaction;
+use redb::{ReadTransaction, WriteTransaction};
 
 use super::committer::Queue;
 use super::index::Index;
@@ -104,6 +104,18 @@ pub(super) struct State {
 struct Inflight {
     writing: Arc<Overlay>,
     done: Receiver<Result<()>>,
+    /// redb as the checkpoint found it, for every read until it ends: a read begun meanwhile
+    /// would wait for the checkpoint's disk syncs whenever its commit grows the file (redb
+    /// syncs the longer file under the lock a read begins with), and hold up every accept with
+    /// it. `None` if it could not be taken: reads then begin their own.
+    base: Option<ReadTransaction>,
+}
+
+impl Inflight {
+    /// The layers a read sees under the overlay: what is being written, and redb under it.
+    fn layers(inflight: Option<&Inflight>) -> (Option<&Overlay>, Option<&ReadTransaction>) {
+        (inflight.map(|i| &*i.writing), inflight.and_then(|i| i.base.as_ref()))
+    }
 }
 
 impl State {
@@ -209,9 +221,9 @@ impl Shared {
     pub fn view<T>(&self, f: impl FnOnce(&Reader, &mut Index) -> Result<T>) -> Result<T> {
         let mut guard = self.lock();
         let st = &mut *guard;
-        let writing = st.inflight.as_ref().map(|i| &*i.writing);
+        let (writing, snapshot) = Inflight::layers(st.inflight.as_ref());
         let (overlay, index) = (&st.overlay, &mut st.index);
-        self.db.read(|txn| {
+        self.db.read_in(snapshot, |txn| {
             let base = Base::under(txn, writing);
             f(&Reader::new(&base, overlay), index)
         })
@@ -227,10 +239,10 @@ impl Shared {
         }
         let result = self.write_locked(st, sync, f);
         if result.is_err() {
-            let writing = st.inflight.as_ref().map(|i| &*i.writing);
-            let fresh = self
-                .db
-                .read(|txn| load_index(&Reader::new(&Base::under(txn, writing), &st.overlay)));
+            let (writing, snapshot) = Inflight::layers(st.inflight.as_ref());
+            let fresh = self.db.read_in(snapshot, |txn| {
+                load_index(&Reader::new(&Base::under(txn, writing), &st.overlay))
+            });
             match fresh {
                 Ok(fresh) => st.index = fresh,
                 // Rebuilt on the next failure; the outage itself is logged once.
@@ -253,9 +265,9 @@ impl Shared {
         sync: bool,
         f: impl FnOnce(&mut Tx, &mut Index) -> Result<T>,
     ) -> Result<(T, bool)> {
-        let writing = st.inflight.as_ref().map(|i| &*i.writing);
+        let (writing, snapshot) = Inflight::layers(st.inflight.as_ref());
         let (overlay, index) = (&mut st.overlay, &mut st.index);
-        let (out, redo, undo) = self.db.read(|txn| {
+        let (out, redo, undo) = self.db.read_in(snapshot, |txn| {
             let base = Base::under(txn, writing);
             let mut tx = Tx::new(&base, overlay);
             let out = f(&mut tx, index);
@@ -386,6 +398,15 @@ impl Shared {
             return self.checkpoint_here(st);
         }
         let last = st.next_seq - 1;
+        // Taken before the checkpoint's write begins: redb as of the last checkpoint, the layer
+        // under what this one writes.
+        let base = match self.db.snapshot() {
+            Ok(txn) => Some(txn),
+            Err(e) => {
+                log::debug!("outbox: no snapshot for the checkpoint's reads: {e}");
+                None
+            }
+        };
         let writing = Arc::new(std::mem::take(&mut st.overlay));
         std::mem::swap(&mut st.log, &mut st.spare);
         st.spare_free = false;
@@ -409,7 +430,7 @@ impl Shared {
         if let Err(e) = spawned {
             log::debug!("outbox: cannot start a checkpoint thread: {e}");
         }
-        st.inflight = Some(Inflight { writing, done });
+        st.inflight = Some(Inflight { writing, done, base });
     }
 
     /// Takes in the outcome of the checkpoint in flight, once it has one (waiting for it with

@@ -463,6 +463,39 @@ pub fn post_load(d: &Daemon, senders: usize, per_sender: usize, text: &str, tag:
     (senders * per_sender) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// `tests/fixtures/sync_shim.c` built with the system's cc (once a process): preloaded into a
+/// dynamically linked imgate (`LD_PRELOAD`), its environment makes fsync and fdatasync skip,
+/// wait, or wait while a flag file exists (see the file).
+pub fn sync_shim() -> &'static Path {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let lib = temp_dir("sync-shim").join("sync_shim.so");
+        let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sync_shim.c");
+        let built = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&lib)
+            .arg(&source)
+            .arg("-ldl")
+            .status()
+            .expect("cc runs (it links every Rust test binary here)");
+        assert!(built.success(), "cc builds {}", source.display());
+        lib
+    })
+}
+
+/// The environment that holds imgate's syncs of a file whose path ends in `suffix` while
+/// `flag` exists (the first wait creates `flag` + ".held").
+pub fn sync_hold_env(suffix: &str, flag: &Path) -> Vec<(String, String)> {
+    [
+        ("LD_PRELOAD", sync_shim().display().to_string()),
+        ("IMGATE_FSYNC_HOLD_SUFFIX", suffix.to_string()),
+        ("IMGATE_FSYNC_HOLD_FLAG", flag.display().to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
 // ---------- the reply_url receiver ----------
 
 /// One outbound request imgate made to a `reply_url`.
