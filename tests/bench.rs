@@ -413,49 +413,6 @@ fn bench_http_edge() {
     );
 }
 
-/// An LD_PRELOAD shim that makes every `fsync` and `fdatasync` of the process take at least
-/// `IMGATE_FSYNC_DELAY_US` (an SD card's latency), or none at all with `IMGATE_FSYNC_SKIP`
-/// (the ceiling without durability). Built with the system's C compiler.
-const FSYNC_SHIM: &str = r#"
-#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdlib.h>
-#include <time.h>
-static int pause_or_skip(void) {
-    if (getenv("IMGATE_FSYNC_SKIP")) return 1;
-    const char *v = getenv("IMGATE_FSYNC_DELAY_US");
-    long us = v ? atol(v) : 0;
-    if (us > 0) { struct timespec t = { us / 1000000, (us % 1000000) * 1000 }; nanosleep(&t, 0); }
-    return 0;
-}
-int fdatasync(int fd) {
-    static int (*real)(int);
-    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
-    return pause_or_skip() ? 0 : real(fd);
-}
-int fsync(int fd) {
-    static int (*real)(int);
-    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
-    return pause_or_skip() ? 0 : real(fd);
-}
-"#;
-
-fn build_shim() -> Option<std::path::PathBuf> {
-    let dir = temp_dir("fsync-shim");
-    let src = dir.join("shim.c");
-    std::fs::write(&src, FSYNC_SHIM).ok()?;
-    let out = dir.join("fsync_shim.so");
-    let ok = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-O2", "-o"])
-        .arg(&out)
-        .arg(&src)
-        .arg("-ldl")
-        .status()
-        .ok()?
-        .success();
-    ok.then_some(out)
-}
-
 /// What the state dir's disk has written so far: the loop device's own count when the state
 /// dir is an ext4 image (every write of the file system, journal included, and no other
 /// process's), after a sync so that nothing waits in the page cache; otherwise the kernel's
@@ -477,17 +434,13 @@ fn disk_written(d: &Daemon, disk: Option<&common::ext4::Ext4>) -> u64 {
 #[test]
 #[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
 fn bench_disk_latency() {
-    let Some(shim) = build_shim() else {
-        println!("no C compiler: the disk-latency model is skipped");
-        return;
-    };
     let with_wrk = std::process::Command::new("wrk").arg("--version").output().is_ok();
     if !with_wrk {
         println!("wrk is not installed: the disk-latency model is skipped (apt-get install wrk)");
         return;
     }
     let queue = "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 1GiB\nmax_bytes_total = 1GiB\n";
-    let shim = shim.to_string_lossy().into_owned();
+    let shim = sync_shim().to_string_lossy().into_owned();
     println!(
         "\n{:<22} {:>22} {:>22} {:>22}",
         "fsync model", "1 connection", "16 connections", "64 connections"
@@ -686,24 +639,7 @@ fn ingest(program: &str, deliver: bool) -> (f64, u64) {
 /// stop, once after SIGKILL with the log nearly due for a checkpoint (at most `n` messages of
 /// 1 KiB, none delivered).
 fn ready_after_kill(program: &str, n: usize) -> (Duration, Duration, u64, u64) {
-    use std::os::unix::net::UnixDatagram;
-    let dir = temp_dir("bench-ready");
-    let sock_path = dir.join("notify.sock");
-    let sock = UnixDatagram::bind(&sock_path).unwrap();
-    sock.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let ready_within = |sock: &UnixDatagram, t0: Instant| {
-        let mut buf = [0u8; 256];
-        loop {
-            let len = sock.recv(&mut buf).expect("READY=1 arrives");
-            if buf[..len].starts_with(b"READY=1") {
-                return t0.elapsed();
-            }
-        }
-    };
-    let config = config_text(free_port(), &dir, None, ROOMY_QUEUE);
-    let notify = sock_path.to_str().unwrap();
-    let mut d = Daemon::start_program(program, &dir, &config, "warn", &[("NOTIFY_SOCKET", notify)]);
-    ready_within(&sock, Instant::now());
+    let (sock, mut d) = notifying_daemon(program, &temp_dir("bench-ready"), &[]);
     d.signal("TERM");
     d.wait_exit(Duration::from_secs(20));
     let t0 = Instant::now();
@@ -711,21 +647,87 @@ fn ready_after_kill(program: &str, n: usize) -> (Duration, Duration, u64, u64) {
     let clean = ready_within(&sock, t0);
     // Rounds of 32 until the log is nearly due for a checkpoint (448 of 512 KiB), or `n` for a
     // build that does not show its log's size.
-    let text = "x".repeat(1000);
     let (mut sent, mut log_bytes) = (0, 0);
     while sent < n && log_bytes < 448 << 10 {
-        post_load(&d, 4, 8, &text, &format!("ready{sent}"));
-        sent += 32;
-        [log_bytes] = metrics(&d, ["imgate_outbox_log_bytes"]);
+        log_bytes = post_kib_round(&d, &mut sent);
     }
     d.kill();
+    let (_, after_kill, replayed) = restarted(d, &sock);
+    (clean, after_kill, log_bytes, replayed)
+}
+
+/// READY after SIGKILL with both log files full: the checkpoint that starts at 512 KiB is held
+/// in flight (a preloaded shim holds the database's syncs, `sync_hold_env`), so the messages
+/// after it fill most of the other file (about 1.7 of its 2 MiB; a record that does not fit
+/// would wait for the checkpoint); then SIGKILL. `(READY, records replayed, messages kept)`, or `None` for
+/// a build with one log file. No `/metrics` while held: it reads the database, and waits.
+fn ready_after_kill_mid_checkpoint(program: &str) -> Option<(Duration, u64, u64)> {
+    let dir = temp_dir("bench-ready-held");
+    let flag = dir.join("hold");
+    let env = sync_hold_env("/imgate.redb", &flag);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let (sock, mut d) = notifying_daemon(program, &dir, &env);
+    dir.join("state/outbox.1.log").exists().then_some(())?;
+    let mut sent = 0;
+    while sent < 4000 && post_kib_round(&d, &mut sent) < 480 << 10 {}
+    std::fs::write(&flag, "").unwrap();
+    let more = 1300;
+    post_load(&d, 4, more / 4, &"x".repeat(1000), "held");
+    sent += more;
+    assert!(dir.join("hold.held").exists(), "the checkpoint was held");
+    d.kill();
+    std::fs::remove_file(&flag).unwrap();
+    let (d, ready, replayed) = restarted(d, &sock);
+    let kept = get_json(&d.url("/status"))["unbound"]["pending"].as_u64().unwrap_or(0);
+    assert_eq!(kept, sent as u64, "every message accepted is kept");
+    Some((ready, replayed, kept))
+}
+
+/// A daemon of `program` telling READY=1 to a socket of its own, once READY came.
+fn notifying_daemon(
+    program: &str,
+    dir: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (std::os::unix::net::UnixDatagram, Daemon) {
+    let sock_path = dir.join("notify.sock");
+    let sock = std::os::unix::net::UnixDatagram::bind(&sock_path).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let config = config_text(free_port(), dir, None, ROOMY_QUEUE);
+    let notify = sock_path.to_str().unwrap();
+    let mut env = env.to_vec();
+    env.push(("NOTIFY_SOCKET", notify));
+    let d = Daemon::start_program(program, dir, &config, "warn", &env);
+    ready_within(&sock, Instant::now());
+    (sock, d)
+}
+
+fn ready_within(sock: &std::os::unix::net::UnixDatagram, t0: Instant) -> Duration {
+    let mut buf = [0u8; 256];
+    loop {
+        let len = sock.recv(&mut buf).expect("READY=1 arrives");
+        if buf[..len].starts_with(b"READY=1") {
+            return t0.elapsed();
+        }
+    }
+}
+
+/// 32 messages of 1 KiB (4 connections, 8 each), none delivered; the log's size after them.
+fn post_kib_round(d: &Daemon, sent: &mut usize) -> u64 {
+    post_load(d, 4, 8, &"x".repeat(1000), &format!("ready{sent}"));
+    *sent += 32;
+    let [log_bytes] = metrics(d, ["imgate_outbox_log_bytes"]);
+    log_bytes
+}
+
+/// A start of the stopped `d`: the daemon, the time to READY=1 and the records it replayed.
+fn restarted(d: Daemon, sock: &std::os::unix::net::UnixDatagram) -> (Daemon, Duration, u64) {
     let t0 = Instant::now();
     let d = d.restart();
-    let after_kill = ready_within(&sock, t0);
+    let ready = ready_within(sock, t0);
     let replayed = get_json(&d.url("/status"))["outbox"]["log_replayed"]
         .as_u64()
         .unwrap_or(0);
-    (clean, after_kill, log_bytes, replayed)
+    (d, ready, replayed)
 }
 
 /// The SD card at an appliance's pace, side by side with `IMGATE_BENCH_BASELINE` when set:
@@ -827,30 +829,39 @@ fn bench_sd_card() {
         );
     }
     if with_wrk && wanted("ingest, 16 connections") {
-        // This machine is shared: the ceiling alone moved between 23k and 47k req/s from one
-        // run to the next. So each round measures the ceiling and then every build, a ratio is
-        // taken within its round, and the rows give the median over the rounds with the range.
+        // This machine is shared: the ceiling alone moved between 12k and 50k req/s from one
+        // run to the next, and within a run. So the ceiling is measured before the first build
+        // and after every imgate run, each run's ratio is taken against the mean of the ceilings
+        // just before and just after it, and the rows give the median over the rounds with the
+        // range.
         let rounds: usize = std::env::var("IMGATE_BENCH_ROUNDS")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(3);
         let url = ceiling_server();
-        let mut ceilings = Vec::new();
+        let mut ceilings: Vec<f64> = Vec::new();
+        let mut ceiling = || {
+            let tag = format!("ceiling{}", ceilings.len());
+            let rate = wrk(&url, 16, Some((&tag, HOOK_SECRET)), None).expect("wrk runs").rate;
+            ceilings.push(rate);
+            rate
+        };
         let (mut alone, mut live, mut rss) = (
             vec![Vec::new(); builds.len()],
             vec![Vec::new(); builds.len()],
             vec![0; builds.len()],
         );
-        for round in 0..rounds {
-            let ceiling = wrk(&url, 16, Some((&format!("ceiling{round}"), HOOK_SECRET)), None)
-                .expect("wrk runs")
-                .rate;
-            ceilings.push(ceiling);
+        for _ in 0..rounds {
+            let mut before = ceiling();
             for (i, (_, p)) in builds.iter().enumerate() {
                 let (rate, _) = ingest(p, false);
-                alone[i].push((rate, rate / ceiling));
+                let after = ceiling();
+                alone[i].push((rate, rate / ((before + after) / 2.0)));
+                before = after;
                 let (rate, hwm) = ingest(p, true);
-                live[i].push((rate, rate / ceiling));
+                let after = ceiling();
+                live[i].push((rate, rate / ((before + after) / 2.0)));
+                before = after;
                 rss[i] = rss[i].max(hwm);
             }
         }
@@ -876,7 +887,10 @@ fn bench_sd_card() {
         };
         let (low, high) = spread(&ceilings);
         row(
-            &format!("tiny_http ceiling, 16 connections (req/s, median of {rounds})"),
+            &format!(
+                "tiny_http ceiling, 16 connections (req/s, median of {})",
+                ceilings.len()
+            ),
             vec![format!("{:.0} ({low:.0}-{high:.0})", median(&mut ceilings))],
         );
         row(
@@ -912,6 +926,17 @@ fn bench_sd_card() {
     }
     row("READY after a clean stop", clean);
     row("READY after SIGKILL, log near its checkpoint", killed);
+    let held: Vec<String> = builds
+        .iter()
+        .map(
+            |(_, p)| match std::panic::catch_unwind(|| ready_after_kill_mid_checkpoint(p)) {
+                Ok(Some((t, replayed, kept))) => format!("{:.0} ms ({replayed} records, {kept} messages)", ms(t)),
+                Ok(None) => "- (one log file)".to_string(),
+                Err(_) => "- (accepts waited for the held checkpoint)".to_string(),
+            },
+        )
+        .collect();
+    row("READY after SIGKILL, both log files full", held);
 }
 
 /// A burst of Feishu events over one long connection, into one chat or spread over 16, on this
@@ -924,15 +949,12 @@ fn bench_feishu_burst() {
     use common::feishu::FeishuSim;
     const APP: &str = "cli_bench01";
     const N: usize = 1000;
-    let shim = build_shim().map(|s| s.to_string_lossy().into_owned());
+    let shim = sync_shim().to_string_lossy().into_owned();
     println!(
         "\n{:<14} {:>28} {:>28}",
         "fsync model", "1 chat: msgs/s (commits)", "16 chats: msgs/s (commits)"
     );
-    let models: &[(&str, Option<&str>)] = match shim {
-        Some(_) => &[("this disk", None), ("10 ms", Some("10000"))],
-        None => &[("this disk", None)],
-    };
+    let models: &[(&str, Option<&str>)] = &[("this disk", None), ("10 ms", Some("10000"))];
     for (name, delay) in models {
         let mut cells = Vec::new();
         for chats in [1usize, 16] {
@@ -949,9 +971,9 @@ fn bench_feishu_burst() {
             );
             let config = config_text(free_port(), &dir, None, &queue).replace("log_level = debug", "log_level = warn");
             let mut env = Vec::new();
-            if let (Some(us), Some(shim)) = (delay, shim.as_deref()) {
+            if let Some(us) = delay {
                 env.push(("IMGATE_FSYNC_DELAY_US", *us));
-                env.push(("LD_PRELOAD", shim));
+                env.push(("LD_PRELOAD", &shim));
             }
             let d = Daemon::start_env(&dir, &config, "warn", &env);
             let mut x = d.xagent();
