@@ -188,11 +188,7 @@ impl Db {
 
     /// Runs `f` in a read transaction.
     pub fn read<T>(&self, f: impl FnOnce(&ReadTransaction) -> Result<T>) -> Result<T> {
-        let run = || -> Result<T> {
-            let txn = self.handle()?.begin_read()?;
-            f(&txn)
-        };
-        run().map_err(|e| self.seen(e))
+        f(&self.snapshot()?).map_err(|e| self.seen(e))
     }
 
     /// A read transaction to keep: what the database holds now, however it changes later.
