@@ -157,9 +157,21 @@ fn a_crash_during_replay_replays_again_and_loses_nothing() {
 
 #[test]
 fn a_log_that_cannot_be_written_answers_503_loses_nothing_and_recovers() {
+    log_fault_answers_503_loses_nothing_and_recovers("outbox-log-write");
+}
+
+/// The record reaches the file but its sync fails: refused and taken back like a failed write.
+#[test]
+fn a_log_that_cannot_be_synced_answers_503_loses_nothing_and_recovers() {
+    log_fault_answers_503_loses_nothing_and_recovers("outbox-log-sync");
+}
+
+/// ENOSPC at `point` while a flag file exists: the senders hear 503, nothing refused is
+/// stored, nothing accepted is lost, and the log recovers once the flag is gone.
+fn log_fault_answers_503_loses_nothing_and_recovers(point: &str) {
     let dir = temp_dir("logfault");
     let flag = dir.join("log-fails");
-    let fault = format!("outbox-log-write:{}", flag.display());
+    let fault = format!("{point}:{}", flag.display());
     let d = Daemon::start_env(
         &dir,
         &config_text(free_port(), &dir, None, ""),
@@ -177,7 +189,7 @@ fn a_log_that_cannot_be_written_answers_503_loses_nothing_and_recovers() {
         assert_eq!(
             (code, body),
             (503, json!({"error": "storage_unavailable"})),
-            "ENOSPC on the log"
+            "{point}: ENOSPC on the log"
         );
     }
     std::fs::remove_file(&flag).unwrap();
@@ -189,21 +201,24 @@ fn a_log_that_cannot_be_written_answers_503_loses_nothing_and_recovers() {
             break;
         }
         assert_eq!(code, 503);
-        assert!(Instant::now() < deadline, "the log never recovered");
+        assert!(Instant::now() < deadline, "{point}: the log never recovered");
         std::thread::sleep(Duration::from_millis(100));
     }
     let log = d.log();
     assert_eq!(
         log.matches("store: writes fail").count(),
         1,
-        "one line for the outage:\n{log}"
+        "{point}: one line for the outage:\n{log}"
     );
     assert!(d.log_shows("store: writes work again", Duration::from_secs(5)), "{log}");
 
     let want: BTreeSet<String> = accepted.iter().cloned().collect();
     let pushed = pushes_until(&d, &cch, &want);
-    assert_nothing_lost_and_in_order(&pushed, &accepted, "log fault");
+    assert_nothing_lost_and_in_order(&pushed, &accepted, point);
     for i in 0..10 {
-        assert!(!pushed.contains(&format!("x{i}")), "a refused message was not stored");
+        assert!(
+            !pushed.contains(&format!("x{i}")),
+            "{point}: a refused message was not stored"
+        );
     }
 }

@@ -328,7 +328,7 @@ impl Log {
     pub fn probe(&self) -> io::Result<()> {
         crate::faults::fail("outbox-log-write")?;
         match OpenOptions::new().write(true).open(&self.path) {
-            Ok(f) => f.sync_data(),
+            Ok(f) => crate::faults::fail("outbox-log-sync").and_then(|()| f.sync_data()),
             // Gone: `restart` makes a new one (and fails if the disk cannot hold it).
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),
@@ -409,7 +409,8 @@ impl Log {
             crate::faults::crash("outbox-log-torn");
         }
         let written = file.write_all_at(&self.held, at).and_then(|()| match sync {
-            true => file.sync_data(),
+            // Written but not durable: the change is taken back all the same.
+            true => crate::faults::fail("outbox-log-sync").and_then(|()| file.sync_data()),
             false => Ok(()),
         });
         // Written or not, they are gone: after an error the log is closed and the overlay,
