@@ -11,9 +11,32 @@ pub fn random_hex(bytes: usize) -> String {
     hex(&buf)
 }
 
-/// A fresh ID with `prefix`, 64 random bits (packet IDs, auth sessions).
+/// Random bytes a thread draws from the OS at a time for `short` IDs: a `message.push` carries
+/// a fresh packet ID, and one `getrandom` per 32 of them instead of one each keeps that system
+/// call off the executor's per-message path. Keys and references (`token`, `random_hex`) still
+/// come from the OS one by one.
+const SHORT_POOL: usize = 256;
+
+thread_local! {
+    static POOL: std::cell::RefCell<([u8; SHORT_POOL], usize)> =
+        const { std::cell::RefCell::new(([0; SHORT_POOL], SHORT_POOL)) };
+}
+
+/// A fresh ID with `prefix`, 64 random bits (packet IDs, request IDs, auth sessions).
 pub fn short(prefix: &str) -> String {
-    format!("{prefix}{}", random_hex(8))
+    let mut bits = [0u8; 8];
+    POOL.with(|pool| {
+        let (bytes, used) = &mut *pool.borrow_mut();
+        if *used + bits.len() > SHORT_POOL {
+            SystemRandom::new().fill(bytes).expect("the OS random source must work");
+            *used = 0;
+        }
+        bits.copy_from_slice(&bytes[*used..*used + 8]);
+        // Spent bytes are wiped, so the pool never holds an ID already handed out.
+        bytes[*used..*used + 8].fill(0);
+        *used += 8;
+    });
+    format!("{prefix}{}", hex(&bits))
 }
 
 /// A fresh unguessable reference with `prefix`, 128 random bits (reply_ref, file_ref, channel IDs).
@@ -133,6 +156,19 @@ mod tests {
         let a = token("rr_");
         assert_eq!(a.len(), 3 + 32);
         assert_ne!(a, token("rr_"));
+    }
+
+    #[test]
+    fn short_ids_stay_unique_and_64_bits_across_many_pool_refills() {
+        let ids: std::collections::HashSet<String> = (0..10 * SHORT_POOL).map(|_| short("pkt_")).collect();
+        assert_eq!(ids.len(), 10 * SHORT_POOL, "no ID repeats when the pool refills");
+        assert!(ids
+            .iter()
+            .all(|id| id.len() == 4 + 16 && id[4..].bytes().all(|b| b.is_ascii_hexdigit())));
+        assert!(
+            !ids.contains("pkt_0000000000000000"),
+            "a spent slot is never handed out again"
+        );
     }
 
     #[test]

@@ -44,6 +44,37 @@ pub fn to_string(v: &Value) -> String {
     miniserde::json::to_string(v)
 }
 
+/// Appends `v` to `out` as a JSON string: quoted, with `"`, `\` and the control characters
+/// escaped (RFC 8259 section 7), for text written without building a `Value` first.
+pub fn push_str(out: &mut String, v: &str) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    out.push('"');
+    let mut start = 0;
+    for (i, b) in v.bytes().enumerate() {
+        let short = match b {
+            b'"' => "\\\"",
+            b'\\' => "\\\\",
+            b'\n' => "\\n",
+            b'\r' => "\\r",
+            b'\t' => "\\t",
+            0..=0x1f => "",
+            _ => continue,
+        };
+        // `b` is ASCII, so `i` is a character boundary.
+        out.push_str(&v[start..i]);
+        if short.is_empty() {
+            out.push_str("\\u00");
+            out.push(HEX[usize::from(b >> 4)] as char);
+            out.push(HEX[usize::from(b & 15)] as char);
+        } else {
+            out.push_str(short);
+        }
+        start = i + 1;
+    }
+    out.push_str(&v[start..]);
+    out.push('"');
+}
+
 /// Nesting deeper than this is refused before parsing. No payload imgate reads from outside
 /// (webhook bodies, packets, Bot API and Open Platform answers, events) comes near it.
 pub const MAX_DEPTH: usize = 64;
@@ -183,5 +214,27 @@ mod tests {
             let _ = check_shape(&input);
             let _ = parse(&String::from_utf8_lossy(&input));
         }
+    }
+
+    #[test]
+    fn written_strings_parse_back_to_what_was_written() {
+        let cases = [
+            "",
+            "plain",
+            "quote \" backslash \\ slash /",
+            "lines\r\n\ttab \u{0} \u{1f} \u{7f}",
+            "caf\u{e9} \u{1f600} \u{2028}",
+        ];
+        for case in cases {
+            let mut out = String::from("[");
+            push_str(&mut out, case);
+            out.push(']');
+            let back = parse(&out).unwrap();
+            let Value::Array(items) = back else { panic!("{out}") };
+            assert!(matches!(&items[..], [Value::String(v)] if v == case), "{out}");
+        }
+        let mut out = String::new();
+        push_str(&mut out, "\u{1}");
+        assert_eq!(out, "\"\\u0001\"");
     }
 }

@@ -144,7 +144,23 @@ pub struct Packet {
     pub kind: String,
     pub time: Option<u64>,
     pub payload: Object,
+    /// A payload serialized ahead of the packet (off the executor); sent instead of `payload`.
+    pub rendered: Option<Rendered>,
     pub error: Option<(String, String)>,
+}
+
+/// A packet payload already serialized: a JSON object, as `Rendered::of` wrote it.
+#[derive(Debug, Clone)]
+pub struct Rendered(String);
+
+impl Rendered {
+    /// `payload` serialized (a payload that is not an object is sent as `{}`).
+    pub fn of(payload: Value) -> Rendered {
+        match payload {
+            Value::Object(_) => Rendered(json::to_string(&payload)),
+            _ => Rendered("{}".into()),
+        }
+    }
 }
 
 impl Packet {
@@ -158,6 +174,7 @@ impl Packet {
             kind: kind.to_string(),
             time: Some(ids::now_ms()),
             payload: Object::new(),
+            rendered: None,
             error: None,
         }
     }
@@ -190,6 +207,11 @@ impl Packet {
         if let Value::Object(o) = payload {
             self.payload = o;
         }
+        self
+    }
+
+    pub fn with_rendered(mut self, payload: Rendered) -> Packet {
+        self.rendered = Some(payload);
         self
     }
 
@@ -246,39 +268,57 @@ impl Packet {
             packet_id,
             kind,
             payload,
+            rendered: None,
             error,
         })
     }
 
-    /// The packet as sent. It takes the packet: its payload moves into the envelope instead of
-    /// being copied (a `message.push` is most of its bytes).
+    /// The packet as sent, written field by field. It takes the packet: its payload moves
+    /// into the envelope instead of being copied (a `message.push` is most of its bytes).
     pub fn into_json(self) -> String {
-        let mut o = Object::new();
-        o.insert("schema".into(), json::s(PACKET_SCHEMA));
-        o.insert("packet_id".into(), json::s(&self.packet_id));
-        if let Some(r) = &self.request_id {
-            o.insert("request_id".into(), json::s(r));
+        let payload = match self.rendered {
+            Some(Rendered(text)) => Some(text),
+            None if !self.payload.is_empty() || self.error.is_none() => {
+                Some(json::to_string(&Value::Object(self.payload)))
+            }
+            None => None,
+        };
+        let mut out = String::with_capacity(256 + payload.as_ref().map_or(0, String::len));
+        fn field(out: &mut String, key: &str, value: &str) {
+            out.push(if out.is_empty() { '{' } else { ',' });
+            json::push_str(out, key);
+            out.push(':');
+            json::push_str(out, value);
         }
-        if let Some(r) = &self.reply_to {
-            o.insert("reply_to".into(), json::s(r));
+        field(&mut out, "schema", PACKET_SCHEMA);
+        field(&mut out, "packet_id", &self.packet_id);
+        for (key, value) in [
+            ("request_id", &self.request_id),
+            ("reply_to", &self.reply_to),
+            ("connector_channel_id", &self.channel),
+        ] {
+            if let Some(v) = value {
+                field(&mut out, key, v);
+            }
         }
-        if let Some(c) = &self.channel {
-            o.insert("connector_channel_id".into(), json::s(c));
-        }
-        o.insert("type".into(), json::s(&self.kind));
+        field(&mut out, "type", &self.kind);
         if let Some(t) = self.time {
-            o.insert("time".into(), json::n(t));
+            out.push_str(",\"time\":");
+            out.push_str(&t.to_string());
         }
-        if !self.payload.is_empty() || self.error.is_none() {
-            o.insert("payload".into(), Value::Object(self.payload));
+        if let Some(p) = payload {
+            out.push_str(",\"payload\":");
+            out.push_str(&p);
         }
         if let Some((code, message)) = &self.error {
-            o.insert(
-                "error".into(),
-                json::obj([("code", json::s(code)), ("message", json::s(message))]),
-            );
+            out.push_str(",\"error\":");
+            out.push_str(&json::to_string(&json::obj([
+                ("code", json::s(code)),
+                ("message", json::s(message)),
+            ])));
         }
-        json::to_string(&Value::Object(o))
+        out.push('}');
+        out
     }
 
     /// The non-empty envelope channel, if any.
@@ -331,6 +371,34 @@ mod tests {
         let back = Packet::parse(&a.into_json()).unwrap();
         assert_eq!(back.kind, "pong");
         assert_eq!(back.channel.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn a_written_packet_parses_back_field_for_field_whatever_its_ids_hold() {
+        let odd = "r\"1\\\n\u{1}caf\u{e9}";
+        let mut p = Packet::new("error")
+            .with_channel("c\"h")
+            .with_error("invalid_packet", "bad \"thing\"");
+        p.request_id = Some(odd.into());
+        p.reply_to = Some("p\t1".into());
+        let back = Packet::parse(&p.clone().into_json()).unwrap();
+        assert_eq!(back.packet_id, p.packet_id);
+        assert_eq!(back.request_id.as_deref(), Some(odd));
+        assert_eq!(back.reply_to.as_deref(), Some("p\t1"));
+        assert_eq!(back.channel.as_deref(), Some("c\"h"));
+        assert_eq!(back.kind, "error");
+        assert_eq!(back.time, p.time);
+        assert_eq!(back.error, p.error);
+        assert!(back.payload.is_empty());
+
+        let payload = json::obj([("text", json::s("hi \"you\"")), ("n", json::n(3))]);
+        let pushed = Packet::new("message.push").with_rendered(Rendered::of(payload));
+        let back = Packet::parse(&pushed.into_json()).unwrap();
+        assert_eq!(json::get_str(&back.payload, "text"), Some("hi \"you\""));
+        assert_eq!(json::get_u64(&back.payload, "n"), Some(3));
+        assert!(back.error.is_none());
+        let empty = Packet::parse(&Packet::new("pong").into_json()).unwrap();
+        assert!(empty.payload.is_empty() && empty.request_id.is_none());
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //!
 //! Both profiles read the outbox the same way (`read_pending`): a stored message this build
 //! cannot read is never sent; it leaves the queue as `failed` (code `unreadable`), counted in
-//! the channel's figures of `/status`.
+//! the channel's figures of `/status`. The read also renders each message's payload and
+//! serializes it, on the pool: the executor, which also answers every webhook, only wraps the
+//! finished payload in its envelope.
 
 mod v1;
 mod v2;
@@ -25,8 +27,9 @@ use super::request::Ack;
 use super::{blocking, Plane};
 use crate::hub::SessionId;
 use crate::ids;
+use crate::json::Value;
 use crate::outbox::StoredMessage;
-use crate::protocol::{Packet, Profile};
+use crate::protocol::{Packet, Profile, Rendered};
 use crate::providers::inbound::Inbound;
 use crate::source::Source;
 
@@ -44,11 +47,21 @@ enum Input {
     Ack(Ack),
 }
 
-/// A pending message this build can read, ready to render.
+/// A pending message this build can read, as its profile's renderer sees it.
 pub(super) struct Readable {
-    pub seq: u64,
     pub stored: StoredMessage,
     pub inbound: Inbound,
+}
+
+/// A profile's payload of one message (`message.push` or `chat.message`).
+type Render = fn(&Plane, &Source, &Readable) -> Value;
+
+/// A pending message with its payload rendered and serialized, ready to send.
+pub(super) struct Prepared {
+    pub seq: u64,
+    pub message_id: String,
+    pub expires_at: u64,
+    pub payload: Rendered,
 }
 
 /// The messages sent and not yet confirmed: (source, seqs).
@@ -204,13 +217,14 @@ impl Shell {
     }
 }
 
-/// The next `limit` pending messages of each channel, read on the pool. A message this build
-/// cannot read leaves the queue as `failed` here, so neither profile ever sends it.
+/// The next `limit` pending messages of each channel, read and rendered on the pool. A message
+/// this build cannot read leaves the queue as `failed` here, so neither profile ever sends it.
 async fn read_pending(
     plane: &Arc<Plane>,
     channels: Vec<(String, Source)>,
     limit: usize,
-) -> Vec<(String, Source, Result<Vec<Readable>, ()>)> {
+    render: Render,
+) -> Vec<(String, Source, Result<Vec<Prepared>, ()>)> {
     blocking(plane, move |plane| {
         let now = ids::now_ms();
         channels
@@ -223,18 +237,26 @@ async fn read_pending(
                         return (cch, source, Err(()));
                     }
                 };
-                let mut readable = Vec::with_capacity(pending.len());
+                let mut prepared = Vec::with_capacity(pending.len());
                 for p in pending {
-                    match Inbound::of(&p.message) {
-                        Some(inbound) => readable.push(Readable {
-                            seq: p.seq,
-                            stored: p.message,
-                            inbound,
-                        }),
-                        None => set_aside(plane, &source, p.seq, &p.message.header.message_id),
-                    }
+                    let Some(inbound) = Inbound::of(&p.message) else {
+                        set_aside(plane, &source, p.seq, &p.message.header.message_id);
+                        continue;
+                    };
+                    let readable = Readable {
+                        stored: p.message,
+                        inbound,
+                    };
+                    let payload = Rendered::of(render(plane, &source, &readable));
+                    let header = readable.stored.header;
+                    prepared.push(Prepared {
+                        seq: p.seq,
+                        message_id: header.message_id,
+                        expires_at: header.expires_at,
+                        payload,
+                    });
                 }
-                (cch, source, Ok(readable))
+                (cch, source, Ok(prepared))
             })
             .collect()
     })

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{read_pending, tell_delivered, Input, Readable, Shell, Wait, PAUSE};
+use super::{read_pending, tell_delivered, Input, Prepared, Readable, Shell, Wait, PAUSE};
 use crate::ids;
 use crate::json::Value;
 use crate::protocol::Packet;
@@ -203,7 +203,7 @@ impl Core {
 pub(super) async fn run(shell: Shell) {
     let mut core = Core::new(Instant::now());
     // Read but not yet pushed: the messages of the round being built.
-    let mut batches: Vec<(String, Source, Vec<Readable>)> = Vec::new();
+    let mut batches: Vec<(String, Source, Vec<Prepared>)> = Vec::new();
     let mut events = std::collections::VecDeque::new();
     loop {
         while let Some(event) = events.pop_front() {
@@ -211,7 +211,7 @@ pub(super) async fn run(shell: Shell) {
                 match action {
                     Action::Read => {
                         let bound = shell.plane.hub.bound_on(shell.session);
-                        let read = read_pending(&shell.plane, bound, BATCH).await;
+                        let read = read_pending(&shell.plane, bound, BATCH, render_push).await;
                         batches = read
                             .into_iter()
                             .filter_map(|(cch, source, r)| Some((cch, source, r.ok()?)))
@@ -223,10 +223,9 @@ pub(super) async fn run(shell: Shell) {
                         events.push_back(Event::Read(found));
                     }
                     Action::PushAndPing { request_id, due } => {
-                        for (cch, source, messages) in std::mem::take(&mut batches) {
+                        for (cch, _, messages) in std::mem::take(&mut batches) {
                             for m in messages {
-                                let payload = render_push(&shell.plane, &source, &m);
-                                let packet = Packet::new("message.push").with_channel(&cch).with_payload(payload);
+                                let packet = Packet::new("message.push").with_channel(&cch).with_rendered(m.payload);
                                 if shell.out.send(packet).await.is_err() {
                                     return;
                                 }

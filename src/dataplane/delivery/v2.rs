@@ -20,11 +20,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::{read_pending, tell_delivered, Input, Readable, Shell, Wait, PAUSE};
+use super::{read_pending, tell_delivered, Input, Plane, Readable, Shell, Wait, PAUSE};
 use crate::dataplane::request::Ack;
 use crate::ids;
 use crate::json::{self, arr, obj, s, Value};
-use crate::protocol::Packet;
+use crate::protocol::{Packet, Rendered};
 use crate::source::Source;
 
 /// Pending messages read per channel at a time (held in memory while they go out one by one).
@@ -37,8 +37,8 @@ const BACKOFF_CAP: Duration = Duration::from_secs(60);
 const KEEPALIVE: Duration = Duration::from_secs(30);
 const PONG_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// A message as the core tracks it: its place, ID and expiry, and what the shell renders
-/// (`body`; the tests use `()`).
+/// A message as the core tracks it: its place, ID and expiry, and what the shell sends
+/// (`body`, its rendered payload; the tests use `()`).
 #[derive(Debug, PartialEq)]
 pub(super) struct Msg<B> {
     pub seq: u64,
@@ -361,21 +361,22 @@ impl<B> Core<B> {
 
 /// The shell: runs the core until the session ends.
 pub(super) async fn run(shell: Shell) {
-    let mut core = Core::<Readable>::new(Instant::now());
+    let mut core = Core::<Rendered>::new(Instant::now());
     let mut events = VecDeque::new();
     loop {
         while let Some(event) = events.pop_front() {
             for action in core.on(event, Instant::now(), ids::now_ms()) {
                 match action {
                     Action::Read(channels) => {
-                        for (cch, _, found) in read_pending(&shell.plane, channels, READ_AHEAD).await {
+                        let read = read_pending(&shell.plane, channels, READ_AHEAD, chat_message).await;
+                        for (cch, _, found) in read {
                             let msgs = found.ok().map(|list| {
                                 list.into_iter()
-                                    .map(|r| Msg {
-                                        seq: r.seq,
-                                        message_id: r.stored.header.message_id.clone(),
-                                        expires_at: r.stored.header.expires_at,
-                                        body: r,
+                                    .map(|p| Msg {
+                                        seq: p.seq,
+                                        message_id: p.message_id,
+                                        expires_at: p.expires_at,
+                                        body: p.payload,
                                     })
                                     .collect()
                             });
@@ -383,9 +384,7 @@ pub(super) async fn run(shell: Shell) {
                         }
                     }
                     Action::Send { cch, packet_id, msg } => {
-                        let mut packet = Packet::new("chat.message")
-                            .with_channel(&cch)
-                            .with_payload(chat_message(shell.plane.public_base(), &msg.body));
+                        let mut packet = Packet::new("chat.message").with_channel(&cch).with_rendered(msg.body);
                         packet.packet_id = packet_id;
                         if shell.out.send(packet).await.is_err() {
                             return;
@@ -422,8 +421,8 @@ pub(super) async fn run(shell: Shell) {
 
 /// The `chat.message` of a stored message: the user's words and files, nothing the model could
 /// route by (no chat or sender IDs). In a group the sender's name leads the text.
-fn chat_message(base: &str, r: &Readable) -> Value {
-    let (h, m) = (&r.stored.header, &r.inbound);
+fn chat_message(plane: &Plane, _: &Source, r: &Readable) -> Value {
+    let (h, m, base) = (&r.stored.header, &r.inbound, plane.public_base());
     let files = m.files.as_deref().unwrap_or_default();
     let mut text = m.text.clone();
     if text.is_empty() && files.is_empty() {
