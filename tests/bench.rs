@@ -474,13 +474,23 @@ fn bench_disk_latency() {
     println!("(req/s, then p50/p99 latency)");
 }
 
-/// The builds compared side by side: this one, and `IMGATE_BENCH_BASELINE` when set (an
-/// earlier build of imgate, for example the commit before a change, built with
-/// `cargo build --release` in a worktree of its own).
+/// The builds compared side by side: this one, and those `IMGATE_BENCH_BASELINE` names when
+/// set (earlier builds of imgate, for example the commit before a change, built with
+/// `cargo build --release` in a worktree of their own; several separated by commas, each
+/// headed by its file name).
 fn builds() -> Vec<(String, String)> {
     let mut out = vec![("this build".to_string(), bin().to_string())];
-    if let Ok(b) = std::env::var("IMGATE_BENCH_BASELINE") {
-        out.push(("baseline".to_string(), b));
+    let baselines = std::env::var("IMGATE_BENCH_BASELINE").unwrap_or_default();
+    let mut paths: Vec<&str> = baselines.split(',').filter(|p| !p.is_empty()).collect();
+    if let [one] = paths[..] {
+        out.push(("baseline".to_string(), one.to_string()));
+        paths.clear();
+    }
+    for p in paths {
+        let name = std::path::Path::new(p)
+            .file_name()
+            .map_or(p.into(), |n| n.to_string_lossy());
+        out.push((name.into_owned(), p.to_string()));
     }
     out
 }
