@@ -75,6 +75,99 @@ pub fn push_str(out: &mut String, v: &str) {
     out.push('"');
 }
 
+/// A JSON object written field by field into one string: for payloads made for every message
+/// (a `message.push`), without a `Value` tree to build, sort and drop. Absent optional fields
+/// are left out, as `obj` leaves out `Null`.
+pub struct ObjWriter(String);
+
+impl Default for ObjWriter {
+    fn default() -> ObjWriter {
+        ObjWriter::with_capacity(128)
+    }
+}
+
+impl ObjWriter {
+    pub fn with_capacity(bytes: usize) -> ObjWriter {
+        let mut out = String::with_capacity(bytes);
+        out.push('{');
+        ObjWriter(out)
+    }
+
+    fn key(&mut self, key: &str) -> &mut String {
+        if self.0.len() > 1 {
+            self.0.push(',');
+        }
+        push_str(&mut self.0, key);
+        self.0.push(':');
+        &mut self.0
+    }
+
+    pub fn str(&mut self, key: &str, value: &str) -> &mut ObjWriter {
+        push_str(self.key(key), value);
+        self
+    }
+
+    pub fn opt_str(&mut self, key: &str, value: Option<&str>) -> &mut ObjWriter {
+        if let Some(v) = value {
+            self.str(key, v);
+        }
+        self
+    }
+
+    pub fn num(&mut self, key: &str, value: u64) -> &mut ObjWriter {
+        let out = self.key(key);
+        let _ = std::fmt::Write::write_fmt(out, format_args!("{value}"));
+        self
+    }
+
+    pub fn bool(&mut self, key: &str, value: bool) -> &mut ObjWriter {
+        self.key(key).push_str(if value { "true" } else { "false" });
+        self
+    }
+
+    pub fn obj(&mut self, key: &str, value: ObjWriter) -> &mut ObjWriter {
+        self.key(key).push_str(&value.finish());
+        self
+    }
+
+    /// An array of strings.
+    pub fn strs<'a>(&mut self, key: &str, items: impl IntoIterator<Item = &'a str>) -> &mut ObjWriter {
+        let out = self.key(key);
+        out.push('[');
+        for (i, item) in items.into_iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            push_str(out, item);
+        }
+        out.push(']');
+        self
+    }
+
+    /// An array of objects; left out when there are none.
+    pub fn objs(&mut self, key: &str, items: impl IntoIterator<Item = ObjWriter>) -> &mut ObjWriter {
+        let mut items = items.into_iter().peekable();
+        if items.peek().is_none() {
+            return self;
+        }
+        let out = self.key(key);
+        out.push('[');
+        for (i, item) in items.enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(&item.finish());
+        }
+        out.push(']');
+        self
+    }
+
+    pub fn finish(mut self) -> String {
+        self.0.push('}');
+        self.0
+    }
+}
+
 /// Nesting deeper than this is refused before parsing. No payload imgate reads from outside
 /// (webhook bodies, packets, Bot API and Open Platform answers, events) comes near it.
 pub const MAX_DEPTH: usize = 64;
@@ -236,5 +329,34 @@ mod tests {
         let mut out = String::new();
         push_str(&mut out, "\u{1}");
         assert_eq!(out, "\"\\u0001\"");
+    }
+
+    #[test]
+    fn a_written_object_parses_back_with_every_field_and_without_the_absent_ones() {
+        let mut inner = ObjWriter::default();
+        inner.bool("yes", true).bool("no", false);
+        let mut w = ObjWriter::with_capacity(8);
+        w.str("text", "a \"quoted\"\nline")
+            .opt_str("absent", None)
+            .opt_str("present", Some("p"))
+            .num("n", u64::MAX)
+            .strs("list", ["x", "y\\"])
+            .strs("none", [])
+            .objs("files", [ObjWriter::default(), ObjWriter::default()])
+            .objs("no_files", [])
+            .obj("inner", inner);
+        let text = w.finish();
+        let Value::Object(o) = parse(&text).unwrap() else {
+            panic!("{text}")
+        };
+        assert_eq!(get_str(&o, "text"), Some("a \"quoted\"\nline"));
+        assert!(o.get("absent").is_none() && o.get("no_files").is_none(), "{text}");
+        assert_eq!(get_str(&o, "present"), Some("p"));
+        assert_eq!(get_u64(&o, "n"), Some(u64::MAX));
+        assert_eq!(to_string(&o["list"]), r#"["x","y\\"]"#);
+        assert_eq!(to_string(&o["none"]), "[]");
+        assert_eq!(to_string(&o["files"]), "[{},{}]");
+        assert_eq!(to_string(&o["inner"]), r#"{"no":false,"yes":true}"#);
+        assert_eq!(ObjWriter::default().finish(), "{}");
     }
 }

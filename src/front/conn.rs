@@ -326,11 +326,15 @@ pub fn error_bytes(status: u16, code: &str) -> Vec<u8> {
 
 /// The status line and headers of an answer.
 pub fn head_bytes(status: u16, headers: &[(&str, String)], length: u64, close: bool) -> Vec<u8> {
-    let mut out = format!("HTTP/1.1 {status} {}\r\n", reason(status));
+    use std::fmt::Write;
+    // One buffer, written in place, with room for a small body after it: every answer has a
+    // head, and a webhook's answer is mostly head.
+    let mut out = String::with_capacity(160 + length.min(1024) as usize);
+    let _ = write!(out, "HTTP/1.1 {status} {}\r\n", reason(status));
     for (name, value) in headers {
-        out.push_str(&format!("{name}: {value}\r\n"));
+        let _ = write!(out, "{name}: {value}\r\n");
     }
-    out.push_str(&format!("Content-Length: {length}\r\n"));
+    let _ = write!(out, "Content-Length: {length}\r\n");
     if close {
         out.push_str("Connection: close\r\n");
     }

@@ -149,17 +149,13 @@ pub struct Packet {
     pub error: Option<(String, String)>,
 }
 
-/// A packet payload already serialized: a JSON object, as `Rendered::of` wrote it.
+/// A packet payload already serialized: a JSON object, as `json::ObjWriter` wrote it.
 #[derive(Debug, Clone)]
 pub struct Rendered(String);
 
-impl Rendered {
-    /// `payload` serialized (a payload that is not an object is sent as `{}`).
-    pub fn of(payload: Value) -> Rendered {
-        match payload {
-            Value::Object(_) => Rendered(json::to_string(&payload)),
-            _ => Rendered("{}".into()),
-        }
+impl From<json::ObjWriter> for Rendered {
+    fn from(w: json::ObjWriter) -> Rendered {
+        Rendered(w.finish())
     }
 }
 
@@ -391,8 +387,9 @@ mod tests {
         assert_eq!(back.error, p.error);
         assert!(back.payload.is_empty());
 
-        let payload = json::obj([("text", json::s("hi \"you\"")), ("n", json::n(3))]);
-        let pushed = Packet::new("message.push").with_rendered(Rendered::of(payload));
+        let mut payload = json::ObjWriter::default();
+        payload.str("text", "hi \"you\"").num("n", 3);
+        let pushed = Packet::new("message.push").with_rendered(payload.into());
         let back = Packet::parse(&pushed.into_json()).unwrap();
         assert_eq!(json::get_str(&back.payload, "text"), Some("hi \"you\""));
         assert_eq!(json::get_u64(&back.payload, "n"), Some(3));

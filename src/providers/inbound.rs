@@ -2,7 +2,7 @@
 //! payload of every provider) and its rendering as a `message.push` payload with every field of
 //! IM profile v1 section 5.
 
-use crate::json::{self, arr, b, obj, opt_s, s, strs, Value};
+use crate::json::ObjWriter;
 use crate::outbox::StoredMessage;
 use crate::protocol::{PROFILE_V1, TOOL_REPLY};
 
@@ -79,8 +79,9 @@ pub fn redact(id: &str) -> String {
     }
 }
 
-/// The `message.push` payload (IM profile v1 sections 5, 6 and 9) of one stored message.
-pub fn render(origin: &Origin, m: &Inbound, stored: &StoredMessage) -> Value {
+/// The `message.push` payload (IM profile v1 sections 5, 6 and 9) of one stored message,
+/// written straight to its JSON: a push is made for every message delivered.
+pub fn render(origin: &Origin, m: &Inbound, stored: &StoredMessage) -> ObjWriter {
     let h = &stored.header;
     let (label, provider, base) = (origin.label, origin.provider, origin.base);
     let sender = m.sender_name.clone().unwrap_or_else(|| redact(&m.sender_id));
@@ -89,56 +90,54 @@ pub fn render(origin: &Origin, m: &Inbound, stored: &StoredMessage) -> Value {
         "User message from {}:\nSender: {}\nConversation type: {}\nMessage type: {}\nUser text: {}",
         label, sender, m.chat_type, m.message_type, user_text
     );
-    let reply = h.reply_ref.as_deref().map_or(Value::Null, |r| {
-        obj([("required", b(true)), ("tool_id", s(TOOL_REPLY)), ("reply_ref", s(r))])
-    });
-    obj([
-        ("provider", s(provider)),
-        ("profile", s(PROFILE_V1)),
-        ("event_kind", s("im.message.received")),
-        ("message_id", s(&m.message_id)),
-        ("source", s(label)),
-        ("sender_id", s(&m.sender_id)),
-        ("sender_name", s(&sender)),
-        ("display_name", s(&sender)),
-        ("chat_id", opt_s(m.chat_id.clone())),
-        ("chat_type", s(&m.chat_type)),
-        ("message_type", s(&m.message_type)),
-        ("raw_text", s(&m.text)),
-        ("text", s(text)),
-        ("reply", reply),
-        (
-            "files",
-            m.files
-                .as_ref()
-                .filter(|f| !f.is_empty())
-                .map_or(Value::Null, |f| arr(f.iter().map(|f| file_json(f, base)))),
-        ),
-        (
-            "skill",
-            obj([
-                ("skill_id", s(origin.skill)),
-                ("name", s(origin.skill)),
-                ("tool_ids", strs(origin.tools.iter().copied())),
-            ]),
-        ),
-        ("event_time", m.event_time.map_or(Value::Null, json::n)),
-        ("accepted_at", json::n(h.accepted_at)),
-        ("expires_at", json::n(h.expires_at)),
-    ])
+    let mut skill = ObjWriter::default();
+    skill
+        .str("skill_id", origin.skill)
+        .str("name", origin.skill)
+        .strs("tool_ids", origin.tools.iter().copied());
+    let mut w = ObjWriter::with_capacity(640 + 2 * m.text.len());
+    w.str("provider", provider)
+        .str("profile", PROFILE_V1)
+        .str("event_kind", "im.message.received")
+        .str("message_id", &m.message_id)
+        .str("source", label)
+        .str("sender_id", &m.sender_id)
+        .str("sender_name", &sender)
+        .str("display_name", &sender)
+        .opt_str("chat_id", m.chat_id.as_deref())
+        .str("chat_type", &m.chat_type)
+        .str("message_type", &m.message_type)
+        .str("raw_text", &m.text)
+        .str("text", &text);
+    if let Some(r) = h.reply_ref.as_deref() {
+        let mut reply = ObjWriter::default();
+        reply
+            .bool("required", true)
+            .str("tool_id", TOOL_REPLY)
+            .str("reply_ref", r);
+        w.obj("reply", reply);
+    }
+    let files = m.files.as_deref().unwrap_or_default();
+    w.objs("files", files.iter().map(|f| file_json(f, base)))
+        .obj("skill", skill);
+    if let Some(t) = m.event_time {
+        w.num("event_time", t);
+    }
+    w.num("accepted_at", h.accepted_at).num("expires_at", h.expires_at);
+    w
 }
 
 /// One file as both profiles show it: the file cache's reference and where to download it.
-pub fn file_json(f: &FileItem, base: &str) -> Value {
-    obj([
-        ("type", s(&f.kind)),
-        ("file_ref", s(&f.file_ref)),
-        ("filename", s(&f.filename)),
-        ("mime_type", s(&f.mime_type)),
-        ("byte_size", json::n(f.byte_size)),
-        ("expires_at", json::n(f.expires_at)),
-        ("download_url", s(format!("{base}/files/refs/{}", f.file_ref))),
-    ])
+pub fn file_json(f: &FileItem, base: &str) -> ObjWriter {
+    let mut w = ObjWriter::default();
+    w.str("type", &f.kind)
+        .str("file_ref", &f.file_ref)
+        .str("filename", &f.filename)
+        .str("mime_type", &f.mime_type)
+        .num("byte_size", f.byte_size)
+        .num("expires_at", f.expires_at)
+        .str("download_url", &format!("{base}/files/refs/{}", f.file_ref));
+    w
 }
 
 #[cfg(test)]

@@ -27,7 +27,6 @@ use super::request::Ack;
 use super::{blocking, Plane};
 use crate::hub::SessionId;
 use crate::ids;
-use crate::json::Value;
 use crate::outbox::StoredMessage;
 use crate::protocol::{Packet, Profile, Rendered};
 use crate::providers::inbound::Inbound;
@@ -54,7 +53,7 @@ pub(super) struct Readable {
 }
 
 /// A profile's payload of one message (`message.push` or `chat.message`).
-type Render = fn(&Plane, &Source, &Readable) -> Value;
+type Render = fn(&Plane, &Source, &Readable) -> Rendered;
 
 /// A pending message with its payload rendered and serialized, ready to send.
 pub(super) struct Prepared {
@@ -247,7 +246,7 @@ async fn read_pending(
                         stored: p.message,
                         inbound,
                     };
-                    let payload = Rendered::of(render(plane, &source, &readable));
+                    let payload = render(plane, &source, &readable);
                     let header = readable.stored.header;
                     prepared.push(Prepared {
                         seq: p.seq,

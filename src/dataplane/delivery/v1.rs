@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::{read_pending, tell_delivered, Input, Prepared, Readable, Shell, Wait, PAUSE};
 use crate::ids;
-use crate::json::Value;
-use crate::protocol::Packet;
+use crate::protocol::{Packet, Rendered};
 use crate::providers::inbound::{self, Origin};
 use crate::source::Source;
 
@@ -280,7 +279,7 @@ async fn record(shell: &Shell, round: Round) -> bool {
 }
 
 /// The `message.push` payload of a stored message: the provider names its origin.
-fn render_push(plane: &super::Plane, source: &Source, m: &Readable) -> Value {
+fn render_push(plane: &super::Plane, source: &Source, m: &Readable) -> Rendered {
     let provider = plane.providers.of(source);
     let label = provider.map_or_else(|| source.key().to_string(), |p| p.label(source));
     let origin = Origin {
@@ -290,7 +289,7 @@ fn render_push(plane: &super::Plane, source: &Source, m: &Readable) -> Value {
         base: plane.public_base(),
         skill: plane.config.server.card_id.skill_name(),
     };
-    inbound::render(&origin, &m.inbound, &m.stored)
+    inbound::render(&origin, &m.inbound, &m.stored).into()
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use super::{read_pending, tell_delivered, Input, Plane, Readable, Shell, Wait, PAUSE};
 use crate::dataplane::request::Ack;
 use crate::ids;
-use crate::json::{self, arr, obj, s, Value};
+use crate::json::ObjWriter;
 use crate::protocol::{Packet, Rendered};
 use crate::source::Source;
 
@@ -421,7 +421,7 @@ pub(super) async fn run(shell: Shell) {
 
 /// The `chat.message` of a stored message: the user's words and files, nothing the model could
 /// route by (no chat or sender IDs). In a group the sender's name leads the text.
-fn chat_message(plane: &Plane, _: &Source, r: &Readable) -> Value {
+fn chat_message(plane: &Plane, _: &Source, r: &Readable) -> Rendered {
     let (h, m, base) = (&r.stored.header, &r.inbound, plane.public_base());
     let files = m.files.as_deref().unwrap_or_default();
     let mut text = m.text.clone();
@@ -435,16 +435,15 @@ fn chat_message(plane: &Plane, _: &Source, r: &Readable) -> Value {
             .unwrap_or_else(|| crate::providers::inbound::redact(&m.sender_id));
         text = format!("{sender}: {text}");
     }
-    let files: Vec<Value> = files
-        .iter()
-        .map(|f| crate::providers::inbound::file_json(f, base))
-        .collect();
-    obj([
-        ("message_id", s(&h.message_id)),
-        ("text", if text.is_empty() { Value::Null } else { s(text) }),
-        ("files", if files.is_empty() { Value::Null } else { arr(files) }),
-        ("created_at", json::n(m.event_time.unwrap_or(h.accepted_at))),
-    ])
+    let mut w = ObjWriter::with_capacity(256 + 2 * text.len());
+    w.str("message_id", &h.message_id)
+        .opt_str("text", Some(text.as_str()).filter(|t| !t.is_empty()))
+        .objs(
+            "files",
+            files.iter().map(|f| crate::providers::inbound::file_json(f, base)),
+        )
+        .num("created_at", m.event_time.unwrap_or(h.accepted_at));
+    w.into()
 }
 
 /// Commits a batch of outcomes; false when the disk refused some (they stay pending).
