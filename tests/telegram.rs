@@ -749,3 +749,36 @@ fn uploads_over_the_file_cap_get_413_and_past_the_cache_cap_503() {
     let files = std::fs::read_dir(d.dir.join("state/files")).unwrap().count();
     assert_eq!(files, 2, "a refused upload leaves no bytes behind");
 }
+
+#[test]
+fn documents_and_photos_of_every_size_up_to_max_file_bytes_download_whole() {
+    let (d, api) = telegram("tg-sizes", MAX_FILE_CONF);
+    let (mut x, _cch) = bound(&d);
+    for (i, n) in file_sizes().into_iter().enumerate() {
+        let bytes = patterned(n, i as u8);
+        if i == 0 {
+            api.user_sends_photo(BOT, CHAT, &bytes, "a photo");
+        } else {
+            api.user_sends_document(BOT, CHAT, &bytes, "report.pdf", "application/pdf");
+        }
+        let push = x
+            .next_push(Duration::from_secs(20))
+            .expect("the file's message is pushed");
+        let file = &push["payload"]["files"][0];
+        assert_eq!(file["byte_size"], n, "{push}");
+        let (status, got) = download(&d, file);
+        assert_eq!(status, 200, "a {n}-byte file");
+        assert_same_bytes(&got, &bytes, &format!("a {n}-byte file"));
+    }
+    // One byte over the cap: the message still arrives, its text says why the file did not.
+    api.user_sends_document(
+        BOT,
+        CHAT,
+        &patterned(MAX_FILE + 1, 9),
+        "big.bin",
+        "application/octet-stream",
+    );
+    let push = x.next_push(Duration::from_secs(20)).expect("the message is pushed");
+    let text = push["payload"]["raw_text"].as_str().unwrap_or_default();
+    assert!(text.contains("max_file_bytes"), "{push}");
+}

@@ -443,3 +443,29 @@ fn activity_shows_typing_while_busy_and_stops_on_idle() {
         .1;
     assert_eq!(x.answer_to(&r)["error"]["code"], "invalid_packet");
 }
+
+#[test]
+fn files_of_every_size_up_to_max_file_bytes_upload_and_reach_a_webhook_receiver_whole() {
+    let ok = ReplyReceiver::start(200);
+    let dir = temp_dir("v2-sizes");
+    let d = Daemon::start(
+        &dir,
+        &config_text(free_port(), &dir, Some(&ok.url), &format!("{V2}{MAX_FILE_CONF}")),
+    );
+    let (mut x, cch) = d.bound_xagent();
+    for (i, n) in file_sizes().into_iter().enumerate() {
+        let bytes = patterned(n, i as u8);
+        let file_ref = upload(&d, &cch, "report.pdf", "application/pdf", &bytes);
+        let ack = x.say(
+            &cch,
+            &format!("s{i}"),
+            "",
+            json!([{"type": "file", "file_ref": file_ref}]),
+        );
+        assert_eq!(ack["payload"]["status"], "accepted", "{ack}");
+        let body: Value = serde_json::from_str(&ok.rx.recv_timeout(Duration::from_secs(10)).unwrap().body).unwrap();
+        let (status, got) = download_url(&d, body["files"][0]["download_url"].as_str().unwrap());
+        assert_eq!(status, 200, "a {n}-byte file");
+        assert_same_bytes(&got, &bytes, &format!("a {n}-byte file"));
+    }
+}

@@ -18,6 +18,11 @@ use crate::protocol::card;
 /// How long a handler started for a request waits for tiny_http to hand it over.
 const HANDOVER: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// tiny_http switches an answer of this many bytes or more to chunked encoding unless told
+/// otherwise; every answer of ours has a known length and the front door's relay reads it as
+/// `Content-Length` (it refuses chunked answers), so none may be chunked.
+const NEVER_CHUNKED: usize = usize::MAX;
+
 /// Called once per request written to the internal socket, so that a handler takes it
 /// (tiny_http's `recv`).
 pub type Dispatch = Box<dyn Fn() + Send + Sync>;
@@ -176,7 +181,9 @@ fn download(app: &App, req: Request, file_ref: &str) {
     };
     match std::fs::File::open(&path) {
         Ok(f) => {
-            let mut resp = Response::from_file(f).with_header(content_type(&rec.mime_type));
+            let mut resp = Response::from_file(f)
+                .with_header(content_type(&rec.mime_type))
+                .with_chunked_threshold(NEVER_CHUNKED);
             if let Some(h) = header_of("Content-Disposition", &disposition(&rec.filename)) {
                 resp = resp.with_header(h);
             }
@@ -298,7 +305,7 @@ fn handle(app: &App, mut req: Request, more_metrics: MoreMetrics) {
         _ => error(404, "not_found"),
     };
     let status = response.status_code().0;
-    if let Err(e) = req.respond(response) {
+    if let Err(e) = req.respond(response.with_chunked_threshold(NEVER_CHUNKED)) {
         log::debug!("http: {method} {path}: client went away: {e}");
     } else {
         log::debug!("http: {method} {path} -> {status}");

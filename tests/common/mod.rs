@@ -356,9 +356,45 @@ fn agent() -> ureq::Agent {
 
 /// A pushed file's bytes from its `download_url`, and the status.
 pub fn download(d: &Daemon, file: &Value) -> (u16, Vec<u8>) {
-    let url = d.url(file["download_url"].as_str().expect("a file has a download_url"));
-    let mut r = load_agent().get(&url).call().unwrap();
-    (r.status().as_u16(), r.body_mut().read_to_vec().unwrap())
+    download_url(d, file["download_url"].as_str().expect("a file has a download_url"))
+}
+
+/// `GET` of a file's path below imgate's base URL: (status, the whole body, however large).
+pub fn download_url(d: &Daemon, path: &str) -> (u16, Vec<u8>) {
+    let mut r = load_agent().get(&d.url(path)).call().unwrap();
+    let status = r.status().as_u16();
+    let body = r.body_mut().with_config().limit(u64::MAX).read_to_vec().unwrap();
+    (status, body)
+}
+
+/// `[files] max_file_bytes` of the tests of files of every size.
+pub const MAX_FILE: usize = 6 << 20;
+/// Their config section.
+pub const MAX_FILE_CONF: &str = "[files]\nmax_file_bytes = 6MiB\n";
+
+/// The sizes every media path is tested at: a photo (100 KiB), a document (5 MiB) and a file
+/// of exactly `max_file_bytes`, each past tiny_http's 32 KiB switch to chunked answers.
+pub fn file_sizes() -> [usize; 3] {
+    [100 << 10, 5 << 20, MAX_FILE]
+}
+
+/// `n` bytes that differ from those of any other `seed` and repeat only every 251 bytes, so a
+/// dropped, repeated or reordered block shows.
+pub fn patterned(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| ((i % 251) as u8).wrapping_add(seed.wrapping_mul(31)))
+        .collect()
+}
+
+/// Asserts that `got` is `want`, naming the first differing offset rather than dumping MiBs.
+pub fn assert_same_bytes(got: &[u8], want: &[u8], what: &str) {
+    let first = got.iter().zip(want).position(|(a, b)| a != b);
+    assert!(
+        got.len() == want.len() && first.is_none(),
+        "{what}: {} bytes where {} were sent, first difference at {first:?}",
+        got.len(),
+        want.len()
+    );
 }
 
 pub fn http_get(url: &str, headers: &[(&str, &str)]) -> (u16, String) {
