@@ -13,7 +13,8 @@ use smol::future::FutureExt;
 const USAGE: &str = "usage:
   imgate [run] [--config FILE]   run the daemon in the foreground
   imgate check [--config FILE]   validate the config and print the effective policy
-  imgate init [FILE|-]           write the commented default config (never overwrites)
+  imgate init [FILE|-]           write the commented default config with a fresh api_key
+                                 (mode 0600, never overwrites; `-`: the template, no key)
   imgate status [--config FILE]  show channels and queues of the running daemon
   imgate --version               name, version, git rev, build time";
 
@@ -85,15 +86,24 @@ fn config_flag(rest: &[String]) -> Result<Option<PathBuf>, String> {
 fn init(rest: &[String]) -> ExitCode {
     let target = rest.first().map(String::as_str).unwrap_or("imgate.conf");
     if target == "-" {
+        // Standard output may end up in a log or a terminal's scrollback: no key there.
         print!("{}", config::TEMPLATE);
         return ExitCode::SUCCESS;
     }
     let path = Path::new(target);
-    let file = std::fs::OpenOptions::new().write(true).create_new(true).open(path);
-    match file.and_then(|mut f| f.write_all(config::TEMPLATE.as_bytes())) {
+    // The file holds secrets: only its owner reads it, from the moment it exists.
+    let file = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+    };
+    match file.and_then(|mut f| f.write_all(with_fresh_key(config::TEMPLATE).as_bytes())) {
         Ok(()) => {
             println!(
-                "wrote {}; edit it, then `imgate check --config {}`",
+                "wrote {} (readable by you alone) with a fresh api_key for xAgent; edit it, then `imgate check --config {}`",
                 path.display(),
                 path.display()
             );
@@ -108,6 +118,12 @@ fn init(rest: &[String]) -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// The template with `api_key` set to 32 random bytes in hex, so a config written by `init`
+/// is safe on any listener.
+fn with_fresh_key(template: &str) -> String {
+    template.replacen("\napi_key =\n", &format!("\napi_key = {}\n", ids::random_hex(32)), 1)
 }
 
 fn init_logging(level: &str) {
@@ -204,8 +220,11 @@ fn run(cfg: config::Config) -> ExitCode {
         app.connector_id,
         names.join(", ")
     );
-    if app.config.server.api_key.is_none() && !app.config.server.listen.ip().is_loopback() {
-        log::warn!("api_key is empty on a non-loopback listener: anyone who can reach it can act as xAgent");
+    if app.config.server.api_key.is_none() && app.config.server.exposure().is_some() {
+        // Only with allow_unauthenticated = true: the config is refused otherwise.
+        log::warn!(
+            "no api_key on a port other machines reach (allow_unauthenticated = true): anyone who reaches it can act as xAgent and read every message"
+        );
     }
     runtime::spawn(maintenance::run(Arc::downgrade(&plane))).detach();
     app.providers.bindings_changed(&app.channels);

@@ -48,9 +48,42 @@ pub struct Server {
     pub log_level: String,
     /// `connector_card_id`: one per device in a fleet.
     pub card_id: CardId,
+    /// No `api_key` on a port other machines reach, on purpose (`allow_unauthenticated`).
+    pub allow_unauthenticated: bool,
+}
+
+/// How a port is reachable from other machines.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Exposure {
+    /// `listen` is not a loopback address.
+    Listen,
+    /// `public_url` names a host other than a loopback one (a reverse proxy or tunnel).
+    PublicUrl,
+}
+
+/// Whether a URL's host is this machine alone (`localhost`, `127.0.0.0/8`, `[::1]`).
+fn loopback_url(url: &str) -> bool {
+    let authority = url.split("://").nth(1).unwrap_or("").split('/').next().unwrap_or("");
+    let host = authority.rsplit('@').next().unwrap_or("");
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.split(':').next().unwrap_or(""),
+    };
+    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 impl Server {
+    /// How other machines can reach the port, if they can.
+    pub fn exposure(&self) -> Option<Exposure> {
+        if !self.listen.ip().is_loopback() {
+            Some(Exposure::Listen)
+        } else if self.public_url.as_deref().is_some_and(|u| !loopback_url(u)) {
+            Some(Exposure::PublicUrl)
+        } else {
+            None
+        }
+    }
+
     /// The connections one client address may hold when `max` are served: a quarter of them
     /// unless configured; `None` when the cap is off (`max_connections_per_client = 0`).
     pub fn per_client_cap(&self, max: usize) -> Option<usize> {
@@ -325,6 +358,11 @@ impl<'s, 'p> Fields<'s, 'p> {
         self.problems.err(self.section.line, msg);
     }
 
+    /// The line `key` is on, without taking it.
+    pub fn line_of(&self, key: &str) -> Option<usize> {
+        self.section.entries.iter().find(|e| e.key == key).map(|e| e.line)
+    }
+
     /// The value as written, empty included.
     pub fn raw(&mut self, key: &str) -> Option<(String, usize)> {
         self.take(key)
@@ -519,13 +557,15 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>, readers: &[Reader]) -> 
 
 fn read_server(s: &mut Server, section: &Section, p: &mut Problems) {
     let mut f = Fields::new(section, p, &["api_key"]);
+    let mut listen_line = None;
     if let Some((value, line)) = f.raw("listen") {
         match value.parse::<SocketAddr>() {
-            Ok(a) => s.listen = a,
+            Ok(a) => (s.listen, listen_line) = (a, Some(line)),
             Err(_) => f.err_at(line, format!("listen: `{value}` is not an address like 127.0.0.1:8787")),
         }
     }
     s.api_key = f.secret("api_key");
+    let public_url_line = f.line_of("public_url");
     if let Some((value, line)) = f.raw("state_dir") {
         if value.is_empty() {
             f.err_at(line, "state_dir must not be empty");
@@ -550,6 +590,31 @@ fn read_server(s: &mut Server, section: &Section, p: &mut Problems) {
         match CardId::parse(&value) {
             Ok(id) => s.card_id = id,
             Err(why) => f.err_at(line, format!("card_id: `{value}` {why}")),
+        }
+    }
+    s.allow_unauthenticated = f.bool("allow_unauthenticated").unwrap_or(false);
+    if s.api_key.is_none() && !s.allow_unauthenticated {
+        // Anyone who reaches the port could open `/ws` and read every message: refused
+        // unless said explicitly, like an MQTT broker's anonymous listener.
+        let exposed = match (s.exposure(), listen_line, public_url_line) {
+            (Some(Exposure::Listen), Some(line), _) => {
+                Some((line, format!("listen = {} is reachable from other machines", s.listen)))
+            }
+            (Some(Exposure::PublicUrl), _, Some(line)) => Some((
+                line,
+                "public_url makes the port reachable from other machines".to_string(),
+            )),
+            _ => None,
+        };
+        if let Some((line, what)) = exposed {
+            f.err_at(
+                line,
+                format!(
+                    "{what} but no api_key is set: anyone there could read every message. Set api_key \
+                     or api_key_file (`imgate init` writes a config with a fresh key), listen on 127.0.0.1, \
+                     or set allow_unauthenticated = true to accept that"
+                ),
+            );
         }
     }
     f.finish();
@@ -726,6 +791,7 @@ impl Config {
                 max_body: 1 << 20,
                 log_level: "info".into(),
                 card_id: CardId::default(),
+                allow_unauthenticated: false,
             },
             xagent: Xagent {
                 dial: None,
@@ -860,6 +926,28 @@ mod tests {
             read: read_family,
         },
     ];
+
+    #[test]
+    fn only_a_loopback_host_keeps_a_public_url_on_this_machine() {
+        for url in [
+            "http://127.0.0.1:8787",
+            "http://localhost/x",
+            "https://[::1]:9/",
+            "http://127.9.9.9",
+        ] {
+            assert!(loopback_url(url), "{url}");
+        }
+        for url in [
+            "https://pi.example.net",
+            "http://127.0.0.1.example.net",
+            "http://localhost@evil.example",
+            "http://[::2]:1",
+            "http://192.168.1.2",
+            "http://",
+        ] {
+            assert!(!loopback_url(url), "{url}");
+        }
+    }
 
     fn errors(text: &str) -> Vec<String> {
         match parse(text, "t.conf", None, &READERS) {

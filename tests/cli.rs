@@ -97,21 +97,134 @@ fn secret_file_bare_name_comes_from_the_credentials_directory() {
 }
 
 #[test]
-fn init_writes_the_shipped_example_config_and_never_overwrites() {
+fn init_writes_the_shipped_config_with_a_fresh_key_for_its_owner_alone_and_never_overwrites() {
+    use std::os::unix::fs::PermissionsExt;
     let dir = temp_dir("init");
     let target = dir.join("imgate.conf");
     let out = imgate(&["init", target.to_str().unwrap()]);
     assert!(out.status.success());
+    let mode = std::fs::metadata(&target).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the config holds secrets");
     let written = std::fs::read_to_string(&target).unwrap();
     let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/imgate.conf")).unwrap();
-    assert_eq!(written, shipped, "systemd/imgate.conf is exactly what init writes");
+    let key_line = written.lines().find(|l| l.starts_with("api_key = ")).unwrap();
+    let key = key_line.trim_start_matches("api_key = ");
+    assert!(
+        key.len() == 64 && key.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{key_line}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains(key),
+        "the key is not printed"
+    );
+    assert_eq!(
+        written.replace(key_line, "api_key ="),
+        shipped,
+        "systemd/imgate.conf is what init writes, with a key"
+    );
+    let other = dir.join("other.conf");
+    assert!(imgate(&["init", other.to_str().unwrap()]).status.success());
+    assert!(
+        !std::fs::read_to_string(&other).unwrap().contains(key),
+        "every config gets its own key"
+    );
     let again = imgate(&["init", target.to_str().unwrap()]);
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
     let stdout = imgate(&["init", "-"]);
     assert_eq!(String::from_utf8_lossy(&stdout.stdout), shipped);
+    // The written config is valid, also once it listens on the LAN: it has a key.
+    std::fs::write(
+        &target,
+        written.replace("listen = 127.0.0.1:8787", "listen = 0.0.0.0:8787"),
+    )
+    .unwrap();
     let check = imgate(&["check", "--config", target.to_str().unwrap()]);
-    assert!(check.status.success(), "the written config is valid");
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+}
+
+#[test]
+fn a_port_other_machines_reach_without_an_api_key_is_refused_unless_allowed_explicitly() {
+    let dir = temp_dir("open-port");
+    let conf = dir.join("open.conf");
+    let check = |text: &str| {
+        std::fs::write(&conf, text).unwrap();
+        imgate(&["check", "--config", conf.to_str().unwrap()])
+    };
+    let name = conf.display().to_string();
+    for (text, line) in [
+        (
+            "[server]
+listen = 0.0.0.0:8787
+",
+            2,
+        ),
+        (
+            "[server]
+listen = [::]:8787
+",
+            2,
+        ),
+        (
+            "[server]
+listen = 192.168.1.20:8787
+",
+            2,
+        ),
+        (
+            "[server]
+api_key =
+public_url = https://pi.example.net/imgate
+",
+            3,
+        ),
+    ] {
+        let out = check(text);
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("{name}:{line}: ")), "{text}: {err}");
+        assert!(
+            err.contains("no api_key") && err.contains("allow_unauthenticated"),
+            "{err}"
+        );
+    }
+    for text in [
+        "[server]
+listen = 127.0.0.1:8787
+",
+        "[server]
+listen = [::1]:8787
+public_url = http://localhost:8787
+",
+        "[server]
+listen = 0.0.0.0:8787
+api_key = k
+",
+        "[server]
+listen = 0.0.0.0:8787
+allow_unauthenticated = true
+",
+    ] {
+        let out = check(text);
+        assert!(out.status.success(), "{text}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // `run` reads the config the same way: it exits 2 before it binds anything.
+    let port = free_port();
+    std::fs::write(
+        &conf,
+        format!(
+            "[server]
+listen = 0.0.0.0:{port}
+state_dir = {}
+",
+            dir.join("s").display()
+        ),
+    )
+    .unwrap();
+    let out = imgate(&["run", "--config", conf.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("{name}:2: ")));
+    assert!(!dir.join("s").exists(), "nothing was started");
 }
 
 #[test]
