@@ -12,6 +12,8 @@
 # --version overrides Cargo.toml's (the install test builds a newer one); --only and --deb-arch
 # build a subset. Maintainer and Homepage come from Cargo.toml's authors and homepage.
 set -euo pipefail
+# A failure inside $(…) ends the script too (bash does not pass -e into substitutions by default).
+shopt -s inherit_errexit
 cd "$(dirname "$0")/.."
 
 cargo_field() { sed -n "s/^$1 = \"\\(.*\\)\"/\\1/p" Cargo.toml | head -n 1; }
@@ -204,13 +206,24 @@ build_ipk() {
   echo "$out/imgate_${version}_${arch}.ipk"
 }
 
+deb_list=() ipk_list=()
+[ "$only" = ipk ] || deb_list=("${deb_arches[@]}")
+[ "$only" = deb ] || ipk_list=(aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 x86_64)
+# Every binary is looked for before anything is built: a missing one names itself and nothing
+# is written, rather than a package without its binary.
+declare -A looked=()
+missing=0
+for a in "${deb_list[@]}" "${ipk_list[@]}"; do
+  t=$(rust_target "$a")
+  [ -z "${looked[$t]:-}" ] || continue
+  looked[$t]=1
+  binary "$a" >/dev/null || missing=1
+done
+[ "$missing" = 0 ] || exit 1
+
 built=()
-if [ "$only" != ipk ]; then
-  for a in "${deb_arches[@]}"; do built+=("$(build_deb "$a")"); done
-fi
-if [ "$only" != deb ]; then
-  for a in aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 x86_64; do built+=("$(build_ipk "$a")"); done
-fi
+for a in "${deb_list[@]}"; do pkg=$(build_deb "$a"); built+=("$pkg"); done
+for a in "${ipk_list[@]}"; do pkg=$(build_ipk "$a"); built+=("$pkg"); done
 (cd "$out" && sha256sum -- "${built[@]##*/}" > SHA256SUMS)
 for f in "${built[@]}"; do printf '%s: %s bytes\n' "$f" "$(stat -c %s "$f")"; done
 echo "$out/SHA256SUMS"
