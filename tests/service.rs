@@ -189,6 +189,113 @@ fn the_unit_file_passes_systemd_analyze_verify() {
         out.status.success() && err.trim().is_empty(),
         "systemd-analyze verify: {err}"
     );
+    // systemd's own rating of the sandbox: 0 is locked down, 10 is none; 3.0 or less is "OK".
+    let out = Command::new("systemd-analyze")
+        .args(["security", "--offline=true", "--no-pager"])
+        .arg(&copy)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let level: f64 = text
+        .lines()
+        .find_map(|l| l.split_once("Overall exposure level for imgate.service: "))
+        .and_then(|(_, rest)| rest.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("systemd-analyze security printed no level: {text}"));
+    assert!(level <= 3.0, "exposure {level}: {text}");
+}
+
+/// The system calls a set of systemd's `SystemCallFilter=` allows, sub-sets expanded, as this
+/// machine's `systemd-analyze syscall-filter` lists them.
+fn syscall_set(all: &str, name: &str, out: &mut std::collections::BTreeSet<String>) {
+    let mut lines = all.lines().skip_while(|l| *l != name).skip(1);
+    for line in lines.by_ref().take_while(|l| !l.trim().is_empty()) {
+        let item = line.trim();
+        if item.starts_with('#') {
+            continue;
+        }
+        if item.starts_with('@') {
+            syscall_set(all, item, out);
+        } else {
+            out.insert(item.to_string());
+        }
+    }
+}
+
+/// The unit's filter (`@system-service` less `@privileged`) is enforced by systemd alone, and
+/// a call outside it kills imgate on every board at its first use: every call made by a run
+/// that serves webhooks, the data plane, an upload, a download, /status and a SIGTERM is
+/// traced here and must be in the set.
+#[test]
+fn every_system_call_imgate_makes_passes_the_units_filter() {
+    let unit = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/systemd/imgate.service")).unwrap();
+    assert!(unit.contains("SystemCallFilter=@system-service\nSystemCallFilter=~@privileged\n"));
+    let Ok(strace) = Command::new("strace").arg("-V").output() else {
+        panic!("strace is needed (apt-get install strace; .ci/run installs it)");
+    };
+    assert!(strace.status.success());
+    let listed = Command::new("systemd-analyze").arg("syscall-filter").output().unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout).to_string();
+    let (mut allowed, mut denied) = (Default::default(), Default::default());
+    syscall_set(&listed, "@system-service", &mut allowed);
+    syscall_set(&listed, "@privileged", &mut denied);
+    assert!(allowed.contains("read") && denied.contains("setuid"), "{listed}");
+
+    let dir = temp_dir("syscalls");
+    let trace = dir.join("trace");
+    let trace_arg = trace.to_str().unwrap().to_string();
+    let mut d = Daemon::start_wrapped(
+        &dir,
+        &config_text(free_port(), &dir, None, ""),
+        &["strace", "-f", "-qq", "-o", &trace_arg],
+    );
+    let (mut x, cch) = d.bound_xagent();
+    let (code, _) = d.post_hook("alerts", &json!({"message_id": "s1", "sender_id": "u", "text": "hi"}));
+    assert_eq!(code, 202);
+    assert!(x.next_push(Duration::from_secs(20)).is_some());
+    let (code, up) = upload_as(&d, &cch, "a.bin", "application/octet-stream", &patterned(100 << 10, 1));
+    assert_eq!(code, 200, "{up}");
+    assert_eq!(
+        http_get(&d.url("/status"), &[("Authorization", &format!("Bearer {API_KEY}"))]).0,
+        200
+    );
+    assert_eq!(http_get(&d.url("/files/refs/file_00"), &[]).0, 404);
+    drop(x);
+    // The child is strace; imgate is its child, and strace exits with imgate's status.
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", d.pid())).unwrap();
+    let imgate = children.split_whitespace().next().expect("strace runs imgate");
+    assert!(Command::new("kill").args(["-TERM", imgate]).status().unwrap().success());
+    assert!(
+        d.wait_exit(Duration::from_secs(20)).is_some_and(|s| s.success()),
+        "{}",
+        d.log()
+    );
+
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let mut made = std::collections::BTreeSet::new();
+    for line in text.lines() {
+        // "PID name(args) = result", or a call resumed after another thread's.
+        let Some(call) = line.split_once(' ').map(|(_, rest)| rest.trim_start()) else {
+            continue;
+        };
+        let name: String = call
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        if !name.is_empty() && call[name.len()..].starts_with('(') {
+            made.insert(name);
+        }
+    }
+    // The exec that starts imgate is strace's, before the filter would apply.
+    made.remove("execve");
+    assert!(made.contains("epoll_wait") || made.contains("epoll_pwait"), "{made:?}");
+    let outside: Vec<&String> = made
+        .iter()
+        .filter(|c| !allowed.contains(*c) || denied.contains(*c))
+        .collect();
+    assert!(
+        outside.is_empty(),
+        "calls the unit's filter refuses: {outside:?} (of {made:?})"
+    );
 }
 
 #[test]
