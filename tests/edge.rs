@@ -496,6 +496,11 @@ fn finding_7_refusals_are_counted_and_each_cause_logged_at_most_once_a_minute() 
     for cause in ["unauthorized", "bad_request", "ws_refused"] {
         let lines = log.matches(&format!("front door: {cause}")).count();
         assert_eq!(lines, 1, "{cause} logged {lines} times:\n{log}");
+        // The client's address, for fail2ban and the like.
+        assert!(
+            log.contains(&format!("front door: {cause} from 127.0.0.1: ")),
+            "{cause} names no client:\n{log}"
+        );
     }
 }
 

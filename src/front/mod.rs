@@ -19,7 +19,7 @@ pub mod slots;
 pub mod stats;
 pub mod upgrade;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -186,7 +186,7 @@ impl FrontDoor {
 
     /// A provider route's answer from the head alone (unknown endpoint, wrong secret), given
     /// before the body is read or invited by `100 Continue`.
-    fn screen(&self, head: &Head, route: &str) -> Option<Answer> {
+    fn screen(&self, head: &Head, route: &str, client: IpAddr) -> Option<Answer> {
         let plane = self.plane.upgrade()?;
         let provider = plane.providers.for_route(&head.method, route)?;
         let refused = provider.screen(&HttpRequest {
@@ -195,13 +195,13 @@ impl FrontDoor {
             body: &[],
         })?;
         if refused.status == 401 {
-            stats::note(Cause::Unauthorized, &format!("{} {route}", head.method));
+            stats::note(Cause::Unauthorized, Some(client), &format!("{} {route}", head.method));
         }
         Some(Answer::json(refused.status, json::to_string(&refused.body)))
     }
 
     /// Reads a body of at most `cap` bytes, held against `budget`.
-    fn read(&self, head: &Head, cap: u64, budget: &Arc<Budget>) -> Plan {
+    fn read(&self, head: &Head, cap: u64, budget: &Arc<Budget>, client: IpAddr) -> Plan {
         let size = match head.body {
             Framing::None => 0,
             Framing::Length(n) if n < SMALL_BODY => 0,
@@ -214,7 +214,7 @@ impl FrontDoor {
             match budget.take(size) {
                 Some(t) => Some(t),
                 None => {
-                    stats::note(Cause::Busy, "too many request bodies in memory at once");
+                    stats::note(Cause::Busy, Some(client), "too many request bodies in memory at once");
                     return Plan::Answer(Answer::error(503, "busy"));
                 }
             }
@@ -231,6 +231,7 @@ impl FrontDoor {
         head: &Head,
         route: &str,
         body: Vec<u8>,
+        client: IpAddr,
     ) -> Answer {
         let handled = if body.len() <= INLINE_PARSE {
             provider.handle(&HttpRequest {
@@ -256,12 +257,12 @@ impl FrontDoor {
             ProviderReply::Blocking(work) => crate::runtime::unblock(work).await,
         };
         if answer.status == 401 {
-            stats::note(Cause::Unauthorized, &format!("{} {route}", head.method));
+            stats::note(Cause::Unauthorized, Some(client), &format!("{} {route}", head.method));
         }
         Answer::json(answer.status, json::to_string(&answer.body))
     }
 
-    async fn relay_answer(&self, head: &Head, body: Vec<u8>) -> Answer {
+    async fn relay_answer(&self, head: &Head, body: Vec<u8>, client: IpAddr) -> Answer {
         // HEAD is GET without the body; the front door leaves the body out.
         let method = if head.method == "HEAD" {
             "GET"
@@ -278,7 +279,11 @@ impl FrontDoor {
         match self.backend.exchange(&req).await {
             Ok(mut r) => {
                 if r.status == 401 {
-                    stats::note(Cause::Unauthorized, &format!("{} {}", head.method, head.path));
+                    stats::note(
+                        Cause::Unauthorized,
+                        Some(client),
+                        &format!("{} {}", head.method, head.path),
+                    );
                 }
                 let (status, headers) = (r.status, std::mem::take(&mut r.headers));
                 // A small answer goes out in one write with its head; a file streams through.
@@ -298,7 +303,7 @@ impl FrontDoor {
                 }
             }
             Err(RelayError::Busy) => {
-                stats::note(Cause::Busy, "every internal handler busy");
+                stats::note(Cause::Busy, Some(client), "every internal handler busy");
                 Answer::error(503, "busy")
             }
             Err(RelayError::Unavailable) => {
@@ -313,27 +318,48 @@ impl FrontDoor {
     }
 }
 
-impl Service for FrontDoor {
+/// The front door as one connection sees it: what it refuses is logged with the client's
+/// address.
+struct ForClient<'a> {
+    door: &'a FrontDoor,
+    ip: IpAddr,
+}
+
+impl Service for ForClient<'_> {
     fn plan(&self, head: &Head) -> Plan {
+        self.door.plan(head, self.ip)
+    }
+
+    fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>) -> Reply<'a> {
+        self.door.answer(head, body, self.ip)
+    }
+
+    fn refused(&self, why: Refused) {
+        self.door.refused(why, self.ip)
+    }
+}
+
+impl FrontDoor {
+    fn plan(&self, head: &Head, client: IpAddr) -> Plan {
         let route = self.route(&head.path);
         if route == "/ws" && matches!(head.method.as_str(), "GET" | "HEAD") {
-            return ws_plan(head);
+            return ws_plan(head, client);
         }
         if route == "/files/uploads" && head.method == "POST" {
             // Authenticated before a byte of a file is read.
             if !self.authorized(head) {
-                stats::note(Cause::Unauthorized, "POST /files/uploads");
+                stats::note(Cause::Unauthorized, Some(client), "POST /files/uploads");
                 return Plan::Answer(Answer::error(401, "unauthorized"));
             }
-            return self.read(head, self.upload_cap, &self.uploads);
+            return self.read(head, self.upload_cap, &self.uploads, client);
         }
-        if let Some(refused) = self.screen(head, route) {
+        if let Some(refused) = self.screen(head, route, client) {
             return Plan::Answer(refused);
         }
-        self.read(head, self.max_body, &self.bodies)
+        self.read(head, self.max_body, &self.bodies, client)
     }
 
-    fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>) -> Reply<'a> {
+    fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>, client: IpAddr) -> Reply<'a> {
         Box::pin(async move {
             let Some(plane) = self.plane.upgrade() else {
                 return Answer::error(503, "stopping").closing();
@@ -341,21 +367,22 @@ impl Service for FrontDoor {
             let route = self.route(&head.path);
             if let Some(provider) = plane.providers.for_route(&head.method, route).cloned() {
                 drop(plane);
-                return self.provider_answer(provider, head, route, body).await;
+                return self.provider_answer(provider, head, route, body, client).await;
             }
             drop(plane);
-            self.relay_answer(head, body).await
+            self.relay_answer(head, body, client).await
         })
     }
 
-    fn refused(&self, why: Refused) {
-        match why {
-            Refused::BadHead(0) => stats::note(Cause::BadRequest, "HTTP/2 connection preface closed"),
-            Refused::BadHead(status) => stats::note(Cause::BadRequest, &format!("malformed request head ({status})")),
-            Refused::BadBody(status) => stats::note(Cause::BadBody, &format!("request body refused ({status})")),
-            Refused::SlowHead => stats::note(Cause::SlowHead, "request head not complete in time"),
-            Refused::SlowBody => stats::note(Cause::SlowBody, "request body stalled or too slow"),
-        }
+    fn refused(&self, why: Refused, client: IpAddr) {
+        let (cause, detail) = match why {
+            Refused::BadHead(0) => (Cause::BadRequest, "HTTP/2 connection preface closed".to_string()),
+            Refused::BadHead(status) => (Cause::BadRequest, format!("malformed request head ({status})")),
+            Refused::BadBody(status) => (Cause::BadBody, format!("request body refused ({status})")),
+            Refused::SlowHead => (Cause::SlowHead, "request head not complete in time".to_string()),
+            Refused::SlowBody => (Cause::SlowBody, "request body stalled or too slow".to_string()),
+        };
+        stats::note(cause, Some(client), &detail);
     }
 }
 
@@ -364,15 +391,23 @@ impl Service for FrontDoor {
 /// the GET of a non-handshake would be (426). A handshake has no body: bytes after its head are
 /// the client's first frames, so a body there would be run as frames (RFC 9112 6.3). Refused
 /// before the `101`.
-fn ws_plan(head: &Head) -> Plan {
+fn ws_plan(head: &Head, client: IpAddr) -> Plan {
     if head.method != "GET" || head.version != head::Version::Http11 {
-        stats::note(Cause::WsRefused, "a WebSocket handshake that is not a GET of HTTP/1.1");
+        stats::note(
+            Cause::WsRefused,
+            Some(client),
+            "a WebSocket handshake that is not a GET of HTTP/1.1",
+        );
         let mut a = Answer::error(426, "websocket_upgrade_required").closing();
         a.headers.push(("Upgrade", "websocket".into()));
         return Plan::Answer(a);
     }
     if head.body != Framing::None && head.body != Framing::Length(0) {
-        stats::note(Cause::WsRefused, "a WebSocket handshake with a request body");
+        stats::note(
+            Cause::WsRefused,
+            Some(client),
+            "a WebSocket handshake with a request body",
+        );
         return Plan::Answer(Answer::error(400, "bad_request").closing());
     }
     Plan::Upgrade
@@ -402,7 +437,7 @@ pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize, per_
             Ok(v) => v,
             Err(e) => {
                 // Typically EMFILE: back off instead of spinning; the client waits in the backlog.
-                stats::note(Cause::AcceptFailed, &e.to_string());
+                stats::note(Cause::AcceptFailed, None, &e.to_string());
                 smol::Timer::after(Duration::from_millis(100)).await;
                 continue;
             }
@@ -459,7 +494,11 @@ async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, h
         door: &door,
         socket: stream.clone().into(),
     };
-    let (head, stream, early) = match conn::serve(stream, &*door, &LIMITS, &life).await {
+    let client = ForClient {
+        door: &door,
+        ip: peer.ip(),
+    };
+    let (head, stream, early) = match conn::serve(stream, &client, &LIMITS, &life).await {
         conn::Outcome::Closed => return,
         conn::Outcome::Upgrade(head, stream, early) => (head, stream, early),
     };
@@ -471,6 +510,6 @@ async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, h
         return;
     };
     if let Some(why) = upgrade::upgrade(plane, head, stream, early, peer.to_string()).await {
-        stats::note(Cause::WsRefused, &format!("{peer}: {why}"));
+        stats::note(Cause::WsRefused, Some(peer.ip()), &why);
     }
 }

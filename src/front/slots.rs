@@ -190,11 +190,13 @@ pub fn note_refusal(why: &Refusal, ip: IpAddr, max: usize) {
     match why {
         Refusal::PerClient => stats::note(
             Cause::TooManyFromClient,
-            &format!("{ip} holds its share of the connections already; refusing another with 503"),
+            Some(ip),
+            "it holds its share of the connections already; refusing another with 503",
         ),
         Refusal::Full => stats::note(
             Cause::TooManyConnections,
-            &format!("{max} connections busy and none idle; refusing {ip} with 503"),
+            Some(ip),
+            &format!("{max} connections busy and none idle; refusing it with 503"),
         ),
     }
 }

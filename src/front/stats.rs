@@ -72,19 +72,22 @@ pub static CONNECTIONS: AtomicUsize = AtomicUsize::new(0);
 /// Idle keep-alive connections closed to admit a new one.
 pub static IDLE_CLOSED: AtomicU64 = AtomicU64::new(0);
 
-/// Counts one refusal and logs it unless its cause was logged within the last minute.
-pub fn note(cause: Cause, detail: &str) {
+/// Counts one refusal and logs it unless its cause was logged within the last minute. The
+/// line names the client's address (`from ADDR`) when there is one, so fail2ban and the like
+/// can act on it.
+pub fn note(cause: Cause, client: Option<std::net::IpAddr>, detail: &str) {
     let i = cause.index();
     COUNTS[i].fetch_add(1, Ordering::Relaxed);
     let more = match LOGGED.lock().unwrap_or_else(|e| e.into_inner())[i].admit() {
         Some(more) => more,
         None => return,
     };
+    let from = client.map(|ip| format!(" from {ip}")).unwrap_or_default();
     match cause {
         Cause::TooManyConnections | Cause::TooManyFromClient | Cause::AcceptFailed | Cause::Busy => {
-            log::warn!("front door: {}: {detail}{more}", cause.label())
+            log::warn!("front door: {}{from}: {detail}{more}", cause.label())
         }
-        _ => log::info!("front door: {}: {detail}{more}", cause.label()),
+        _ => log::info!("front door: {}{from}: {detail}{more}", cause.label()),
     }
 }
 
