@@ -2,15 +2,20 @@
 //! tool, under `state_dir/files/`, each named by its `file_ref` (128 random bits, the only
 //! credential of `GET /files/refs/{ref}`). It owns the `files` table.
 //!
+//! One path writes every file: `begin` creates `REF.part`, `FilePart::write` appends as the bytes
+//! arrive (an upload streams to disk), `commit` makes it a file; `store` is the three at once.
+//!
 //! Invariants:
 //! - Bytes are written and fsync'd under a temporary name (`REF.part`), the record commits, and
 //!   only then is the file renamed to its ref: a ref handed out always names a file that
-//!   exists. A crash between the commit and the rename is finished when the cache opens.
+//!   exists. A crash between the commit and the rename is finished when the cache opens. A
+//!   `FilePart` dropped before its record committed removes its `.part`.
 //! - The sweep lists the directory before it reads the records, so a file renamed after its
 //!   record committed is never taken for an orphan; `.part` files are left alone for
-//!   `PART_GRACE` (a store in progress), then removed.
-//! - `[files] max_file_bytes` caps one file and `max_bytes_total` all of them, checked again in
-//!   the transaction that adds the record, so concurrent stores cannot pass it together.
+//!   `PART_GRACE` since their last write (a store in progress), then removed.
+//! - `[files] max_file_bytes` caps one file (no byte past it is written) and `max_bytes_total`
+//!   all of them, checked again in the transaction that adds the record, so concurrent stores
+//!   cannot pass it together.
 //! - Records expire after `[files] ttl` (independent of the message TTL) and take their bytes
 //!   with them.
 
@@ -30,7 +35,7 @@ use crate::store::{self, Db, StoreError};
 const FILES: TableDefinition<&str, &str> = TableDefinition::new("files");
 /// Suffix of bytes whose record has not committed yet.
 const PART: &str = ".part";
-/// A `.part` file older than this belongs to no store in progress.
+/// A `.part` file not written for this long belongs to no store in progress.
 const PART_GRACE: Duration = Duration::from_secs(3600);
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -57,7 +62,7 @@ impl FileRecord {
     }
 }
 
-#[derive(Debug, PartialEq)]
+#[derive(Debug, PartialEq, Clone)]
 pub enum FileError {
     TooLarge,
     CacheFull,
@@ -164,59 +169,92 @@ impl Files {
         if size > self.limits.max_file_bytes {
             return Err(FileError::TooLarge);
         }
-        let now = ids::now_ms();
-        // Refused before the bytes are written when it clearly cannot fit.
-        if self.total_bytes().map_err(storage)? + size > self.limits.max_bytes_total {
-            self.sweep(now);
-            if self.total_bytes().map_err(storage)? + size > self.limits.max_bytes_total {
-                log::warn!(
-                    "files: cache full ({} bytes max); a {size}-byte file was refused",
-                    self.limits.max_bytes_total
-                );
+        let mut part = self.begin_sized(source, direction, size)?;
+        part.write(bytes)?;
+        self.commit(part, filename, mime_type)
+    }
+
+    /// A new file of `source` being written: `REF.part` created under `state_dir/files/`.
+    /// Refuses (CacheFull) when the cache is already full (after a sweep), as store does.
+    pub fn begin(&self, source: &str, direction: &str) -> Result<FilePart, FileError> {
+        self.begin_sized(source, direction, 1)
+    }
+
+    /// `begin` refusing when `size` more bytes clearly cannot fit.
+    fn begin_sized(&self, source: &str, direction: &str, size: u64) -> Result<FilePart, FileError> {
+        let max_total = self.limits.max_bytes_total;
+        let fits = |total: u64| total.saturating_add(size) <= max_total;
+        let mut total = self.total_bytes().map_err(storage)?;
+        if !fits(total) {
+            self.sweep(ids::now_ms());
+            total = self.total_bytes().map_err(storage)?;
+            if !fits(total) {
+                log::warn!("files: cache full ({max_total} bytes max, {total} used); a file was refused");
                 return Err(FileError::CacheFull);
             }
         }
         let file_ref = ids::token("file_");
         std::fs::create_dir_all(&self.dir).map_err(storage)?;
-        let part = self.dir.join(format!("{file_ref}{PART}"));
-        let written = std::fs::File::create(&part).and_then(|mut f| {
-            f.write_all(bytes)?;
-            f.sync_all()
-        });
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&part);
-            return Err(storage(e));
-        }
-        let rec = FileRecord {
+        let path = self.dir.join(format!("{file_ref}{PART}"));
+        let file = std::fs::File::create(&path).map_err(storage)?;
+        Ok(FilePart {
+            file: Some(file),
+            path,
+            file_ref,
             source: source.to_string(),
+            direction: direction.to_string(),
+            written: 0,
+            max_bytes: self.limits.max_file_bytes,
+            room: max_total.saturating_sub(total),
+            failed: None,
+            committed: false,
+        })
+    }
+
+    /// fsyncs the bytes, adds the record under the caps (in the transaction, so concurrent
+    /// stores cannot pass them together), renames the bytes to the ref.
+    pub fn commit(
+        &self,
+        mut part: FilePart,
+        filename: &str,
+        mime_type: &str,
+    ) -> Result<(String, FileRecord), FileError> {
+        if let Some(e) = part.failed.clone() {
+            return Err(e);
+        }
+        let file = part.file.take().ok_or_else(|| storage("file part already closed"))?;
+        file.sync_all().map_err(storage)?;
+        drop(file);
+        let size = part.written;
+        let rec = FileRecord {
+            source: part.source.clone(),
             kind: kind_of(mime_type).to_string(),
             filename: sanitize(filename),
             mime_type: mime_type.to_string(),
             byte_size: size,
-            expires_at: now + self.limits.ttl.as_millis() as u64,
-            direction: direction.to_string(),
+            expires_at: ids::now_ms() + self.limits.ttl.as_millis() as u64,
+            direction: part.direction.clone(),
             shared: None,
         };
-        let max_total = self.limits.max_bytes_total;
+        let (max_file, max_total) = (self.limits.max_file_bytes, self.limits.max_bytes_total);
         let put = self.db.write(|txn| {
             let mut t = txn.open_table(FILES)?;
+            if size > max_file {
+                return Ok(Err(FileError::TooLarge));
+            }
             if sum(&t)? + size > max_total {
-                return Ok(false);
+                return Ok(Err(FileError::CacheFull));
             }
-            t.insert(file_ref.as_str(), miniserde::json::to_string(&rec).as_str())?;
-            Ok(true)
+            t.insert(part.file_ref.as_str(), miniserde::json::to_string(&rec).as_str())?;
+            Ok(Ok(()))
         });
-        match put {
-            Ok(true) => {}
-            outcome => {
-                let _ = std::fs::remove_file(&part);
-                return Err(outcome.map_or_else(storage, |_| FileError::CacheFull));
-            }
-        }
-        // Committed: the bytes take their ref's name. Should this fail, the next open
-        // finishes it; the record is already there.
-        std::fs::rename(&part, self.dir.join(&file_ref)).map_err(storage)?;
-        Ok((file_ref, rec))
+        // Refused or failed: dropping `part` removes the bytes.
+        put.map_err(storage)??;
+        // Committed: the bytes are the record's now (a failed rename is finished by the next
+        // open), so the drop must not remove them.
+        part.committed = true;
+        std::fs::rename(&part.path, self.dir.join(&part.file_ref)).map_err(storage)?;
+        Ok((std::mem::take(&mut part.file_ref), rec))
     }
 
     /// The unexpired record of `file_ref` and the path of its bytes. `Ok(None)`: no such file
@@ -301,6 +339,71 @@ impl Files {
             log::info!("files: {n} expired file(s) removed");
         }
         n
+    }
+}
+
+/// A file being written by `Files::begin`; `Files::commit` makes it a file. Dropped before
+/// that, it removes its bytes.
+pub struct FilePart {
+    /// `None` once closed by `commit`.
+    file: Option<std::fs::File>,
+    /// `state_dir/files/REF.part`.
+    path: PathBuf,
+    file_ref: String,
+    source: String,
+    direction: String,
+    written: u64,
+    max_bytes: u64,
+    /// What the cache had room for at `begin`: a file past it would be refused at commit, so
+    /// it is refused before its bytes fill the disk (as `store` refused a known size).
+    room: u64,
+    /// The error a write returned: the bytes on disk are not the file's, so it never commits.
+    failed: Option<FileError>,
+    committed: bool,
+}
+
+impl FilePart {
+    /// Appends bytes; TooLarge once the total would pass max_file_bytes (nothing more
+    /// written), CacheFull once it would pass the room the cache had at `begin`. After an
+    /// error every later call returns it.
+    pub fn write(&mut self, bytes: &[u8]) -> Result<(), FileError> {
+        let result = self.append(bytes);
+        if let Err(e) = &result {
+            self.failed = Some(e.clone());
+        }
+        result
+    }
+
+    fn append(&mut self, bytes: &[u8]) -> Result<(), FileError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let total = self.written.saturating_add(bytes.len() as u64);
+        if total > self.max_bytes {
+            return Err(FileError::TooLarge);
+        }
+        if total > self.room {
+            return Err(FileError::CacheFull);
+        }
+        let file = self.file.as_mut().ok_or_else(|| storage("file part already closed"))?;
+        file.write_all(bytes).map_err(storage)?;
+        self.written = total;
+        Ok(())
+    }
+
+    /// Bytes written so far.
+    #[cfg(test)]
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+}
+
+impl Drop for FilePart {
+    fn drop(&mut self) {
+        if !self.committed {
+            self.file = None;
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 }
 
@@ -408,6 +511,88 @@ mod tests {
         assert!(!files.get(&r).unwrap().unwrap().0.downloadable());
         files.share(&r).unwrap();
         assert!(files.get(&r).unwrap().unwrap().0.downloadable());
+    }
+
+    /// The `.part` files in the cache's directory.
+    fn parts(files: &Files) -> Vec<String> {
+        let names = std::fs::read_dir(&files.dir).into_iter().flatten().flatten();
+        names
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(PART))
+            .collect()
+    }
+
+    #[test]
+    fn a_file_streamed_in_pieces_is_its_bytes_and_its_record() {
+        let (files, _dir) = cache(1 << 20);
+        let bytes: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let mut part = files.begin("s:x", "out").unwrap();
+        assert_eq!(parts(&files).len(), 1, "the bytes go to a .part as they come");
+        // Each piece on a thread of its own, as the front door moves it to the blocking pool.
+        for piece in bytes.chunks(7919) {
+            let piece = piece.to_vec();
+            part = std::thread::spawn(move || {
+                part.write(&piece).unwrap();
+                part
+            })
+            .join()
+            .unwrap();
+        }
+        part.write(b"").unwrap();
+        assert_eq!(part.written(), bytes.len() as u64);
+        let (r, rec) = files.commit(part, "dir/a.bin", "application/pdf").unwrap();
+        assert_eq!(
+            (rec.byte_size, rec.kind.as_str(), rec.filename.as_str()),
+            (100_000, "file", "a.bin")
+        );
+        assert_eq!((rec.source.as_str(), rec.direction.as_str()), ("s:x", "out"));
+        let (stored, path) = files.get(&r).unwrap().unwrap();
+        assert_eq!(stored, rec);
+        assert_eq!(std::fs::read(path).unwrap(), bytes);
+        assert!(parts(&files).is_empty());
+    }
+
+    #[test]
+    fn a_part_over_the_cap_or_dropped_uncommitted_leaves_nothing() {
+        let (files, _dir) = cache(1 << 20);
+        let max = files.limits.max_file_bytes as usize;
+        let mut part = files.begin("s:x", "out").unwrap();
+        part.write(&vec![1; max - 10]).unwrap();
+        assert_eq!(part.write(&[2; 11]), Err(FileError::TooLarge));
+        assert_eq!(part.written(), max as u64 - 10, "nothing of the refused write");
+        assert_eq!(part.write(b"x"), Err(FileError::TooLarge), "refused for good");
+        assert_eq!(files.commit(part, "a", "b/c").map(|_| ()), Err(FileError::TooLarge));
+        assert!(parts(&files).is_empty());
+
+        let mut part = files.begin("s:x", "out").unwrap();
+        part.write(b"half an upload").unwrap();
+        drop(part);
+        assert!(parts(&files).is_empty());
+        assert_eq!(files.total_bytes().unwrap(), 0);
+    }
+
+    #[test]
+    fn a_full_cache_refuses_a_part_at_begin_and_past_its_room() {
+        let (files, _dir) = cache(1000);
+        let mut part = files.begin("s:x", "out").unwrap();
+        assert_eq!(part.write(&[0; 1001]), Err(FileError::CacheFull));
+        drop(part);
+        files.store("s:x", "a", "b/c", &[0; 1000], "in").unwrap();
+        assert_eq!(files.begin("s:x", "out").map(|_| ()).err(), Some(FileError::CacheFull));
+        assert!(parts(&files).is_empty());
+    }
+
+    #[test]
+    fn a_commit_past_the_total_cap_is_refused_in_its_transaction() {
+        // Two parts each fit when they begin; the second to commit finds the room taken.
+        let (files, _dir) = cache(1000);
+        let (mut a, mut b) = (files.begin("s:x", "out").unwrap(), files.begin("s:x", "out").unwrap());
+        a.write(&[1; 600]).unwrap();
+        b.write(&[2; 600]).unwrap();
+        files.commit(a, "a", "b/c").unwrap();
+        assert_eq!(files.commit(b, "b", "b/c").map(|_| ()), Err(FileError::CacheFull));
+        assert!(parts(&files).is_empty());
+        assert_eq!(files.total_bytes().unwrap(), 600);
     }
 
     #[test]

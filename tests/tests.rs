@@ -16,6 +16,7 @@ mod secrets;
 mod service;
 mod telegram;
 mod tls;
+mod uploads;
 mod v2;
 mod wal;
 mod wechat;

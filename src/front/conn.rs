@@ -82,6 +82,9 @@ pub type Hold = Box<dyn std::any::Any + Send>;
 pub enum Plan {
     /// Read its body (at most `cap` bytes), then `answer`.
     Read { cap: u64, hold: Hold },
+    /// Hand its body (at most `cap` bytes) to `sink` piece by piece as it arrives; the sink
+    /// gives the answer.
+    Stream { cap: u64, hold: Hold, sink: Box<dyn Sink> },
     /// Answer without reading the body; the connection closes if one was announced.
     Answer(Answer),
     /// Hand the connection over (a WebSocket upgrade).
@@ -102,6 +105,15 @@ pub enum Refused {
 }
 
 pub type Reply<'a> = Pin<Box<dyn Future<Output = Answer> + Send + 'a>>;
+
+/// A body taken as it arrives (an upload written to disk), never held whole.
+pub trait Sink: Send {
+    /// The next bytes of the body, in order. `Err`: the request ends with that answer, the
+    /// rest of the body unread (the connection closes).
+    fn feed<'a>(&'a mut self, bytes: &'a [u8]) -> Pin<Box<dyn Future<Output = Result<(), Answer>> + Send + 'a>>;
+    /// The body is complete: the answer.
+    fn finish(self: Box<Self>) -> Pin<Box<dyn Future<Output = Answer> + Send>>;
+}
 
 /// The routes behind the framing.
 pub trait Service: Sync {
@@ -151,6 +163,14 @@ enum ReadError {
     TooLarge,
     /// A head line ended in LF alone.
     BareLf,
+}
+
+/// Why a streamed body ended early.
+enum StreamError {
+    Read(ReadError),
+    Body(BodyError),
+    /// The sink refused it with this answer.
+    Refused(Answer),
 }
 
 async fn within<T>(deadline: Instant, f: impl Future<Output = T>) -> Option<T> {
@@ -256,6 +276,64 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
             }
             let deadline = end.min(Instant::now() + limits.body_idle);
             self.fill(deadline).await.map_err(Err)?;
+        }
+    }
+
+    /// Hands a body to `sink` as it arrives, under the deadlines of `exact` and `chunked`: the
+    /// connection holds at most one read of it at a time.
+    async fn stream(
+        &mut self,
+        body: Framing,
+        cap: u64,
+        limits: &Limits,
+        sink: &mut dyn Sink,
+    ) -> Result<(), StreamError> {
+        match body {
+            Framing::None => Ok(()),
+            Framing::Length(n) => {
+                let end = body_deadline(n, limits);
+                let mut left = n;
+                let take = usize::try_from(left).unwrap_or(usize::MAX).min(self.buf.len());
+                if take > 0 {
+                    let early: Vec<u8> = self.buf.drain(..take).collect();
+                    sink.feed(&early).await.map_err(StreamError::Refused)?;
+                    left -= take as u64;
+                }
+                let mut chunk = [0u8; READ_CHUNK];
+                while left > 0 {
+                    let deadline = end.min(Instant::now() + limits.body_idle);
+                    let want = usize::try_from(left).unwrap_or(usize::MAX).min(READ_CHUNK);
+                    let k = match within(deadline, self.io.read(&mut chunk[..want])).await {
+                        None => return Err(StreamError::Read(ReadError::TimedOut)),
+                        Some(Ok(0)) | Some(Err(_)) => return Err(StreamError::Read(ReadError::Closed)),
+                        Some(Ok(k)) => k,
+                    };
+                    sink.feed(&chunk[..k]).await.map_err(StreamError::Refused)?;
+                    left -= k as u64;
+                }
+                Ok(())
+            }
+            Framing::Chunked => {
+                let end = body_deadline(cap, limits);
+                let mut d = Dechunker::default();
+                let (mut got, mut data) = (0u64, Vec::with_capacity(READ_CHUNK));
+                loop {
+                    data.clear();
+                    let used = d
+                        .feed(&self.buf, &mut data, cap.saturating_sub(got))
+                        .map_err(StreamError::Body)?;
+                    self.buf.drain(..used);
+                    got += data.len() as u64;
+                    if !data.is_empty() {
+                        sink.feed(&data).await.map_err(StreamError::Refused)?;
+                    }
+                    if d.is_done() {
+                        return Ok(());
+                    }
+                    let deadline = end.min(Instant::now() + limits.body_idle);
+                    self.fill(deadline).await.map_err(StreamError::Read)?;
+                }
+            }
         }
     }
 
@@ -449,9 +527,10 @@ where
                 }
                 continue;
             }
-            Plan::Read { cap, hold } => (cap, hold),
+            Plan::Read { cap, hold } => (cap, hold, None),
+            Plan::Stream { cap, hold, sink } => (cap, hold, Some(sink)),
         };
-        let (cap, _hold) = cap;
+        let (cap, _hold, sink) = cap;
         if let Framing::Length(n) = head.body {
             if n > cap {
                 service.refused(Refused::BadBody(413));
@@ -466,6 +545,30 @@ where
         if continue_wanted && !conn.write(b"HTTP/1.1 100 Continue\r\n\r\n", limits).await {
             return Outcome::Closed;
         }
+        if let Some(mut sink) = sink {
+            let answer = match conn.stream(head.body, cap, limits, &mut *sink).await {
+                Ok(()) => Ok(sink.finish().await),
+                Err(StreamError::Refused(answer)) => {
+                    // The rest of the body is not read: the connection cannot carry another
+                    // request, and the client reads the answer only if it is not reset.
+                    write_answer(&mut conn, answer.closing(), head_only, limits).await;
+                    conn.linger().await;
+                    return Outcome::Closed;
+                }
+                Err(StreamError::Read(e)) => Err(Err(e)),
+                Err(StreamError::Body(e)) => Err(Ok(e)),
+            };
+            match answer {
+                Ok(mut answer) => {
+                    answer.close |= head.close;
+                    if !write_answer(&mut conn, answer, head_only, limits).await {
+                        return Outcome::Closed;
+                    }
+                    continue;
+                }
+                Err(e) => return refuse_body(&mut conn, service, e, head_only, limits).await,
+            }
+        }
         let body = match head.body {
             Framing::None => Ok(Vec::new()),
             Framing::Length(n) => conn.exact(n, limits).await.map_err(Err),
@@ -473,29 +576,7 @@ where
         };
         let body = match body {
             Ok(b) => b,
-            Err(e) => {
-                let (status, code) = match e {
-                    Ok(BodyError::TooLarge) | Err(ReadError::TooLarge) => (413, "too_large"),
-                    Ok(BodyError::Malformed(why)) => {
-                        log::debug!("front door: refused a chunked body: {why}");
-                        (400, "bad_request")
-                    }
-                    // Only a head is checked for line ends; listed for completeness.
-                    Err(ReadError::BareLf) => (400, "bad_request"),
-                    Err(ReadError::TimedOut) => (408, "timeout"),
-                    Err(ReadError::Closed) => return Outcome::Closed,
-                };
-                service.refused(if status == 408 {
-                    Refused::SlowBody
-                } else {
-                    Refused::BadBody(status)
-                });
-                write_answer(&mut conn, Answer::error(status, code).closing(), head_only, limits).await;
-                if status == 413 {
-                    conn.linger().await;
-                }
-                return Outcome::Closed;
-            }
+            Err(e) => return refuse_body(&mut conn, service, e, head_only, limits).await,
         };
         let mut answer = service.answer(&head, body).await;
         answer.close |= head.close;
@@ -503,4 +584,40 @@ where
             return Outcome::Closed;
         }
     }
+}
+
+/// Answers a body that could not be read (too large, malformed, too slow) and ends the
+/// connection.
+async fn refuse_body<S, V>(
+    conn: &mut Conn<S>,
+    service: &V,
+    e: Result<BodyError, ReadError>,
+    head_only: bool,
+    limits: &Limits,
+) -> Outcome<S>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    V: Service,
+{
+    let (status, code) = match e {
+        Ok(BodyError::TooLarge) | Err(ReadError::TooLarge) => (413, "too_large"),
+        Ok(BodyError::Malformed(why)) => {
+            log::debug!("front door: refused a chunked body: {why}");
+            (400, "bad_request")
+        }
+        // Only a head is checked for line ends; listed for completeness.
+        Err(ReadError::BareLf) => (400, "bad_request"),
+        Err(ReadError::TimedOut) => (408, "timeout"),
+        Err(ReadError::Closed) => return Outcome::Closed,
+    };
+    service.refused(if status == 408 {
+        Refused::SlowBody
+    } else {
+        Refused::BadBody(status)
+    });
+    write_answer(conn, Answer::error(status, code).closing(), head_only, limits).await;
+    if status == 413 {
+        conn.linger().await;
+    }
+    Outcome::Closed
 }

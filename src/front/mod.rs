@@ -18,6 +18,7 @@ pub mod relay;
 pub mod slots;
 pub mod stats;
 pub mod upgrade;
+pub mod upload;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -31,6 +32,7 @@ use self::conn::{Answer, Body, Limits, Plan, Refused, Reply, Service};
 use self::head::{Framing, Head};
 use self::relay::{Backend, Outgoing, RelayError};
 use self::stats::Cause;
+use self::upload::Upload;
 use crate::dataplane::Plane;
 use crate::ids;
 use crate::json;
@@ -51,8 +53,8 @@ const MIN_RATE: u64 = 16 * 1024;
 /// ordinary webhook out.
 const BODY_BUDGET: u64 = 16 << 20;
 const SMALL_BODY: u64 = 64 * 1024;
-/// Uploads held in memory at once.
-const UPLOADS_AT_ONCE: u64 = 2;
+/// Uploads streaming to the file cache at once (each holds `upload::HELD` bytes of memory).
+const UPLOADS_AT_ONCE: u64 = 4;
 /// Room for the multipart framing around an uploaded file.
 const MULTIPART_ROOM: u64 = 64 * 1024;
 // A provider route's body up to `INLINE_PARSE` is handled (parsed) on the executor: that takes
@@ -162,7 +164,7 @@ impl FrontDoor {
             }),
             uploads: Arc::new(Budget {
                 used: AtomicU64::new(0),
-                limit: upload_cap.saturating_mul(UPLOADS_AT_ONCE),
+                limit: upload::HELD.saturating_mul(UPLOADS_AT_ONCE),
             }),
         })
     }
@@ -222,6 +224,27 @@ impl FrontDoor {
         Plan::Read {
             cap,
             hold: Box::new(Hold(InFlight::start(), taken)),
+        }
+    }
+
+    /// `POST /files/uploads`, authorized: the body streams to the file cache (`upload`), which
+    /// checks the channel and the multipart boundary the head names before it keeps a byte.
+    fn upload(&self, head: &Head, client: IpAddr) -> Plan {
+        let Some(plane) = self.plane.upgrade() else {
+            return Plan::Answer(Answer::error(503, "stopping").closing());
+        };
+        let Some(taken) = self.uploads.take(upload::HELD) else {
+            stats::note(Cause::Busy, Some(client), "too many uploads at once");
+            return Plan::Answer(Answer::error(503, "busy"));
+        };
+        Plan::Stream {
+            cap: self.upload_cap,
+            hold: Box::new(Hold(InFlight::start(), Some(taken))),
+            sink: Box::new(Upload::new(
+                plane.app.host.clone(),
+                head.header("X-XAgent-Connector-Channel-ID"),
+                head.header("Content-Type"),
+            )),
         }
     }
 
@@ -351,7 +374,7 @@ impl FrontDoor {
                 stats::note(Cause::Unauthorized, Some(client), "POST /files/uploads");
                 return Plan::Answer(Answer::error(401, "unauthorized"));
             }
-            return self.read(head, self.upload_cap, &self.uploads, client);
+            return self.upload(head, client);
         }
         if let Some(refused) = self.screen(head, route, client) {
             return Plan::Answer(refused);
@@ -510,6 +533,6 @@ async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, h
         return;
     };
     if let Some(why) = upgrade::upgrade(plane, head, stream, early, peer.to_string()).await {
-        stats::note(Cause::WsRefused, Some(peer.ip()), &why);
+        stats::note(Cause::WsRefused, Some(peer.ip()), why);
     }
 }

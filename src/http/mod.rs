@@ -4,7 +4,6 @@
 pub mod multipart;
 pub mod ops;
 
-use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -147,22 +146,6 @@ pub fn base_path(app: &App) -> String {
     }
 }
 
-/// Reads at most `limit` bytes of body; `Err(())` when it is longer.
-fn read_body(req: &mut Request, limit: u64) -> Result<Vec<u8>, ()> {
-    if req.body_length().is_some_and(|n| n as u64 > limit) {
-        return Err(());
-    }
-    let mut body = Vec::new();
-    let mut reader = req.as_reader().take(limit + 1);
-    if reader.read_to_end(&mut body).is_err() {
-        return Err(());
-    }
-    if body.len() as u64 > limit {
-        return Err(());
-    }
-    Ok(body)
-}
-
 /// `GET /files/refs/{ref}`: the bytes of an inbound file; the unguessable ref is the credential.
 fn download(app: &App, req: Request, file_ref: &str) {
     let (rec, path) = match app.files.get(file_ref) {
@@ -197,61 +180,6 @@ fn download(app: &App, req: Request, file_ref: &str) {
     }
 }
 
-/// `POST /files/uploads`: multipart `file` for the channel in `X-XAgent-Connector-Channel-ID`.
-fn upload(app: &App, req: &mut Request) -> Response<std::io::Cursor<Vec<u8>>> {
-    let bad = |detail: &str| json_response(400, &obj([("error", s("invalid_upload")), ("detail", s(detail))]));
-    let Some(cch) = header(req, "X-XAgent-Connector-Channel-ID") else {
-        return bad("X-XAgent-Connector-Channel-ID is required");
-    };
-    let source = match app.channels.channel(&cch) {
-        Ok(rec) => match rec.and_then(|r| r.source) {
-            Some(source) => source,
-            None => return json_response(404, &obj([("error", s("connection_not_found"))])),
-        },
-        Err(e) => {
-            log::debug!("files: cannot read channel {cch}: {e}");
-            return error(503, "storage_unavailable");
-        }
-    };
-    let Some(boundary) = header(req, "Content-Type").as_deref().and_then(multipart::boundary) else {
-        return bad("the body must be multipart/form-data with a boundary");
-    };
-    // The file cap plus room for the multipart framing.
-    let Ok(body) = read_body(req, app.config.files.max_file_bytes + 64 * 1024) else {
-        return error(413, "too_large");
-    };
-    let parts = match multipart::parse(&body, &boundary) {
-        Ok(p) => p,
-        Err(e) => return bad(&e),
-    };
-    let Some(file) = parts.iter().find(|p| p.name == "file") else {
-        return bad("the multipart body has no `file` part");
-    };
-    let mime = file
-        .content_type
-        .clone()
-        .unwrap_or_else(|| "application/octet-stream".into());
-    let name = file.filename.clone().unwrap_or_else(|| "file".into());
-    match app.files.store(&source, &name, &mime, file.data, "out") {
-        Ok((file_ref, rec)) => json_response(
-            200,
-            &obj([
-                ("file_ref", s(file_ref)),
-                ("file_type", s(&rec.kind)),
-                ("filename", s(&rec.filename)),
-                ("byte_size", json::n(rec.byte_size)),
-                ("expires_at", json::n(rec.expires_at)),
-            ]),
-        ),
-        Err(crate::files::FileError::TooLarge) => error(413, "too_large"),
-        Err(crate::files::FileError::CacheFull) => error(503, "capacity_exceeded"),
-        Err(e) => {
-            log::error!("files: upload failed: {e}");
-            error(503, "storage_unavailable")
-        }
-    }
-}
-
 /// The Card: the union of what the enabled providers bring.
 fn card_of(app: &App) -> Value {
     let p = &app.providers;
@@ -267,7 +195,7 @@ fn card_of(app: &App) -> Value {
     )
 }
 
-fn handle(app: &App, mut req: Request, more_metrics: MoreMetrics) {
+fn handle(app: &App, req: Request, more_metrics: MoreMetrics) {
     let path = route(app, req.url());
     let method = req.method().clone();
     let response = match (&method, path.as_str()) {
@@ -298,8 +226,6 @@ fn handle(app: &App, mut req: Request, more_metrics: MoreMetrics) {
         (Method::Get, p) if p.starts_with("/files/refs/") => {
             return download(app, req, &p["/files/refs/".len()..]);
         }
-        (Method::Post, "/files/uploads") if authorized(app, &req) => upload(app, &mut req),
-        (Method::Post, "/files/uploads") => error(401, "unauthorized"),
         (_, "/connector-card.json" | "/skill.md" | "/health" | "/status" | "/metrics") => not_allowed("GET, HEAD"),
         (_, p) if app.providers.has_path(p) => not_allowed("POST"),
         _ => error(404, "not_found"),
