@@ -1,7 +1,7 @@
 //! The command line (`run check init status --version`) and the daemon's wiring: logging, the
 //! app, the data plane, the listener, shutdown.
 
-use crate::{app, config, dataplane, front, http, ids, json, maintenance, protocol, providers, runtime, service};
+use crate::{app, config, dataplane, front, http, ids, json, maintenance, protocol, providers, runtime, service, tls};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -245,7 +245,23 @@ fn run(cfg: config::Config) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let door = front::FrontDoor::new(&plane, front::relay::Backend::new(socket.clone(), dispatch), prefix);
+    let tls = match &app.config.server.tls {
+        None => None,
+        Some(files) => match tls::ListenerTls::open(&files.cert, &files.key) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                log::error!("TLS: {e}");
+                return ExitCode::from(1);
+            }
+        },
+    };
+    let on_hup = tls.clone();
+    let door = front::FrontDoor::new(
+        &plane,
+        front::relay::Backend::new(socket.clone(), dispatch),
+        prefix,
+        tls,
+    );
     // Listener bound, outbox open, internal HTTP server running: ready.
     service::notify("READY=1");
     let why = runtime::block_on(async {
@@ -258,7 +274,15 @@ fn run(cfg: config::Config) -> ExitCode {
             front::serve(door, listener, max_connections, per_client).await;
             "listener stopped"
         });
-        let stop = runtime::spawn(service::stop_signal(signals));
+        // SIGHUP reads the TLS certificate again (a renewal); files are read on the pool.
+        let stop = runtime::spawn(service::stop_signal(signals, move || {
+            if let Some(tls) = on_hup.clone() {
+                runtime::spawn_blocking(move || tls.reload());
+                true
+            } else {
+                false
+            }
+        }));
         let why = (&mut serve).or(stop).await;
         // The listener closes here, before the stop begins: no connection is accepted after.
         serve.cancel().await;

@@ -50,6 +50,14 @@ pub struct Server {
     pub card_id: CardId,
     /// No `api_key` on a port other machines reach, on purpose (`allow_unauthenticated`).
     pub allow_unauthenticated: bool,
+    /// TLS on the listener: the PEM certificate chain and key (`tls_cert_file`, `tls_key_file`).
+    pub tls: Option<TlsFiles>,
+}
+
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 /// How a port is reachable from other machines.
@@ -358,6 +366,12 @@ impl<'s, 'p> Fields<'s, 'p> {
         self.problems.err(self.section.line, msg);
     }
 
+    /// A file's path, relative to the config file's directory unless absolute; empty is unset.
+    pub fn path(&mut self, key: &str) -> Option<(PathBuf, usize)> {
+        let (value, line) = self.take(key)?;
+        (!value.is_empty()).then(|| (self.problems.resolve(&value), line))
+    }
+
     /// The line `key` is on, without taking it.
     pub fn line_of(&self, key: &str) -> Option<usize> {
         self.section.entries.iter().find(|e| e.key == key).map(|e| e.line)
@@ -592,6 +606,20 @@ fn read_server(s: &mut Server, section: &Section, p: &mut Problems) {
             Err(why) => f.err_at(line, format!("card_id: `{value}` {why}")),
         }
     }
+    s.tls = match (f.path("tls_cert_file"), f.path("tls_key_file")) {
+        (None, None) => None,
+        (Some((cert, line)), Some((key, _))) => match crate::tls::server_config(&cert, &key) {
+            Ok(_) => Some(TlsFiles { cert, key }),
+            Err(e) => {
+                f.err_at(line, e);
+                None
+            }
+        },
+        (Some((_, line)), None) | (None, Some((_, line))) => {
+            f.err_at(line, "tls_cert_file and tls_key_file go together: set both, or neither");
+            None
+        }
+    };
     s.allow_unauthenticated = f.bool("allow_unauthenticated").unwrap_or(false);
     if s.api_key.is_none() && !s.allow_unauthenticated {
         // Anyone who reaches the port could open `/ws` and read every message: refused
@@ -792,6 +820,7 @@ impl Config {
                 log_level: "info".into(),
                 card_id: CardId::default(),
                 allow_unauthenticated: false,
+                tls: None,
             },
             xagent: Xagent {
                 dial: None,
@@ -839,6 +868,11 @@ impl Config {
         out.push_str(&format!("listen:            {}\n", self.server.listen));
         out.push_str(&format!("card_id:           {}\n", self.server.card_id));
         out.push_str(&format!("api_key:           {}\n", set(&self.server.api_key)));
+        let tls = match &self.server.tls {
+            Some(t) => format!("on ({})", t.cert.display()),
+            None => "off".to_string(),
+        };
+        out.push_str(&format!("tls:               {tls}\n"));
         out.push_str(&format!("state_dir:         {}\n", self.server.state_dir.display()));
         out.push_str(&format!("max_connections:   {}\n", self.server.max_connections));
         let per_client = match self.server.per_client_cap(self.server.max_connections) {

@@ -28,4 +28,5 @@ mod source;
 mod store;
 #[cfg(test)]
 mod testutil;
+mod tls;
 mod wsclient;

@@ -52,9 +52,10 @@ pub async fn watchdog(every: Duration) {
     }
 }
 
-/// Resolves when SIGTERM or SIGINT arrives; SIGHUP is answered with a log line (the config is
-/// read once at start: `systemctl restart imgate` applies a change and loses nothing).
-pub async fn stop_signal(mut signals: async_signal::Signals) -> &'static str {
+/// Resolves when SIGTERM or SIGINT arrives. SIGHUP calls `on_hup` (the TLS certificate is read
+/// again; it returns whether there was anything to read) and says that the config is read once
+/// at start: `systemctl restart imgate` applies a change and loses nothing.
+pub async fn stop_signal(mut signals: async_signal::Signals, on_hup: impl Fn() -> bool) -> &'static str {
     use async_signal::Signal;
     use smol::stream::StreamExt;
     while let Some(sig) = signals.next().await {
@@ -62,7 +63,12 @@ pub async fn stop_signal(mut signals: async_signal::Signals) -> &'static str {
             Ok(Signal::Term) => return "SIGTERM",
             Ok(Signal::Int) => return "SIGINT",
             Ok(Signal::Hup) => {
-                log::warn!("SIGHUP: imgate reads its config once; run `systemctl restart imgate` to apply changes (accepted messages are kept on disk)")
+                let reloaded = if on_hup() {
+                    "the TLS certificate is read again; "
+                } else {
+                    ""
+                };
+                log::warn!("SIGHUP: {reloaded}imgate reads its config once; run `systemctl restart imgate` to apply changes (accepted messages are kept on disk)")
             }
             Ok(_) => {}
             Err(e) => log::warn!("signal handling: {e}"),

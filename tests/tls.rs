@@ -27,11 +27,6 @@ fn openssl(dir: &Path, args: &[&str]) {
 
 /// A CA and a `localhost` server certificate signed by it.
 fn make_certs(dir: &Path) {
-    std::fs::write(
-        dir.join("srv.ext"),
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
     let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
     let mut ca = vec!["req", "-x509"];
     ca.extend(ec);
@@ -52,6 +47,18 @@ fn make_certs(dir: &Path) {
         "keyUsage=critical,keyCertSign",
     ]);
     openssl(dir, &ca);
+    make_server_cert(dir);
+}
+
+/// A `localhost` server certificate with a fresh key, signed by the CA, as `srv.pem` and
+/// `srv.key` (a renewal when they exist already).
+fn make_server_cert(dir: &Path) {
+    std::fs::write(
+        dir.join("srv.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"];
     let mut csr = vec!["req"];
     csr.extend(ec);
     csr.extend(["-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=localhost"]);
@@ -174,5 +181,275 @@ fn dial_over_wss_refuses_an_unknown_ca_and_logs_it_once() {
         1,
         "one log line for the same failure, not one per retry:\n{}",
         d.log()
+    );
+}
+
+// ---------- TLS on imgate's own listener ----------
+
+type TlsClient = rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream>;
+
+/// A daemon serving TLS with the test CA's `localhost` certificate.
+fn tls_daemon(tag: &str) -> (Daemon, std::path::PathBuf) {
+    let dir = temp_dir(tag);
+    make_certs(&dir);
+    let port = free_port();
+    let conf = config_text(port, &dir, None, "").replace(
+        "log_level = debug",
+        &format!(
+            "log_level = debug\ntls_cert_file = {}\ntls_key_file = {}\npublic_url = https://localhost:{port}",
+            dir.join("srv.pem").display(),
+            dir.join("srv.key").display()
+        ),
+    );
+    (Daemon::start(&dir, &conf), dir)
+}
+
+/// A TLS client trusting only the test CA, done with its handshake.
+fn tls_connect(port: u16, dir: &Path) -> TlsClient {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(dir.join("ca.pem")).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
+    let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut tls = rustls::StreamOwned::new(conn, tcp);
+    while tls.conn.is_handshaking() {
+        tls.conn.complete_io(&mut tls.sock).expect("the TLS handshake succeeds");
+    }
+    assert_eq!(tls.conn.alpn_protocol(), Some(&b"http/1.1"[..]), "HTTP/1.1, never h2");
+    tls
+}
+
+/// One request over TLS: the whole answer (the request asks the server to close).
+fn https(port: u16, dir: &Path, request: &str) -> String {
+    use std::io::{Read, Write};
+    let mut tls = tls_connect(port, dir);
+    tls.write_all(request.as_bytes()).unwrap();
+    let mut answer = Vec::new();
+    let _ = tls.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// The DER of the certificate a new connection is served.
+fn served_certificate(port: u16, dir: &Path) -> Vec<u8> {
+    let tls = tls_connect(port, dir);
+    tls.conn.peer_certificates().unwrap()[0].to_vec()
+}
+
+fn pem_der(path: &Path) -> Vec<u8> {
+    CertificateDer::pem_file_iter(path)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .to_vec()
+}
+
+#[test]
+fn the_listener_serves_http_and_the_data_plane_over_tls_and_reads_a_renewed_certificate_on_sighup() {
+    let (d, dir) = tls_daemon("tls-listener");
+    let health = format!(
+        "GET /health HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {API_KEY}\r\nConnection: close\r\n\r\n"
+    );
+    let answer = https(d.port, &dir, &health);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // The front door's limits hold under TLS as they do without it.
+    let huge = format!(
+        "POST /hooks/alerts HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {HOOK_SECRET}\r\nContent-Length: 1000000000000\r\n\r\n"
+    );
+    let answer = https(d.port, &dir, &huge);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    let card = https(
+        d.port,
+        &dir,
+        "GET /connector-card.json HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    );
+    assert!(card.starts_with("HTTP/1.1 200"), "{card}");
+
+    // /ws over TLS: the handshake, then hello and its ack.
+    let mut request =
+        tungstenite::client::IntoClientRequest::into_client_request(format!("wss://localhost:{}/ws", d.port)).unwrap();
+    request
+        .headers_mut()
+        .insert("Authorization", format!("Bearer {API_KEY}").parse().unwrap());
+    request
+        .headers_mut()
+        .insert("Sec-WebSocket-Protocol", SUBPROTOCOL.parse().unwrap());
+    let (mut ws, _) = tungstenite::client(request, tls_connect(d.port, &dir)).expect("the upgrade over TLS succeeds");
+    let hello = json!({
+        "schema": "xagent.connector.packet/v1", "packet_id": "p1", "request_id": "r1", "type": "connector.hello",
+        "payload": {"connector_card_id": "im.imgate", "protocol_version": "3.0", "supported_profiles": ["xagent.im.v1"]}
+    });
+    ws.send(tungstenite::Message::text(hello.to_string())).unwrap();
+    let ack = loop {
+        if let tungstenite::Message::Text(t) = ws.read().expect("a packet from imgate") {
+            break serde_json::from_str::<Value>(t.as_str()).unwrap();
+        }
+    };
+    assert_eq!(ack["type"], "connector.hello.ack", "{ack}");
+
+    // A renewal: new certificate and key in the same files, then SIGHUP.
+    let old = pem_der(&dir.join("srv.pem"));
+    assert_eq!(served_certificate(d.port, &dir), old);
+    make_server_cert(&dir);
+    let new = pem_der(&dir.join("srv.pem"));
+    assert_ne!(old, new);
+    d.signal("HUP");
+    assert!(
+        d.log_shows("certificate read again", Duration::from_secs(10)),
+        "{}",
+        d.log()
+    );
+    assert_eq!(
+        served_certificate(d.port, &dir),
+        new,
+        "new connections get the renewed certificate"
+    );
+    // The session opened before it goes on.
+    ws.send(tungstenite::Message::text(hello.to_string())).unwrap();
+    // A renewal that cannot be read keeps the certificate in use.
+    std::fs::write(dir.join("srv.pem"), "not a certificate").unwrap();
+    d.signal("HUP");
+    assert!(
+        d.log_shows("the certificate in use is kept", Duration::from_secs(10)),
+        "{}",
+        d.log()
+    );
+    assert_eq!(served_certificate(d.port, &dir), new);
+}
+
+#[test]
+fn hostile_bytes_and_a_stalled_handshake_are_refused_within_the_head_deadline() {
+    use std::io::{Read, Write};
+    let (d, dir) = tls_daemon("tls-hostile");
+    // Plain HTTP to the TLS port: no HTTP answer, nothing held, logged with the client.
+    let mut plain = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    plain.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    plain.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut got = Vec::new();
+    let _ = plain.read_to_end(&mut got);
+    assert!(!got.starts_with(b"HTTP/"), "{}", String::from_utf8_lossy(&got));
+    assert!(
+        d.log_shows("TLS handshake failed", Duration::from_secs(5)),
+        "{}",
+        d.log()
+    );
+    assert!(
+        d.log().contains("bad_request from 127.0.0.1: TLS handshake failed"),
+        "{}",
+        d.log()
+    );
+    // Random bytes, then a TLS record header that never goes on.
+    for opening in [&[0u8, 1, 2, 3, 0xff, 0xfe][..], &[0x16, 0x03, 0x01, 0x02]] {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(opening).unwrap();
+        let mut buf = [0u8; 64];
+        // Closed by imgate (an alert may come first), by the head deadline at the latest.
+        let closed = loop {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break true,
+                Ok(_) => continue,
+            }
+        };
+        assert!(closed);
+    }
+    assert!(
+        d.log_shows("TLS handshake not complete in time", Duration::from_secs(5)),
+        "{}",
+        d.log()
+    );
+    // Still serving.
+    let health = format!(
+        "GET /health HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {API_KEY}\r\nConnection: close\r\n\r\n"
+    );
+    assert!(https(d.port, &dir, &health).starts_with("HTTP/1.1 200"));
+}
+
+#[test]
+fn tls_files_that_cannot_be_used_are_refused_with_their_line() {
+    let dir = temp_dir("tls-config");
+    make_certs(&dir);
+    let conf = dir.join("t.conf");
+    let check = |text: String| {
+        std::fs::write(&conf, text).unwrap();
+        std::process::Command::new(bin())
+            .args(["check", "--config", conf.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let (pem, key) = (dir.join("srv.pem"), dir.join("srv.key"));
+    let ok = check(format!(
+        "[server]\ntls_cert_file = {}\ntls_key_file = {}\n",
+        pem.display(),
+        key.display()
+    ));
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("tls:               on"));
+    let name = conf.display().to_string();
+    for (text, line, says) in [
+        (
+            format!("[server]\ntls_cert_file = {}\n", pem.display()),
+            2,
+            "go together",
+        ),
+        (
+            format!(
+                "[server]\ntls_cert_file = {}\ntls_key_file = {}\n",
+                key.display(),
+                key.display()
+            ),
+            2,
+            "no certificate",
+        ),
+        (
+            format!(
+                "[server]\ntls_cert_file = {}\ntls_key_file = {}\n",
+                pem.display(),
+                pem.display()
+            ),
+            2,
+            "no private key",
+        ),
+        (
+            format!(
+                "[server]\ntls_cert_file = {}/nope.pem\ntls_key_file = {}\n",
+                dir.display(),
+                key.display()
+            ),
+            2,
+            "cannot read",
+        ),
+    ] {
+        let out = check(text.clone());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text}");
+        assert!(
+            err.contains(&format!("{name}:{line}: ")) && err.contains(says),
+            "{text}: {err}"
+        );
+    }
+    // A key of another certificate.
+    std::fs::copy(&key, dir.join("old.key")).unwrap();
+    make_server_cert(&dir);
+    let out = check(format!(
+        "[server]\ntls_cert_file = {}\ntls_key_file = {}/old.key\n",
+        pem.display(),
+        dir.display()
+    ));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("usable pair"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -132,8 +132,13 @@ pub trait Lifecycle: Sync {
         true
     }
     /// The connection's socket, to wait on for the next request without reading; `None`: read
-    /// at once.
+    /// at once (a TLS stream may hold a request already read from the socket).
     fn socket(&self) -> Option<&smol::Async<std::net::TcpStream>> {
+        None
+    }
+    /// When the connection was accepted: the first head is due `head` after it (a TLS
+    /// handshake counts against it); `None`: from when the loop starts.
+    fn opened(&self) -> Option<Instant> {
         None
     }
 }
@@ -207,7 +212,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         life: &dyn Lifecycle,
     ) -> Result<Vec<u8>, ReadError> {
         let mut started = first || !self.buf.is_empty();
-        let mut deadline = Instant::now() + if started { head } else { idle };
+        let since = life.opened().filter(|_| first).unwrap_or_else(Instant::now);
+        let mut deadline = since + if started { head } else { idle };
         if !started {
             life.idle(true);
             // A client sends its next request once it has read the last answer, so a read

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use smol::future::FutureExt;
 use smol::io::AsyncWriteExt;
 use smol::net::{TcpListener, TcpStream};
 
@@ -145,10 +146,17 @@ pub struct FrontDoor {
     api_key: Option<crate::config::Secret>,
     bodies: Arc<Budget>,
     uploads: Arc<Budget>,
+    /// TLS on the listener, when configured.
+    tls: Option<Arc<crate::tls::ListenerTls>>,
 }
 
 impl FrontDoor {
-    pub fn new(plane: &Arc<Plane>, backend: Arc<Backend>, prefix: String) -> Arc<FrontDoor> {
+    pub fn new(
+        plane: &Arc<Plane>,
+        backend: Arc<Backend>,
+        prefix: String,
+        tls: Option<Arc<crate::tls::ListenerTls>>,
+    ) -> Arc<FrontDoor> {
         let s = &plane.config.server;
         let upload_cap = plane.config.files.max_file_bytes + MULTIPART_ROOM;
         Arc::new(FrontDoor {
@@ -166,6 +174,7 @@ impl FrontDoor {
                 used: AtomicU64::new(0),
                 limit: upload::HELD.saturating_mul(UPLOADS_AT_ONCE),
             }),
+            tls,
         })
     }
 
@@ -491,8 +500,9 @@ pub async fn serve(door: Arc<FrontDoor>, listener: TcpListener, max: usize, per_
 struct Tracked<'a> {
     held: &'a slots::Held,
     door: &'a FrontDoor,
-    /// The stream's own socket (shared, not a second descriptor).
-    socket: Arc<smol::Async<std::net::TcpStream>>,
+    /// The stream's own socket (shared, not a second descriptor), for a plain connection.
+    socket: Option<Arc<smol::Async<std::net::TcpStream>>>,
+    accepted: std::time::Instant,
 }
 
 impl conn::Lifecycle for Tracked<'_> {
@@ -507,20 +517,56 @@ impl conn::Lifecycle for Tracked<'_> {
     }
 
     fn socket(&self) -> Option<&smol::Async<std::net::TcpStream>> {
-        Some(&self.socket)
+        self.socket.as_deref()
+    }
+
+    fn opened(&self) -> Option<std::time::Instant> {
+        Some(self.accepted)
     }
 }
 
 async fn connection(door: Arc<FrontDoor>, stream: TcpStream, peer: SocketAddr, held: slots::Held) {
+    let accepted = std::time::Instant::now();
+    let Some(tls) = &door.tls else {
+        let socket = Some(stream.clone().into());
+        return serve_client(&door, stream, socket, accepted, peer, &held).await;
+    };
+    // The handshake is part of the first request's head: it must be done within the head's
+    // deadline, and whatever a client sends before it is rustls's to refuse.
+    let acceptor = futures_rustls::TlsAcceptor::from(tls.config());
+    let handshake = async { Some(acceptor.accept(stream).await) }.or(async {
+        smol::Timer::at(accepted + HEAD_TIMEOUT).await;
+        None
+    });
+    match handshake.await {
+        Some(Ok(tls_stream)) => serve_client(&door, tls_stream, None, accepted, peer, &held).await,
+        Some(Err(e)) => stats::note(
+            Cause::BadRequest,
+            Some(peer.ip()),
+            &format!("TLS handshake failed: {e}"),
+        ),
+        None => stats::note(Cause::SlowHead, Some(peer.ip()), "TLS handshake not complete in time"),
+    }
+}
+
+/// Serves one client's requests on `stream`, plain or inside TLS, until it closes or upgrades.
+async fn serve_client<S>(
+    door: &Arc<FrontDoor>,
+    stream: S,
+    socket: Option<Arc<smol::Async<std::net::TcpStream>>>,
+    accepted: std::time::Instant,
+    peer: SocketAddr,
+    held: &slots::Held,
+) where
+    S: smol::io::AsyncRead + smol::io::AsyncWrite + Unpin + Send + 'static,
+{
     let life = Tracked {
-        held: &held,
-        door: &door,
-        socket: stream.clone().into(),
+        held,
+        door,
+        socket,
+        accepted,
     };
-    let client = ForClient {
-        door: &door,
-        ip: peer.ip(),
-    };
+    let client = ForClient { door, ip: peer.ip() };
     let (head, stream, early) = match conn::serve(stream, &client, &LIMITS, &life).await {
         conn::Outcome::Closed => return,
         conn::Outcome::Upgrade(head, stream, early) => (head, stream, early),

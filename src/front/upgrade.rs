@@ -6,8 +6,7 @@ use std::sync::Arc;
 
 use async_tungstenite::tungstenite::protocol::Role;
 use async_tungstenite::WebSocketStream;
-use smol::io::AsyncWriteExt;
-use smol::net::TcpStream;
+use smol::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use super::conn::{head_bytes, Answer, Body};
 use super::head::Head;
@@ -69,13 +68,16 @@ fn check(plane: &Plane, head: &Head) -> Result<String, Box<(Answer, &'static str
 
 /// Completes (or refuses) an upgrade and runs the data-plane session on it. The refusal's
 /// cause is returned for counting.
-pub async fn upgrade(
+pub async fn upgrade<S>(
     plane: Arc<Plane>,
     head: Head,
-    mut stream: TcpStream,
+    mut stream: S,
     early: Vec<u8>,
     peer: String,
-) -> Option<&'static str> {
+) -> Option<&'static str>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let accept = match check(&plane, &head) {
         Ok(accept) => accept,
         Err(refused) => {
