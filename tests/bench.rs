@@ -1024,3 +1024,133 @@ fn bench_feishu_burst() {
     }
     println!("({N} events pushed at once on one connection; commits counted by /metrics)");
 }
+
+/// A webhook sender posting one message every 20 ms until `stop`: the worst time to its `202`.
+fn steady_sender(d: &Daemon, stop: &AtomicBool) -> Duration {
+    let agent = load_agent();
+    let (mut worst, mut i) = (Duration::ZERO, 0u64);
+    while !stop.load(Ordering::SeqCst) {
+        i += 1;
+        let t = Instant::now();
+        let r = agent
+            .post(&d.url("/hooks/alerts"))
+            .header("Authorization", &format!("Bearer {HOOK_SECRET}"))
+            .header("Content-Type", "application/json")
+            .send(json!({"message_id": format!("steady-{}-{i}", d.pid()), "sender_id": "u", "text": "hi"}).to_string());
+        if r.is_ok_and(|r| r.status().as_u16() == 202) {
+            worst = worst.max(t.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    worst
+}
+
+/// Runs `work` beside a steady webhook sender: what `work` gives and the sender's worst latency.
+fn beside_webhooks<T>(d: &Daemon, work: impl FnOnce() -> T) -> (T, Duration) {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let sender = scope.spawn(|| steady_sender(d, &stop));
+        let out = work();
+        stop.store(true, Ordering::SeqCst);
+        (out, sender.join().unwrap())
+    })
+}
+
+/// `POST /files/uploads` of `bytes` as the `file` part: the status.
+fn upload_status(d: &Daemon, cch: &str, bytes: &[u8]) -> (u16, serde_json::Value) {
+    upload_as(d, cch, "big.pdf", "application/pdf", bytes)
+}
+
+/// Files of `max_file_bytes` (20 MiB) through the port, side by side with
+/// `IMGATE_BENCH_BASELINE` when set: the peak RSS of two uploads at once and of two downloads
+/// at once (each phase on a fresh process, so VmHWM is that phase's), beside a webhook
+/// sender whose worst latency is shown.
+#[test]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
+fn bench_files() {
+    const MAX: usize = 20 << 20;
+    println!(
+        "\n{:<12} {:>10} {:>26} {:>26}",
+        "build", "idle", "2 uploads: peak (status)", "2 downloads: peak (status)"
+    );
+    for (name, program) in builds() {
+        let receiver = ReplyReceiver::start(200);
+        let dir = temp_dir("bench-files");
+        let config = config_text(
+            free_port(),
+            &dir,
+            Some(&receiver.url),
+            "[xagent]\nprofile = xagent.im.v2\n",
+        )
+        .replace("log_level = debug", "log_level = warn");
+        let d = Daemon::start_program(&program, &dir, &config, "warn", &[]);
+        let (mut x, cch) = d.bound_xagent();
+        let idle = hwm_kib(d.pid());
+        let files: Vec<Vec<u8>> = (0..2).map(|i| patterned(MAX, i)).collect();
+        let (uploads, up_worst) = beside_webhooks(&d, || {
+            std::thread::scope(|scope| {
+                let sends: Vec<_> = files
+                    .iter()
+                    .map(|f| {
+                        let (d, cch) = (&d, cch.as_str());
+                        scope.spawn(move || upload_status(d, cch, f))
+                    })
+                    .collect();
+                sends.into_iter().map(|s| s.join().unwrap()).collect::<Vec<_>>()
+            })
+        });
+        let up_peak = hwm_kib(d.pid());
+        let up_status: Vec<String> = uploads.iter().map(|(s, _)| s.to_string()).collect();
+        // The first file goes to the webhook's receiver, which gets its download URL.
+        let ack = x.say(
+            &cch,
+            "bench-file",
+            "",
+            json!([{"type": "file", "file_ref": uploads[0].1["file_ref"]}]),
+        );
+        assert_eq!(ack["payload"]["status"], "accepted", "{ack}");
+        let sent: serde_json::Value =
+            serde_json::from_str(&receiver.rx.recv_timeout(Duration::from_secs(30)).unwrap().body).unwrap();
+        let url = sent["files"][0]["download_url"].as_str().unwrap().to_string();
+        drop(x);
+        let d = d.restart();
+        let (downloads, down_worst) = beside_webhooks(&d, || {
+            std::thread::scope(|scope| {
+                let gets: Vec<_> = (0..2)
+                    .map(|_| {
+                        let (d, url) = (&d, url.as_str());
+                        scope.spawn(move || {
+                            let (status, body) = download_url(d, url);
+                            (status, body.len())
+                        })
+                    })
+                    .collect();
+                gets.into_iter().map(|g| g.join().unwrap()).collect::<Vec<_>>()
+            })
+        });
+        let down_peak = hwm_kib(d.pid());
+        let down_status: Vec<String> = downloads
+            .iter()
+            .map(|(s, n)| {
+                if *s == 200 {
+                    format!("{s}, {} MiB", n >> 20)
+                } else {
+                    s.to_string()
+                }
+            })
+            .collect();
+        println!(
+            "{name:<12} {:>10} {:>26} {:>26}",
+            format!("{:.1} MiB", idle as f64 / 1024.0),
+            format!("{:.1} MiB ({})", up_peak as f64 / 1024.0, up_status.join(" ")),
+            format!("{:.1} MiB ({})", down_peak as f64 / 1024.0, down_status.join("; ")),
+        );
+        println!(
+            "{:<12} worst webhook 202 beside them: uploads {:.0} ms, downloads {:.0} ms",
+            "",
+            ms(up_worst),
+            ms(down_worst)
+        );
+    }
+    println!("(each file 20 MiB = max_file_bytes; VmHWM of a fresh process per phase)");
+}
