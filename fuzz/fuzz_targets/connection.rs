@@ -2,12 +2,12 @@
 //! number of pipelined requests, delivered in pieces split at points the input chooses, to the
 //! same `conn::serve` the daemon runs, with a stand-in service behind it. No input may panic,
 //! grow the head buffer past its bound (a debug assertion inside), or reach the service with a
-//! body over its cap.
+//! body over its cap, read whole or streamed to a sink (`/stream`, as uploads are).
 #![no_main]
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use imgate::fuzzing::front::conn::{self, Answer, Plan, Refused, Reply, Service};
+use imgate::fuzzing::front::conn::{self, Answer, Plan, Refused, Reply, Service, Sink};
 use imgate::fuzzing::front::head::Head;
 use libfuzzer_sys::fuzz_target;
 
@@ -20,6 +20,11 @@ impl Service for StandIn {
         match head.path.as_str() {
             "/ws" => Plan::Upgrade,
             "/refuse" => Plan::Answer(Answer::error(401, "unauthorized")),
+            "/stream" => Plan::Stream {
+                cap: CAP,
+                hold: Box::new(()),
+                sink: Box::new(Counted(0)),
+            },
             _ => Plan::Read {
                 cap: CAP,
                 hold: Box::new(()),
@@ -33,6 +38,29 @@ impl Service for StandIn {
     }
 
     fn refused(&self, _why: Refused) {}
+}
+
+/// A streamed body's sink: counts the bytes, refuses a body whose first byte is `!`.
+struct Counted(u64);
+
+impl Sink for Counted {
+    fn feed<'a>(
+        &'a mut self,
+        bytes: &'a [u8],
+    ) -> Pin<Box<dyn std::future::Future<Output = Result<(), Answer>> + Send + 'a>> {
+        Box::pin(async move {
+            if self.0 == 0 && bytes.first() == Some(&b'!') {
+                return Err(Answer::error(400, "refused"));
+            }
+            self.0 += bytes.len() as u64;
+            assert!(self.0 <= CAP, "a streamed body over its cap reached the sink");
+            Ok(())
+        })
+    }
+
+    fn finish(self: Box<Self>) -> Pin<Box<dyn std::future::Future<Output = Answer> + Send>> {
+        Box::pin(async move { Answer::json(200, format!("{{\"bytes\":{}}}", self.0)) })
+    }
 }
 
 /// The client: the input in pieces, then end of stream; what the server writes is counted.

@@ -19,7 +19,7 @@ use super::head::{self, Framing, Head, MAX_HEAD};
 use super::relay::Relayed;
 
 /// Bytes read from the socket at a time.
-const READ_CHUNK: usize = 8 * 1024;
+pub const READ_CHUNK: usize = 8 * 1024;
 /// After an answer that refuses a body still arriving (413, 401), the rest is read and dropped
 /// for at most this long and this many bytes before the connection closes: closing at once
 /// would reset it, and the client would never read the answer.

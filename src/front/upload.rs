@@ -16,9 +16,11 @@ use crate::providers::Host;
 
 /// File bytes gathered before they are written: one write on the pool per this many.
 const FLUSH: usize = 64 * 1024;
+/// The most body bytes one `feed` brings: one read of the connection.
+const READ: usize = super::conn::READ_CHUNK;
 /// Memory one upload holds at most: the gathered bytes, one read of the connection on top,
 /// and the parser's bounded hold-back. The front door's upload budget counts this.
-pub const HELD: u64 = (FLUSH + 8 * 1024 + multipart::MAX_HEAD_BYTES + 128) as u64;
+pub const HELD: u64 = (FLUSH + READ + multipart::MAX_HEAD_BYTES + 128) as u64;
 
 /// Where the body is.
 enum Place {
@@ -120,6 +122,8 @@ impl Upload {
         .await?;
         self.source = Some(opened.0);
         self.part = Some(opened.1);
+        // Sized once: a flush at `FLUSH` plus the read that passed it never makes it grow.
+        self.pending.reserve_exact(FLUSH + READ);
         Ok(())
     }
 
