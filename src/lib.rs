@@ -17,6 +17,7 @@ mod ids;
 mod json;
 mod maintenance;
 mod outbox;
+mod peer_wait;
 mod protocol;
 mod providers;
 mod quiet;

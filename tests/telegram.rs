@@ -782,3 +782,33 @@ fn documents_and_photos_of_every_size_up_to_max_file_bytes_download_whole() {
     let text = push["payload"]["raw_text"].as_str().unwrap_or_default();
     assert!(text.contains("max_file_bytes"), "{push}");
 }
+
+/// A `retry_after` past what an `Instant` can hold once crashed imgate: `Instant + Duration`
+/// overflowed. Clamped to a minute, the wait now passes the fetch's deadline: a note, no crash.
+#[test]
+fn a_retry_after_that_overflows_the_clock_does_not_crash_imgate() {
+    let (d, api) = telegram("tg-retry-overflow", "");
+    let (mut x, _) = bound(&d);
+    api.fail("getFile", 429, Some(u64::MAX), 1);
+    api.user_sends_photo(BOT, CHAT, &[7u8; 1000], "overflow");
+    let push = x.next_push(Duration::from_secs(40)).expect("the message is pushed");
+    let text = push["payload"]["raw_text"].as_str().unwrap();
+    assert!(text.starts_with("overflow [image not available"), "{text}");
+    let (code, _) = d.post_hook("alerts", &json!({"message_id": "alive", "sender_id": "u"}));
+    assert_eq!(code, 202, "still serving:\n{}", d.log());
+}
+
+/// getUpdates told to wait 31 years once stopped polling for good; polling now goes on after
+/// the clamp (a minute).
+#[test]
+fn a_huge_retry_after_on_get_updates_delays_polling_by_the_clamp_at_most() {
+    let (d, api) = telegram("tg-retry-huge", "");
+    api.user_says(BOT, CHAT, "after the wait", Duration::ZERO);
+    api.fail("getUpdates", 429, Some(1_000_000_000), 1);
+    let (mut x, _) = bound(&d);
+    let push = x
+        .next_push(Duration::from_secs(120))
+        .expect("polling resumes within the clamp");
+    assert_eq!(push["payload"]["raw_text"], "after the wait");
+    assert!(api.calls("getUpdates").len() >= 2, "the refused poll, then the next");
+}

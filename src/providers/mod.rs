@@ -28,6 +28,7 @@ use crate::config::{self, Config};
 use crate::files::{FileRecord, Files};
 use crate::json::{Object, Value};
 use crate::outbox::{Enqueued, Outbox, Ticket};
+use crate::peer_wait;
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::source::Source;
@@ -481,8 +482,9 @@ pub fn with_retry<T, E: Transient>(
         let left = deadline.saturating_duration_since(Instant::now());
         match attempt(left.max(Duration::from_millis(1))) {
             Err(e) if e.temporary() => {
-                let wait = e.retry_after().unwrap_or(backoff);
-                if Instant::now() + wait >= deadline {
+                // The peer's wait, bounded whatever an implementation passes on.
+                let wait = e.retry_after().map_or(backoff, |w| w.min(peer_wait::RETRY_AFTER_MAX));
+                if peer_wait::passes(deadline, wait) {
                     return Err(e);
                 }
                 log::info!("{what}: {e}; retrying in {wait:?}");

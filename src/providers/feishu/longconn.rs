@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use super::frame::{Frame, METHOD_CONTROL, METHOD_DATA};
 use crate::json::{self, Value};
+use crate::peer_wait;
 
 /// The endpoint request's path under the API base.
 pub const ENDPOINT_PATH: &str = "/callback/ws/endpoint";
@@ -47,7 +48,7 @@ impl Default for ClientConfig {
 /// A server value outside these bounds is clamped: a ping every second, or a reconnect loop
 /// without pause, must not follow from one odd answer.
 const PING_BOUNDS: (u64, u64) = (10, 600);
-const RECONNECT_BOUNDS: (u64, u64) = (5, 600);
+const RECONNECT_BOUNDS: (u64, u64) = (5, peer_wait::RECONNECT_MAX.as_secs());
 const JITTER_MAX: u64 = 120;
 
 /// A `ClientConfig` as the server sent it (endpoint answer or pong): seconds, each field only

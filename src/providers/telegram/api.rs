@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use crate::json::{self, Value};
+use crate::peer_wait;
 
 /// Long polls wait this long at Telegram; the HTTP timeout adds a margin.
 pub const POLL_SECONDS: u64 = 25;
@@ -30,7 +31,7 @@ impl crate::providers::Transient for ApiError {
     }
 
     fn retry_after(&self) -> Option<Duration> {
-        self.retry_after.map(Duration::from_secs)
+        self.retry_after.map(|s| peer_wait::secs(s, peer_wait::RETRY_AFTER_MAX))
     }
 }
 

@@ -14,6 +14,7 @@ use super::api::{Api, POLL_SECONDS};
 use super::{source_of, ChatInfo, Telegram};
 use crate::json::{self, obj, strs, Value};
 use crate::outbox::{Cursor, Enqueued};
+use crate::peer_wait;
 use crate::providers::inbound::{FileItem, Inbound};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
 use crate::providers::workers::{Stop, Worker, Workers};
@@ -114,7 +115,9 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                 }
                 let wait = match e.code {
                     401 => Duration::from_secs(60),
-                    _ => e.retry_after.map_or(backoff, Duration::from_secs),
+                    _ => e
+                        .retry_after
+                        .map_or(backoff, |s| peer_wait::secs(s, peer_wait::RETRY_AFTER_MAX)),
                 };
                 backoff = (backoff * 2).min(Duration::from_secs(30));
                 Some(wait)
