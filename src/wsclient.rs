@@ -19,6 +19,22 @@ use smol::net::TcpStream;
 
 use crate::cork::Corked;
 
+/// The one WebSocket configuration of every socket imgate holds (its `/ws`, the dial-out, the
+/// long connections of providers): frames and messages of at most `max_message` bytes, and what
+/// waits to be written bounded too. A peer that sends pings and never reads would otherwise
+/// have a pong queued for each, without end; with the bound, tungstenite keeps only the latest
+/// pong once the buffer is full (RFC 6455 5.5.3: answering the most recent ping is enough).
+pub fn bounded_config(max_message: usize) -> WebSocketConfig {
+    let config = WebSocketConfig::default();
+    // What tungstenite gathers before it writes (its default), one whole message past it, and
+    // room for that message's frame header.
+    let most = config.write_buffer_size.saturating_add(max_message).saturating_add(64);
+    config
+        .max_message_size(Some(max_message))
+        .max_frame_size(Some(max_message))
+        .max_write_buffer_size(most)
+}
+
 /// A parsed `ws://` or `wss://` URL.
 #[derive(Debug, PartialEq)]
 pub struct Target {

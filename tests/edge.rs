@@ -625,6 +625,60 @@ fn peer_2_a_websocket_client_that_stops_reading_is_disconnected_within_its_write
     alive(&d);
 }
 
+/// WebSocket ping frames from a peer that never reads: each asks for a pong, and a pong that
+/// cannot be written once waited in tungstenite's write buffer, which had no bound (1 GiB in
+/// 6 s). The buffer is capped now and pongs beyond it are coalesced (RFC 6455 5.5.3: the latest
+/// ping is the one answered).
+#[test]
+fn peer_8_ping_frames_from_a_client_that_never_reads_cost_bounded_memory() {
+    let d = daemon("peer-pingflood");
+    alive(&d);
+    let before = hwm_kib(d.pid());
+    let mut ws = raw_upgrade(d.port, &format!("Bearer {API_KEY}"));
+    ws.write_all(&hello_frame()).unwrap();
+    assert!(next_text(&mut ws).contains("connector.hello.ack"));
+    let ping = frame(0x89, &[b'p'; 125]);
+    let burst: Vec<u8> = ping.iter().copied().cycle().take(ping.len() * 1000).collect();
+    ws.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    // 200,000 pings: their pongs, queued, would be 26 MB.
+    let mut sent = 0;
+    while sent < 200 && ws.write_all(&burst).is_ok() {
+        sent += 1;
+    }
+    let grew = hwm_kib(d.pid()).saturating_sub(before);
+    println!("{} ping frames sent; peak RSS grew {grew} KiB", sent * 1000);
+    assert_eq!(sent, 200, "imgate went on reading the pings");
+    assert!(grew < 8 * 1024, "peak RSS grew {grew} KiB");
+    alive(&d);
+    drop(ws);
+}
+
+/// The same from the xAgent imgate dials: the server's ping frames (unmasked) on the dial-out.
+#[test]
+fn peer_8_ping_frames_from_a_dialled_xagent_that_never_reads_cost_bounded_memory() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let dir = temp_dir("peer-pingflood-dial");
+    let extra = format!("[xagent]\ndial = ws://127.0.0.1:{port}/ws\n");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, &extra));
+    let (mut x, _) = accept_dial(&listener);
+    let before = hwm_kib(d.pid());
+    let mut ping = vec![0x89u8, 125];
+    ping.extend_from_slice(&[b'p'; 125]);
+    let burst: Vec<u8> = ping.iter().copied().cycle().take(ping.len() * 1000).collect();
+    let socket = x.socket();
+    socket.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut sent = 0;
+    while sent < 200 && socket.write_all(&burst).is_ok() {
+        sent += 1;
+    }
+    let grew = hwm_kib(d.pid()).saturating_sub(before);
+    println!("{} ping frames sent; peak RSS grew {grew} KiB", sent * 1000);
+    assert_eq!(sent, 200, "imgate went on reading the pings");
+    assert!(grew < 8 * 1024, "peak RSS grew {grew} KiB");
+    alive(&d);
+}
+
 fn upgrade_head(method: &str, version: &str, extra: &str) -> String {
     format!(
         "{method} /ws {version}\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: Bearer {API_KEY}\r\n{extra}\r\n"

@@ -29,9 +29,7 @@ pub const MAX_PACKET: usize = 1 << 20;
 
 /// WebSocket limits shared by both transports.
 pub fn ws_config() -> async_tungstenite::tungstenite::protocol::WebSocketConfig {
-    async_tungstenite::tungstenite::protocol::WebSocketConfig::default()
-        .max_message_size(Some(MAX_PACKET))
-        .max_frame_size(Some(MAX_PACKET))
+    crate::wsclient::bounded_config(MAX_PACKET)
 }
 
 /// The data plane's state across connections, over the app it serves.

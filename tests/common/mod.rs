@@ -613,6 +613,11 @@ impl Sim {
         }
     }
 
+    /// The socket under the WebSocket, for bytes no well-behaved peer sends.
+    pub fn socket(&mut self) -> &mut TcpStream {
+        self.ws.get_mut()
+    }
+
     fn next_id(&mut self, prefix: &str) -> String {
         self.n += 1;
         format!("{prefix}_sim_{}", self.n)

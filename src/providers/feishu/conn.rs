@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use async_tungstenite::tungstenite::protocol::WebSocketConfig;
 use async_tungstenite::tungstenite::Message;
 use smol::future::FutureExt;
 use smol::stream::StreamExt;
@@ -208,10 +207,7 @@ type Ws = wsclient::Ws;
 async fn connect(ep: &Endpoint) -> Result<Ws, String> {
     let target = wsclient::parse_url(&ep.url)?;
     let request = wsclient::request(&ep.url)?;
-    let config = WebSocketConfig::default()
-        .max_message_size(Some(MAX_FRAME))
-        .max_frame_size(Some(MAX_FRAME));
-    wsclient::connect(&target, request, None, config).await
+    wsclient::connect(&target, request, None, wsclient::bounded_config(MAX_FRAME)).await
 }
 
 /// One received event on its way to the worker: its payload, the frame to answer with, and
