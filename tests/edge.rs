@@ -679,6 +679,47 @@ fn peer_8_ping_frames_from_a_dialled_xagent_that_never_reads_cost_bounded_memory
     alive(&d);
 }
 
+/// A dialled or connected xAgent sending `tool.invoke`s as fast as it can, to a `reply_url`
+/// that accepts connections and never answers: each call once took a thread of its own (136
+/// threads, 435 MiB). At most 16 run at once now; the rest are answered `busy` at once.
+#[test]
+fn peer_9_a_tool_call_flood_runs_16_at_once_and_answers_the_rest_busy() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let reply_url = format!("http://127.0.0.1:{}/reply", silent.local_addr().unwrap().port());
+    let dir = temp_dir("peer-toolflood");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&reply_url), ""));
+    let (mut x, cch) = d.bound_xagent();
+    let threads = || proc_field(d.pid(), "status", "Threads:");
+    let (before, rss_before) = (threads(), proc_field(d.pid(), "status", "VmRSS:"));
+    const CALLS: usize = 2000;
+    for i in 0..CALLS {
+        x.send(
+            "tool.invoke",
+            Some(&cch),
+            json!({"tool_id": "imgate_message_send", "arguments": {"text": format!("flood {i}")},
+                   "context": {"session_id": "s1", "tool_call_id": format!("flood-{i}")}}),
+        );
+    }
+    let (mut busy, mut most_threads) = (0, 0);
+    let mut quiet_since = Instant::now();
+    while busy < CALLS - 16 && quiet_since.elapsed() < Duration::from_secs(15) {
+        most_threads = most_threads.max(threads());
+        if let Some(p) = x.recv_within(Duration::from_millis(200)) {
+            if p["type"] == "tool.invoke.ack" && p["error"]["code"] == "busy" {
+                busy += 1;
+                quiet_since = Instant::now();
+            }
+        }
+    }
+    let rss_grew = proc_field(d.pid(), "status", "VmRSS:").saturating_sub(rss_before);
+    println!("{busy} busy answers; threads {before} -> at most {most_threads}; RSS grew {rss_grew} KiB");
+    assert!(busy >= CALLS - 16, "{busy} of {CALLS} answered busy");
+    assert!(most_threads <= before + 16 + 2, "threads {before} -> {most_threads}");
+    assert!(rss_grew < 12 * 1024, "RSS grew {rss_grew} KiB");
+    alive(&d);
+    drop(silent);
+}
+
 fn upgrade_head(method: &str, version: &str, extra: &str) -> String {
     format!(
         "{method} /ws {version}\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: Bearer {API_KEY}\r\n{extra}\r\n"

@@ -7,6 +7,7 @@
 //! slow target holds up only its channel; tool calls run in the background and queue their ack.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,6 +70,21 @@ struct Session {
     hello_done: bool,
     /// v2: xAgent's chat packets per channel, each queue run in order by its worker.
     chat_workers: HashMap<String, smol::channel::Sender<Packet>>,
+    /// Tool calls running now (each holds a blocking thread until its provider answers).
+    tools_running: Arc<AtomicUsize>,
+}
+
+/// Tool calls one connection may have running at once; more are answered `busy` at once,
+/// so a flood of `tool.invoke` costs neither threads nor memory past this.
+const TOOLS_AT_ONCE: usize = 16;
+
+/// One running tool call's place in `Session::tools_running`, given back when it answers.
+struct ToolTurn(Arc<AtomicUsize>);
+
+impl Drop for ToolTurn {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn close_frame(code: CloseCode, reason: impl Into<String>) -> CloseFrame {
@@ -113,6 +129,7 @@ where
         out: out_tx,
         hello_done: false,
         chat_workers: HashMap::new(),
+        tools_running: Arc::new(AtomicUsize::new(0)),
     };
 
     let (reason, close) = loop {
@@ -288,7 +305,19 @@ impl Session {
             }
             OnChannel::Auth(a) => vec![self.auth(p, a, cch).await],
             OnChannel::ToolInvoke => {
-                tool_invoke(&self.plane, p, cch, self.out.clone());
+                if self.tools_running.fetch_add(1, Ordering::SeqCst) >= TOOLS_AT_ONCE {
+                    self.tools_running.fetch_sub(1, Ordering::SeqCst);
+                    let tool_id = json::get_str(&p.payload, "tool_id").unwrap_or_default();
+                    let busy = Packet::answer(&p, "tool.invoke.ack")
+                        .with_payload(obj([("tool_id", s(tool_id))]))
+                        .with_error(
+                            code::BUSY,
+                            format!("{TOOLS_AT_ONCE} tool calls are running on this connection; try again"),
+                        );
+                    return vec![busy];
+                }
+                let turn = ToolTurn(self.tools_running.clone());
+                tool_invoke(&self.plane, p, cch, self.out.clone(), turn);
                 vec![]
             }
             OnChannel::Chat => self.chat_in_turn(cch, p),
@@ -423,9 +452,10 @@ impl Session {
 }
 
 /// Runs a tool in the background; its ack is queued when it finishes.
-fn tool_invoke(plane: &Arc<Plane>, p: Packet, cch: String, out: Out) {
+fn tool_invoke(plane: &Arc<Plane>, p: Packet, cch: String, out: Out, turn: ToolTurn) {
     let plane = plane.clone();
     crate::runtime::spawn(async move {
+        let _turn = turn;
         let tool_id = json::get_str(&p.payload, "tool_id").unwrap_or_default().to_string();
         let args: Object = json::get_obj(&p.payload, "arguments").cloned().unwrap_or_default();
         let call_id = json::get_obj(&p.payload, "context")

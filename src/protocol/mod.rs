@@ -128,6 +128,8 @@ pub mod code {
     pub const FILE_REF_INVALID: &str = "file_ref_invalid";
     pub const UPSTREAM_REJECTED: &str = "upstream_rejected";
     pub const UPSTREAM_UNREACHABLE: &str = "upstream_unreachable";
+    /// Too many tool calls in flight on the connection: the same call may be made again.
+    pub const BUSY: &str = "busy";
 }
 
 /// The longest `packet_id`, `request_id`, `reply_to`, `type` or `connector_channel_id` a packet
