@@ -22,6 +22,9 @@ const CHANNELS: TableDefinition<&str, &str> = TableDefinition::new("channels");
 /// source → channel ID.
 const BINDINGS: TableDefinition<&str, &str> = TableDefinition::new("bindings");
 
+/// Channels kept at most: past it a new channel is refused (a peer that opens channels without
+/// end cannot grow the store without end); opening a known one still works.
+pub const MAX_CHANNELS: u64 = 1024;
 const CONNECTOR_ID: &str = "connector_id";
 const OFFLINE_SINCE: &str = "offline_since";
 /// How many channels lease expiries have unregistered (for /status and /metrics).
@@ -116,11 +119,12 @@ impl Channels {
     }
 
     /// `channel.open`: reuses a known channel, otherwise creates and persists a new one.
-    /// Returns the channel ID and whether it was reused.
-    pub fn open_channel(&self, requested: Option<&str>) -> Result<(String, bool)> {
+    /// Returns the channel ID and whether it was reused; `None` when a new one would pass
+    /// `MAX_CHANNELS`.
+    pub fn open_channel(&self, requested: Option<&str>) -> Result<Option<(String, bool)>> {
         if let Some(cch) = requested {
             if self.channel(cch)?.is_some() {
-                return Ok((cch.to_string(), true));
+                return Ok(Some((cch.to_string(), true)));
             }
         }
         let cch = ids::token("cch_");
@@ -128,12 +132,15 @@ impl Channels {
             source: None,
             created_at: ids::now_ms(),
         };
-        self.db.write(|txn| {
-            txn.open_table(CHANNELS)?
-                .insert(cch.as_str(), miniserde::json::to_string(&rec).as_str())?;
-            Ok(())
+        let made = self.db.write(|txn| {
+            let mut t = txn.open_table(CHANNELS)?;
+            if t.len()? >= MAX_CHANNELS {
+                return Ok(false);
+            }
+            t.insert(cch.as_str(), miniserde::json::to_string(&rec).as_str())?;
+            Ok(true)
         })?;
-        Ok((cch, false))
+        Ok(made.then_some((cch, false)))
     }
 
     /// Binds `cch` to `source`. A source has one channel: the previous holder (returned) loses it.
@@ -248,8 +255,8 @@ mod tests {
     fn binding_a_source_moves_it_from_the_previous_channel() {
         let (c, _dir) = channels("bind");
         let x = Source::new("hook", "x");
-        let (a, _) = c.open_channel(None).unwrap();
-        let (b, _) = c.open_channel(None).unwrap();
+        let (a, _) = c.open_channel(None).unwrap().unwrap();
+        let (b, _) = c.open_channel(None).unwrap().unwrap();
         assert_eq!(c.bind(&a, &x).unwrap(), None);
         assert_eq!(c.bind(&b, &x).unwrap(), Some(a.clone()));
         assert_eq!(c.channel(&a).unwrap().unwrap().source, None);
@@ -262,18 +269,30 @@ mod tests {
     #[test]
     fn open_channel_reuses_known_ids_and_replaces_unknown_ones() {
         let (c, _dir) = channels("open");
-        let (a, reused) = c.open_channel(None).unwrap();
+        let (a, reused) = c.open_channel(None).unwrap().unwrap();
         assert!(!reused);
-        let (again, reused) = c.open_channel(Some(&a)).unwrap();
+        let (again, reused) = c.open_channel(Some(&a)).unwrap().unwrap();
         assert!(reused && again == a);
-        let (fresh, reused) = c.open_channel(Some("cch_unknown")).unwrap();
+        let (fresh, reused) = c.open_channel(Some("cch_unknown")).unwrap().unwrap();
         assert!(!reused && fresh != "cch_unknown");
+    }
+
+    #[test]
+    fn past_max_channels_a_new_channel_is_refused_and_a_known_one_still_opens() {
+        let (c, _dir) = channels("full");
+        let first = c.open_channel(None).unwrap().unwrap().0;
+        for _ in 1..MAX_CHANNELS {
+            assert!(c.open_channel(None).unwrap().is_some());
+        }
+        assert_eq!(c.open_channel(None).unwrap(), None, "one more than the cap");
+        assert_eq!(c.open_channel(Some("cch_unknown")).unwrap(), None);
+        assert_eq!(c.open_channel(Some(&first)).unwrap(), Some((first, true)));
     }
 
     #[test]
     fn the_lease_unregisters_every_channel_once_it_runs_out() {
         let (c, _dir) = channels("lease");
-        let (a, _) = c.open_channel(None).unwrap();
+        let (a, _) = c.open_channel(None).unwrap().unwrap();
         c.bind(&a, &Source::new("hook", "x")).unwrap();
         c.set_offline_since(Some(1000)).unwrap();
         assert_eq!(c.expire_lease(1999, 1000).unwrap(), None);

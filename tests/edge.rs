@@ -720,6 +720,41 @@ fn peer_9_a_tool_call_flood_runs_16_at_once_and_answers_the_rest_busy() {
     drop(silent);
 }
 
+/// A flood of `channel.open` once stored every channel and logged a line for each (38,711 lines,
+/// 4.88 MB of log in 50 s). At most 1,024 channels are kept now, a new one past that is refused
+/// with a protocol error, and opens are logged one line a minute with the count since.
+#[test]
+fn peer_10_a_channel_open_flood_is_capped_and_logged_once_a_minute() {
+    let d = daemon("peer-channelflood");
+    let mut x = d.xagent();
+    x.hello("");
+    let first = x.open(None).0;
+    const OPENS: usize = 1100;
+    for _ in 1..OPENS {
+        x.send("channel.open", None, json!({}));
+    }
+    let (mut opened, mut refused) = (1, 0);
+    let mut quiet_since = Instant::now();
+    while opened + refused < OPENS && quiet_since.elapsed() < Duration::from_secs(15) {
+        if let Some(p) = x.recv_within(Duration::from_millis(200)) {
+            quiet_since = Instant::now();
+            if p["type"] == "channel.open.ack" {
+                opened += 1;
+            } else if p["error"]["code"] == "connector_channel_unavailable" {
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((opened, refused), (1024, OPENS - 1024));
+    // A known channel still opens.
+    let (again, _) = x.open(Some(&first));
+    assert_eq!(again, first);
+    let log = d.log();
+    let lines = log.matches("data plane: channel cch_").count();
+    assert!(lines <= 2, "{lines} lines for {opened} opens");
+    assert_eq!(log.matches("a new channel was refused").count(), 1, "{log}");
+}
+
 fn upgrade_head(method: &str, version: &str, extra: &str) -> String {
     format!(
         "{method} /ws {version}\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Protocol: {SUBPROTOCOL}\r\nAuthorization: Bearer {API_KEY}\r\n{extra}\r\n"

@@ -719,7 +719,7 @@ mod plane_tests {
     fn a_qr_login_binds_on_its_last_poll_from_a_new_connection_and_logout_tells_the_provider() {
         let standin = Arc::new(StandIn::default());
         let plane = plane_with(standin.clone());
-        let (cch, _) = plane.channels.open_channel(None).unwrap();
+        let (cch, _) = plane.channels.open_channel(None).unwrap().unwrap();
         let p = Packet::new("auth.start");
         let start = Auth::Start {
             flow_id: "qr".into(),
@@ -774,8 +774,8 @@ mod plane_tests {
     fn a_form_binding_moves_a_source_from_the_channel_that_had_it() {
         let standin = Arc::new(StandIn::default());
         let plane = plane_with(standin);
-        let (first, _) = plane.channels.open_channel(None).unwrap();
-        let (second, _) = plane.channels.open_channel(None).unwrap();
+        let (first, _) = plane.channels.open_channel(None).unwrap().unwrap();
+        let (second, _) = plane.channels.open_channel(None).unwrap().unwrap();
         let p = Packet::new("auth.start");
         let form = Auth::Start {
             flow_id: "form".into(),

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{blocking, Plane};
-use crate::channels::ChannelRecord;
+use crate::channels::{ChannelRecord, MAX_CHANNELS};
 use crate::hub::SessionId;
 use crate::json::{self, obj, s, Value};
 use crate::protocol::descriptor::{self, Target, ToolState};
@@ -13,6 +13,8 @@ use crate::quiet;
 
 /// A hello naming another connector_id: xAgent can send it at will, so one line a minute.
 static OTHER_CONNECTOR_ID: quiet::Site = quiet::Site::new();
+static OPENED: quiet::Site = quiet::Site::new();
+static CHANNELS_FULL: quiet::Site = quiet::Site::new();
 
 /// `connector.hello`: `Ok` when it enables the deployment's profile, or the error to answer.
 pub(super) fn hello(plane: &Plane, p: &Packet) -> Result<(), Box<Packet>> {
@@ -81,13 +83,27 @@ pub(super) fn hello_ack(plane: &Plane, p: &Packet) -> Packet {
 pub(super) async fn open(plane: &Arc<Plane>, session: SessionId, p: &Packet) -> Packet {
     let requested = p.channel_id().map(str::to_string);
     let opened = blocking(plane, move |plane| {
-        let (cch, reused) = plane.channels.open_channel(requested.as_deref())?;
+        let Some((cch, reused)) = plane.channels.open_channel(requested.as_deref())? else {
+            return Ok(None);
+        };
         let source = plane.channels.channel(&cch)?.and_then(|r| r.source());
-        Ok::<_, crate::store::StoreError>((cch, reused, source))
+        Ok::<_, crate::store::StoreError>(Some((cch, reused, source)))
     })
     .await;
     let (cch, reused, source) = match opened {
-        Ok(v) => v,
+        Ok(Some(v)) => v,
+        Ok(None) => {
+            if let Some(more) = CHANNELS_FULL.admit() {
+                log::warn!(
+                    "data plane: a new channel was refused: {MAX_CHANNELS} channels are kept already (the lease unregisters those of an xAgent gone for good){more}"
+                );
+            }
+            return Packet::error_for(
+                Some(p),
+                code::CHANNEL_UNAVAILABLE,
+                format!("the connector keeps at most {MAX_CHANNELS} channels; open a known one"),
+            );
+        }
         Err(e) => {
             log::error!("data plane: cannot persist channel: {e}");
             return Packet::error_for(
@@ -100,10 +116,13 @@ pub(super) async fn open(plane: &Arc<Plane>, session: SessionId, p: &Packet) -> 
     if let Some(prev) = plane.hub.open(&cch, session, source) {
         log::info!("data plane: channel {cch} moved from session {prev} to session {session}");
     }
-    log::info!(
-        "data plane: channel {cch} opened ({})",
-        if reused { "reused" } else { "new" }
-    );
+    // A peer may open channels as fast as it likes: one line a minute, with the count since.
+    if let Some(more) = OPENED.admit() {
+        log::info!(
+            "data plane: channel {cch} opened ({}){more}",
+            if reused { "reused" } else { "new" }
+        );
+    }
     let d = descriptor(plane, &cch).await;
     plane.hub.wake_channel(&cch);
     let mut ack = Packet::answer(p, "channel.open.ack")

@@ -236,7 +236,7 @@ mod tests {
     fn a_tool_sends_once_per_call_id_and_needs_a_bound_channel_and_a_declared_tool() {
         let standin = Arc::new(StandIn::default());
         let plane = plane_with(standin.clone());
-        let (cch, _) = plane.channels.open_channel(None).unwrap();
+        let (cch, _) = plane.channels.open_channel(None).unwrap().unwrap();
         let unbound = run(&plane, &cch, TOOL_SEND, &args("hi"), None).unwrap_err();
         assert_eq!(unbound.code, code::CONNECTION_NOT_AUTHENTICATED);
         plane.channels.bind(&cch, &Source::new("standin", "room")).unwrap();
