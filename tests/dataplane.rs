@@ -659,6 +659,34 @@ fn dial_transport_runs_the_same_session_and_reconnects() {
     assert_no_secret(&log, &["dial-key-55"], "the log");
 }
 
+/// A far side that accepts the dial and breaks every session at once was redialled every 1.3 s
+/// with four log lines each. A short session now counts as a failure for the backoff (1, 2,
+/// 4 s … up to a minute), and that is said once a minute.
+#[test]
+fn a_dial_target_that_breaks_every_session_is_redialled_with_growing_backoff() {
+    let xagent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let dial_port = xagent.local_addr().unwrap().port();
+    let dir = temp_dir("dial-flap");
+    let extra = format!("[xagent]\ndial = ws://127.0.0.1:{dial_port}/ws\n");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, &extra));
+    let mut accepted = Vec::new();
+    for _ in 0..4 {
+        let (x, _) = accept_dial(&xagent);
+        accepted.push(std::time::Instant::now());
+        drop(x);
+    }
+    // The waits before the 2nd, 3rd and 4th dial are at least 1, 2 and 4 s (plus jitter); a
+    // slow machine only makes them longer.
+    let third_gap = accepted[3] - accepted[2];
+    assert!(
+        third_gap >= Duration::from_millis(3900),
+        "{:?}",
+        accepted.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>()
+    );
+    let log = d.log();
+    assert_eq!(log.matches("dial: sessions with").count(), 1, "{log}");
+}
+
 #[test]
 fn status_requires_the_api_key_and_reports_the_policy() {
     let dir = temp_dir("status");

@@ -1,6 +1,8 @@
 //! The dial transport: connect out to `[xagent] dial` (ws:// or wss://) and run the same session
 //! as the listener does. Reconnects with capped exponential backoff and jitter; each change of
-//! state is logged once, not once per retry.
+//! state is logged once, not once per retry. A session that ends within `STABLE` of starting
+//! counts as a failure for the backoff: a far side that accepts and breaks every session is
+//! redialled at most once a minute, and said so once a minute.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,10 +12,14 @@ use async_tungstenite::tungstenite::http::HeaderValue;
 use super::Plane;
 use crate::ids;
 use crate::protocol::SUBPROTOCOL;
+use crate::quiet;
 use crate::wsclient;
 
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_CAP: Duration = Duration::from_secs(60);
+/// A session that lasted this long resets the backoff.
+const STABLE: Duration = Duration::from_secs(60);
+static SHORT_SESSIONS: quiet::Site = quiet::Site::new();
 
 /// Dials forever.
 pub async fn run(plane: Arc<Plane>, url: String) {
@@ -21,10 +27,17 @@ pub async fn run(plane: Arc<Plane>, url: String) {
     let mut last_failure: Option<String> = None;
     loop {
         match connect(&plane, &url).await {
-            Ok(()) => {
+            Ok(lasted) if lasted >= STABLE => {
                 // A session ran; start the next attempt quickly.
                 backoff = BACKOFF_START;
                 last_failure = None;
+            }
+            Ok(_) => {
+                if let Some(more) = SHORT_SESSIONS.admit() {
+                    log::warn!(
+                        "dial: sessions with {url} end within {STABLE:?} of starting; redialling with backoff up to {BACKOFF_CAP:?}{more}"
+                    );
+                }
             }
             Err(why) => {
                 if last_failure.as_deref() != Some(why.as_str()) {
@@ -39,8 +52,8 @@ pub async fn run(plane: Arc<Plane>, url: String) {
     }
 }
 
-/// One connection attempt; on success runs the session to its end.
-async fn connect(plane: &Arc<Plane>, url: &str) -> Result<(), String> {
+/// One connection attempt; on success runs the session to its end and says how long it lasted.
+async fn connect(plane: &Arc<Plane>, url: &str) -> Result<Duration, String> {
     let target = wsclient::parse_url(url)?;
     let mut request = wsclient::request(url)?;
     let headers = request.headers_mut();
@@ -52,8 +65,10 @@ async fn connect(plane: &Arc<Plane>, url: &str) -> Result<(), String> {
     }
     let ca_file = plane.config.xagent.ca_file.as_deref();
     let ws = wsclient::connect(&target, request, ca_file, super::ws_config()).await?;
-    log::info!("dial: connected to {url}");
+    // The session's own lines say when it started and ended, and why.
+    log::debug!("dial: connected to {url}");
+    let started = std::time::Instant::now();
     super::session::run(plane.clone(), ws, url.to_string()).await;
-    log::info!("dial: disconnected from {url}");
-    Ok(())
+    log::debug!("dial: disconnected from {url}");
+    Ok(started.elapsed())
 }

@@ -121,6 +121,7 @@ where
         stop: stop_tx.clone(),
     }));
     log::info!("data plane: session {id} with {peer} started");
+    let started = std::time::Instant::now();
     let writer = crate::runtime::spawn(write(tx, cork, out_rx, stop_tx.clone()));
     let mut session = Session {
         delivery: Delivery::start(plane.clone(), id, out_tx.clone(), wake_rx, stop_tx),
@@ -182,7 +183,10 @@ where
         }
     };
     session.end(writer, &reason, close).await;
-    log::info!("data plane: session {id} with {peer} ended: {reason}");
+    log::info!(
+        "data plane: session {id} with {peer} ended: {reason} (after {:.1} s)",
+        started.elapsed().as_secs_f64()
+    );
     crate::runtime::released();
 }
 
