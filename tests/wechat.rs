@@ -447,3 +447,21 @@ fn images_and_files_of_every_size_up_to_max_file_bytes_are_decrypted_and_downloa
         assert_same_bytes(&got, &bytes, &format!("a {n}-byte file"));
     }
 }
+
+/// A CDN answer redirecting to another host was followed; the bytes come from the CDN's host
+/// alone now, and the message goes on with a note.
+#[test]
+fn a_cdn_redirect_to_another_host_is_not_followed() {
+    let (d, api, _dir) = wechat("wx-cdn-redirect");
+    let (mut x, _) = signed_in(&d, &api);
+    let elsewhere = ReplyReceiver::start(200);
+    api.redirect_downloads(&elsewhere.url);
+    api.user_sends(4, "report.pdf", b"%PDF-1.4 small", "ctx-r");
+    let push = x.next_push(Duration::from_secs(20)).expect("the message is pushed");
+    let text = push["payload"]["raw_text"].as_str().unwrap_or_default();
+    assert!(text.contains("not available"), "{push}");
+    assert!(
+        elsewhere.rx.recv_timeout(Duration::from_millis(500)).is_err(),
+        "nothing was fetched from the other host"
+    );
+}

@@ -39,6 +39,8 @@ struct State {
     cdn: HashMap<String, Vec<u8>>,
     /// Every `getuploadurl` body.
     upload_asks: Vec<Value>,
+    /// Where every CDN download is redirected (`302`), when set.
+    redirect_downloads: Option<String>,
 }
 
 pub struct Ilink {
@@ -145,6 +147,11 @@ impl Ilink {
         s.good_contexts.push(context.to_string());
         cv.notify_all();
         id
+    }
+
+    /// Every CDN download from now on answers `302` to `to`.
+    pub fn redirect_downloads(&self, to: &str) {
+        self.state.0.lock().unwrap().redirect_downloads = Some(to.to_string());
     }
 
     /// The plaintext of what a `sendmessage` item points at on the CDN, decrypted with its key.
@@ -315,6 +322,11 @@ fn cdn(
     let mut s = state.0.lock().unwrap();
     let param = query(url, "encrypted_query_param").unwrap_or_default().to_string();
     if url.starts_with("/c2c/download") {
+        if let Some(to) = &s.redirect_downloads {
+            return tiny_http::Response::from_data(Vec::new())
+                .with_status_code(302)
+                .with_header(tiny_http::Header::from_bytes("Location", to.as_bytes()).unwrap());
+        }
         return match s.cdn.get(&param) {
             Some(bytes) => tiny_http::Response::from_data(bytes.clone()),
             None => tiny_http::Response::from_data(Vec::new()).with_status_code(404),

@@ -141,12 +141,14 @@ pub fn download_url(cdn_base: &str, m: &MediaRef) -> Option<String> {
     ))
 }
 
-/// GETs at most `limit` bytes.
+/// GETs at most `limit` bytes. A redirect is not followed: the bytes come from where
+/// `download_url` chose (the CDN's host), not from wherever an answer points.
 pub fn download(http: &ureq::Agent, url: &str, limit: u64, timeout: Duration) -> Result<Vec<u8>, String> {
     let mut resp = http
         .get(url)
         .config()
         .timeout_global(Some(timeout))
+        .max_redirects(0)
         .build()
         .call()
         .map_err(|e| format!("the CDN is unreachable: {e}"))?;
