@@ -258,15 +258,21 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
         body.extend(self.buf.drain(..take));
         let mut chunk = [0u8; READ_CHUNK];
         while body.len() < n {
-            let deadline = end.min(Instant::now() + limits.body_idle);
             let want = (n - body.len()).min(READ_CHUNK);
-            match within(deadline, self.io.read(&mut chunk[..want])).await {
-                None => return Err(ReadError::TimedOut),
-                Some(Ok(0)) | Some(Err(_)) => return Err(ReadError::Closed),
-                Some(Ok(k)) => body.extend_from_slice(&chunk[..k]),
-            }
+            let k = self.body_read(&mut chunk[..want], end, limits).await?;
+            body.extend_from_slice(&chunk[..k]);
         }
         Ok(body)
+    }
+
+    /// One read of body bytes into `into`: by `end`, and within `body_idle` of the last one.
+    async fn body_read(&mut self, into: &mut [u8], end: Instant, limits: &Limits) -> Result<usize, ReadError> {
+        let deadline = end.min(Instant::now() + limits.body_idle);
+        match within(deadline, self.io.read(into)).await {
+            None => Err(ReadError::TimedOut),
+            Some(Ok(0)) | Some(Err(_)) => Err(ReadError::Closed),
+            Some(Ok(k)) => Ok(k),
+        }
     }
 
     /// A chunked body, de-chunked, under `cap`.
@@ -307,13 +313,11 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
                 }
                 let mut chunk = [0u8; READ_CHUNK];
                 while left > 0 {
-                    let deadline = end.min(Instant::now() + limits.body_idle);
                     let want = usize::try_from(left).unwrap_or(usize::MAX).min(READ_CHUNK);
-                    let k = match within(deadline, self.io.read(&mut chunk[..want])).await {
-                        None => return Err(StreamError::Read(ReadError::TimedOut)),
-                        Some(Ok(0)) | Some(Err(_)) => return Err(StreamError::Read(ReadError::Closed)),
-                        Some(Ok(k)) => k,
-                    };
+                    let k = self
+                        .body_read(&mut chunk[..want], end, limits)
+                        .await
+                        .map_err(StreamError::Read)?;
                     sink.feed(&chunk[..k]).await.map_err(StreamError::Refused)?;
                     left -= k as u64;
                 }
@@ -517,7 +521,7 @@ where
         }
         let head_only = head.method == "HEAD";
         let announced = head.body != Framing::None && head.body != Framing::Length(0);
-        let cap = match service.plan(&head) {
+        let (cap, _hold, sink) = match service.plan(&head) {
             Plan::Upgrade => {
                 let rest = std::mem::take(&mut conn.buf);
                 return Outcome::Upgrade(head, conn.io, rest);
@@ -536,7 +540,6 @@ where
             Plan::Read { cap, hold } => (cap, hold, None),
             Plan::Stream { cap, hold, sink } => (cap, hold, Some(sink)),
         };
-        let (cap, _hold, sink) = cap;
         if let Framing::Length(n) = head.body {
             if n > cap {
                 service.refused(Refused::BadBody(413));

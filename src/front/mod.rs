@@ -211,8 +211,9 @@ impl FrontDoor {
         Some(Answer::json(refused.status, json::to_string(&refused.body)))
     }
 
-    /// Reads a body of at most `cap` bytes, held against `budget`.
-    fn read(&self, head: &Head, cap: u64, budget: &Arc<Budget>, client: IpAddr) -> Plan {
+    /// Reads a body of at most `max_body` bytes, held against the bodies' budget.
+    fn read(&self, head: &Head, client: IpAddr) -> Plan {
+        let cap = self.max_body;
         let size = match head.body {
             Framing::None => 0,
             Framing::Length(n) if n < SMALL_BODY => 0,
@@ -222,7 +223,7 @@ impl FrontDoor {
         let taken = if size == 0 {
             None
         } else {
-            match budget.take(size) {
+            match self.bodies.take(size) {
                 Some(t) => Some(t),
                 None => {
                     stats::note(Cause::Busy, Some(client), "too many request bodies in memory at once");
@@ -348,30 +349,7 @@ impl FrontDoor {
             }
         }
     }
-}
 
-/// The front door as one connection sees it: what it refuses is logged with the client's
-/// address.
-struct ForClient<'a> {
-    door: &'a FrontDoor,
-    ip: IpAddr,
-}
-
-impl Service for ForClient<'_> {
-    fn plan(&self, head: &Head) -> Plan {
-        self.door.plan(head, self.ip)
-    }
-
-    fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>) -> Reply<'a> {
-        self.door.answer(head, body, self.ip)
-    }
-
-    fn refused(&self, why: Refused) {
-        self.door.refused(why, self.ip)
-    }
-}
-
-impl FrontDoor {
     fn plan(&self, head: &Head, client: IpAddr) -> Plan {
         let route = self.route(&head.path);
         if route == "/ws" && matches!(head.method.as_str(), "GET" | "HEAD") {
@@ -388,7 +366,7 @@ impl FrontDoor {
         if let Some(refused) = self.screen(head, route, client) {
             return Plan::Answer(refused);
         }
-        self.read(head, self.max_body, &self.bodies, client)
+        self.read(head, client)
     }
 
     fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>, client: IpAddr) -> Reply<'a> {
@@ -415,6 +393,27 @@ impl FrontDoor {
             Refused::SlowBody => (Cause::SlowBody, "request body stalled or too slow".to_string()),
         };
         stats::note(cause, Some(client), &detail);
+    }
+}
+
+/// The front door as one connection sees it: what it refuses is logged with the client's
+/// address.
+struct ForClient<'a> {
+    door: &'a FrontDoor,
+    ip: IpAddr,
+}
+
+impl Service for ForClient<'_> {
+    fn plan(&self, head: &Head) -> Plan {
+        self.door.plan(head, self.ip)
+    }
+
+    fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>) -> Reply<'a> {
+        self.door.answer(head, body, self.ip)
+    }
+
+    fn refused(&self, why: Refused) {
+        self.door.refused(why, self.ip)
     }
 }
 

@@ -13,6 +13,10 @@ use crate::files::{FileError, FilePart};
 use crate::http::multipart;
 use crate::json::{self, obj, s};
 use crate::providers::Host;
+use crate::quiet;
+
+/// A failing disk fails every upload: one line a minute.
+static STORAGE_FAILED: quiet::Site = quiet::Site::new();
 
 /// File bytes gathered before they are written: one write on the pool per this many.
 const FLUSH: usize = 64 * 1024;
@@ -42,9 +46,8 @@ pub struct Upload {
     channel: Option<String>,
     /// `None`: the `Content-Type` names no multipart boundary.
     parser: Option<multipart::Stream>,
-    /// The channel's source, once checked (at the first bytes).
-    source: Option<String>,
-    /// The cache's `.part` file; `None` while a write has it on the pool.
+    /// The cache's `.part` file, once the channel was checked (at the first bytes); `None`
+    /// before, and while a write has it on the pool.
     part: Option<FilePart>,
     place: Place,
     meta: Option<Meta>,
@@ -64,7 +67,9 @@ fn refused(e: FileError) -> Answer {
         FileError::TooLarge => Answer::error(413, "too_large"),
         FileError::CacheFull => Answer::error(503, "capacity_exceeded"),
         FileError::Storage(e) => {
-            log::error!("files: upload failed: {e}");
+            if let Some(more) = STORAGE_FAILED.admit() {
+                log::error!("files: upload failed: {e}{more}");
+            }
             Answer::error(503, "storage_unavailable")
         }
     }
@@ -81,7 +86,6 @@ impl Upload {
             parser: content_type
                 .and_then(multipart::boundary)
                 .map(|b| multipart::Stream::new(&b)),
-            source: None,
             part: None,
             place: Place::Elsewhere,
             meta: None,
@@ -92,7 +96,7 @@ impl Upload {
     /// The channel's binding and a fresh `.part` for it, looked up on the pool (a store read
     /// and a file created): before any file byte is kept.
     async fn open(&mut self) -> Result<(), Answer> {
-        if self.source.is_some() {
+        if self.part.is_some() {
             return Ok(());
         }
         let Some(channel) = self.channel.clone() else {
@@ -106,7 +110,7 @@ impl Upload {
             let source = match host.channels.channel(&channel) {
                 Ok(rec) => rec.and_then(|r| r.source),
                 Err(e) => {
-                    log::debug!("files: cannot read channel {channel}: {e}");
+                    log::debug!("files: cannot read channel {}: {e}", quiet::shown(&channel));
                     return Err(Answer::error(503, "storage_unavailable"));
                 }
             };
@@ -116,12 +120,10 @@ impl Upload {
                     json::to_string(&obj([("error", s("connection_not_found"))])),
                 ));
             };
-            let part = host.files.begin(&source, "out").map_err(refused)?;
-            Ok((source, part))
+            host.files.begin(&source, "out").map_err(refused)
         })
         .await?;
-        self.source = Some(opened.0);
-        self.part = Some(opened.1);
+        self.part = Some(opened);
         // Sized once: a flush at `FLUSH` plus the read that passed it never makes it grow.
         self.pending.reserve_exact(FLUSH + READ);
         Ok(())
