@@ -482,8 +482,7 @@ pub fn with_retry<T, E: Transient>(
         let left = deadline.saturating_duration_since(Instant::now());
         match attempt(left.max(Duration::from_millis(1))) {
             Err(e) if e.temporary() => {
-                // The peer's wait, bounded whatever an implementation passes on.
-                let wait = e.retry_after().map_or(backoff, |w| w.min(peer_wait::RETRY_AFTER_MAX));
+                let wait = peer_wait::retry_after(e.retry_after(), backoff);
                 if peer_wait::passes(deadline, wait) {
                     return Err(e);
                 }

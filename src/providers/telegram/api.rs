@@ -8,7 +8,6 @@
 use std::time::Duration;
 
 use crate::json::{self, Value};
-use crate::peer_wait;
 
 /// Long polls wait this long at Telegram; the HTTP timeout adds a margin.
 pub const POLL_SECONDS: u64 = 25;
@@ -31,7 +30,8 @@ impl crate::providers::Transient for ApiError {
     }
 
     fn retry_after(&self) -> Option<Duration> {
-        self.retry_after.map(|s| peer_wait::secs(s, peer_wait::RETRY_AFTER_MAX))
+        // Bounded where it is used (`peer_wait::retry_after`).
+        self.retry_after.map(Duration::from_secs)
     }
 }
 

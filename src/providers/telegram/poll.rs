@@ -115,9 +115,7 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                 }
                 let wait = match e.code {
                     401 => Duration::from_secs(60),
-                    _ => e
-                        .retry_after
-                        .map_or(backoff, |s| peer_wait::secs(s, peer_wait::RETRY_AFTER_MAX)),
+                    _ => peer_wait::retry_after(e.retry_after.map(Duration::from_secs), backoff),
                 };
                 backoff = (backoff * 2).min(Duration::from_secs(30));
                 Some(wait)
