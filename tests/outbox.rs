@@ -41,14 +41,6 @@ fn pushed_ids(x: &mut Sim, quiet: Duration) -> Vec<String> {
     ids
 }
 
-fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn messages_that_expire_while_imgate_is_stopped_are_never_delivered_and_are_counted() {
     let mut d = start("expire-stopped", "ttl = 1s\n");

@@ -754,22 +754,13 @@ fn uploads_over_the_file_cap_get_413_and_past_the_cache_cap_503() {
 fn documents_and_photos_of_every_size_up_to_max_file_bytes_download_whole() {
     let (d, api) = telegram("tg-sizes", MAX_FILE_CONF);
     let (mut x, _cch) = bound(&d);
-    for (i, n) in file_sizes().into_iter().enumerate() {
-        let bytes = patterned(n, i as u8);
+    every_size_downloads_whole(&d, &mut x, |i, bytes| {
         if i == 0 {
-            api.user_sends_photo(BOT, CHAT, &bytes, "a photo");
+            api.user_sends_photo(BOT, CHAT, bytes, "a photo");
         } else {
-            api.user_sends_document(BOT, CHAT, &bytes, "report.pdf", "application/pdf");
+            api.user_sends_document(BOT, CHAT, bytes, "report.pdf", "application/pdf");
         }
-        let push = x
-            .next_push(Duration::from_secs(20))
-            .expect("the file's message is pushed");
-        let file = &push["payload"]["files"][0];
-        assert_eq!(file["byte_size"], n, "{push}");
-        let (status, got) = download(&d, file);
-        assert_eq!(status, 200, "a {n}-byte file");
-        assert_same_bytes(&got, &bytes, &format!("a {n}-byte file"));
-    }
+    });
     // One byte over the cap: the message still arrives, its text says why the file did not.
     api.user_sends_document(
         BOT,

@@ -29,14 +29,6 @@ fn channel_status(d: &Daemon) -> Value {
     get_json(&d.url("/status"))["channels"][0].clone()
 }
 
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "{what} never happened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 #[test]
 fn the_card_declares_only_v2_and_a_hello_without_it_is_refused_plainly() {
     let d = daemon("v2-card", "");
@@ -116,7 +108,7 @@ fn inbound_messages_go_one_at_a_time_and_leave_only_on_their_ack() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(channel_status(&d)["pending"], 1, "m3 still waits for its own ack");
     x.ack_chat(&m3, "accepted", None, false);
-    wait_for("all delivered", || channel_status(&d)["delivered"] == 3);
+    wait_until("all delivered", || channel_status(&d)["delivered"] == 3);
     assert_eq!(channel_status(&d)["pending"], 0);
 }
 
@@ -141,7 +133,7 @@ fn a_retryable_rejection_is_sent_again_after_a_backoff_and_counted() {
     assert_eq!(st["attempts"], 1, "{st}");
     assert!(st["last_error"].as_str().unwrap().contains("busy"), "{st}");
     x.ack_chat(&again, "accepted", None, false);
-    wait_for("delivered", || channel_status(&d)["delivered"] == 1);
+    wait_until("delivered", || channel_status(&d)["delivered"] == 1);
 }
 
 #[test]
@@ -156,7 +148,7 @@ fn a_final_rejection_is_kept_failed_visible_and_never_retried() {
     assert_eq!(f2["payload"]["message_id"], "f2");
     x.ack_chat(&f2, "accepted", None, false);
     assert!(x.next_chat(Duration::from_secs(3)).is_none(), "f1 is never sent again");
-    wait_for("counted", || channel_status(&d)["failed"] == 1);
+    wait_until("counted", || channel_status(&d)["failed"] == 1);
     let st = channel_status(&d);
     assert_eq!(
         (st["delivered"].as_u64(), st["pending"].as_u64()),
@@ -204,7 +196,7 @@ fn an_unacked_message_is_sent_again_after_a_reconnect_and_after_sigkill() {
     let after = z.next_chat(Duration::from_secs(10)).expect("after SIGKILL");
     assert_eq!(after["payload"], first["payload"]);
     z.ack_chat(&after, "accepted", None, false);
-    wait_for("delivered", || channel_status(&d)["delivered"] == 1);
+    wait_until("delivered", || channel_status(&d)["delivered"] == 1);
     assert!(channel_status(&d)["attempts"].as_u64().unwrap() >= 1);
 }
 

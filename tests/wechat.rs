@@ -433,19 +433,10 @@ fn images_and_files_of_every_size_up_to_max_file_bytes_are_decrypted_and_downloa
     );
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, &conf));
     let (mut x, _cch) = signed_in(&d, &api);
-    for (i, n) in file_sizes().into_iter().enumerate() {
-        let bytes = patterned(n, i as u8);
-        // A photo as an image item, the others as file items (their keys spelled differently).
-        api.user_sends(if i == 0 { 2 } else { 4 }, "report.pdf", &bytes, &format!("ctx-{i}"));
-        let push = x
-            .next_push(Duration::from_secs(30))
-            .expect("the file's message is pushed");
-        let file = &push["payload"]["files"][0];
-        assert_eq!(file["byte_size"], n, "{push}");
-        let (status, got) = download(&d, file);
-        assert_eq!(status, 200, "a {n}-byte file");
-        assert_same_bytes(&got, &bytes, &format!("a {n}-byte file"));
-    }
+    // A photo as an image item, the others as file items (their keys spelled differently).
+    every_size_downloads_whole(&d, &mut x, |i, bytes| {
+        api.user_sends(if i == 0 { 2 } else { 4 }, "report.pdf", bytes, &format!("ctx-{i}"));
+    });
 }
 
 /// A CDN answer redirecting to another host was followed; the bytes come from the CDN's host

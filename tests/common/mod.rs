@@ -378,6 +378,32 @@ pub fn file_sizes() -> [usize; 3] {
     [100 << 10, 5 << 20, MAX_FILE]
 }
 
+/// Waits for `done` (polled every 50 ms), failing after 20 s with what never happened.
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// For each of `file_sizes()`, `send(i, bytes)` has a provider's user send a file of that size
+/// (`i` picks the kind: 0 a photo); the message is pushed and its file downloads whole.
+pub fn every_size_downloads_whole(d: &Daemon, x: &mut Sim, mut send: impl FnMut(usize, &[u8])) {
+    for (i, n) in file_sizes().into_iter().enumerate() {
+        let bytes = patterned(n, i as u8);
+        send(i, &bytes);
+        let push = x
+            .next_push(Duration::from_secs(30))
+            .expect("the file's message is pushed");
+        let file = &push["payload"]["files"][0];
+        assert_eq!(file["byte_size"], n, "{push}");
+        let (status, got) = download(d, file);
+        assert_eq!(status, 200, "a {n}-byte file");
+        assert_same_bytes(&got, &bytes, &format!("a {n}-byte file"));
+    }
+}
+
 /// `n` bytes that differ from those of any other `seed` and repeat only every 251 bytes, so a
 /// dropped, repeated or reordered block shows.
 pub fn patterned(n: usize, seed: u8) -> Vec<u8> {
