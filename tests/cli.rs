@@ -1,6 +1,7 @@
 //! The command line as the contract fixes it: check, init, --version, config errors.
 
 use std::process::Command;
+use std::time::Duration;
 
 use crate::common::*;
 
@@ -208,6 +209,22 @@ allow_unauthenticated = true
         let out = check(text);
         assert!(out.status.success(), "{text}: {}", String::from_utf8_lossy(&out.stderr));
     }
+    // Allowed on purpose: it runs, and says so at every start.
+    // (a public_url on another host makes the port reachable, as a non-loopback listen does)
+    let open_dir = dir.join("allowed");
+    std::fs::create_dir_all(&open_dir).unwrap();
+    let allowed = config_text(free_port(), &open_dir, None, "")
+        .replace(
+            "log_level = debug",
+            "log_level = debug\npublic_url = https://pi.example.net",
+        )
+        .replace(&format!("api_key = {API_KEY}\n"), "allow_unauthenticated = true\n");
+    let d = Daemon::start(&open_dir, &allowed);
+    let warning = "no api_key on a port other machines reach (allow_unauthenticated = true)";
+    assert!(d.log_shows(warning, Duration::from_secs(5)), "{}", d.log());
+    let d = d.restart();
+    wait_until("the second start warns too", || d.log().matches(warning).count() == 2);
+    drop(d);
     // `run` reads the config the same way: it exits 2 before it binds anything.
     let port = free_port();
     std::fs::write(

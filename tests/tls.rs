@@ -206,6 +206,13 @@ fn tls_daemon(tag: &str) -> (Daemon, std::path::PathBuf) {
 
 /// A TLS client trusting only the test CA, done with its handshake.
 fn tls_connect(port: u16, dir: &Path) -> TlsClient {
+    let tls = tls_handshake(port, dir, &[b"h2", b"http/1.1"]).expect("the TLS handshake succeeds");
+    assert_eq!(tls.conn.alpn_protocol(), Some(&b"http/1.1"[..]), "HTTP/1.1, never h2");
+    tls
+}
+
+/// A TLS handshake trusting only the test CA, offering the ALPN protocols `alpn`.
+fn tls_handshake(port: u16, dir: &Path, alpn: &[&[u8]]) -> std::io::Result<TlsClient> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in CertificateDer::pem_file_iter(dir.join("ca.pem")).unwrap() {
         roots.add(cert.unwrap()).unwrap();
@@ -216,17 +223,16 @@ fn tls_connect(port: u16, dir: &Path) -> TlsClient {
         .unwrap()
         .with_root_certificates(roots)
         .with_no_client_auth();
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
     let conn = rustls::ClientConnection::new(Arc::new(config), name).unwrap();
     let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     tcp.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut tls = rustls::StreamOwned::new(conn, tcp);
     while tls.conn.is_handshaking() {
-        tls.conn.complete_io(&mut tls.sock).expect("the TLS handshake succeeds");
+        tls.conn.complete_io(&mut tls.sock)?;
     }
-    assert_eq!(tls.conn.alpn_protocol(), Some(&b"http/1.1"[..]), "HTTP/1.1, never h2");
-    tls
+    Ok(tls)
 }
 
 /// One request over TLS: the whole answer (the request asks the server to close).
@@ -368,6 +374,9 @@ fn hostile_bytes_and_a_stalled_handshake_are_refused_within_the_head_deadline() 
         "{}",
         d.log()
     );
+    // A client that speaks only HTTP/2 is refused in the handshake: the front door frames
+    // HTTP/1.1 alone.
+    assert!(tls_handshake(d.port, &dir, &[b"h2"]).is_err(), "h2 alone is refused");
     // Still serving.
     let health = format!(
         "GET /health HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {API_KEY}\r\nConnection: close\r\n\r\n"

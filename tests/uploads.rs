@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::common::*;
 use serde_json::Value;
@@ -72,14 +72,6 @@ fn cached(d: &Daemon) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !done() {
-        assert!(Instant::now() < deadline, "{what} never happened");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -187,4 +179,43 @@ fn uploads_that_are_malformed_over_the_cap_or_cut_short_say_why_and_leave_nothin
         assert_eq!(answer["byte_size"], 300 << 10);
     }
     assert_eq!(cached(&d).len(), 2);
+}
+
+/// Four uploads stream at once (each holds about 80 KiB); a fifth is answered `503 busy` from
+/// its head, and the room comes back when one of them ends.
+#[test]
+fn a_fifth_upload_at_once_is_busy_until_one_ends() {
+    let dir = temp_dir("upload-busy");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let (_x, cch) = d.bound_xagent();
+    let body = multipart_body("a.pdf", &patterned(1 << 20, 5));
+    let head = format!(
+        "POST /files/uploads HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nX-XAgent-Connector-Channel-ID: {cch}\r\n\
+         Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    // Four uploads under way: their heads and a first part of their bodies, the rest held back.
+    let mut held: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+            s.write_all(head.as_bytes()).unwrap();
+            s.write_all(&body[..64 << 10]).unwrap();
+            s
+        })
+        .collect();
+    wait_until("the four uploads write to the cache", || {
+        cached(&d).iter().filter(|n| n.ends_with(".part")).count() == 4
+    });
+    let (status, answer) = raw_upload(&d, Some(&cch), &body, false);
+    assert!(status.starts_with("HTTP/1.1 503"), "{status} {answer}");
+    assert_eq!(answer["error"], "busy");
+    // One of them completes: a new upload is taken again.
+    let mut first = held.remove(0);
+    first.write_all(&body[64 << 10..]).unwrap();
+    let mut answer = String::new();
+    let _ = first.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let (status, answer) = raw_upload(&d, Some(&cch), &body, false);
+    assert!(status.starts_with("HTTP/1.1 200"), "{status} {answer}");
+    drop(held);
 }
