@@ -156,7 +156,9 @@ impl Files {
         })
     }
 
-    /// Stores bytes as a new file of `source`; returns its ref and record.
+    /// Stores bytes as a new file of `source`; returns its ref and record. Files arrive as
+    /// streams (`begin`, `FilePart::write`, `commit`); this is the tests' shortcut.
+    #[cfg(test)]
     pub fn store(
         &self,
         source: &str,

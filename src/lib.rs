@@ -30,4 +30,5 @@ mod store;
 #[cfg(test)]
 mod testutil;
 mod tls;
+mod upstream;
 mod wsclient;

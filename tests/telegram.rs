@@ -803,3 +803,32 @@ fn a_huge_retry_after_on_get_updates_delays_polling_by_the_clamp_at_most() {
     assert_eq!(push["payload"]["raw_text"], "after the wait");
     assert!(api.calls("getUpdates").len() >= 2, "the refused poll, then the next");
 }
+
+/// An answer past 1 MiB is refused unread (an 8 MB `getUpdates` once held 110 MiB): the poller
+/// asks for fewer updates until the answer fits, and back up after; nothing is skipped.
+#[test]
+fn updates_too_large_for_one_answer_are_asked_for_in_smaller_batches_and_none_is_lost() {
+    let (d, api) = telegram("tg-big-batch", "");
+    // 100 messages of 4,096 three-byte characters: about 1.2 MB in one answer of 100.
+    let long = "€".repeat(4096);
+    for i in 0..100 {
+        api.user_says(BOT, CHAT, &format!("{i} {long}"), Duration::ZERO);
+    }
+    let (mut x, _) = bound(&d);
+    for i in 0..100 {
+        let push = x.next_push(Duration::from_secs(60)).expect("every message is pushed");
+        let text = push["payload"]["raw_text"].as_str().unwrap_or_default();
+        assert!(
+            text.starts_with(&format!("{i} €")),
+            "message {i} in order: {}",
+            text.chars().take(20).collect::<String>()
+        );
+    }
+    let limits: Vec<u64> = api
+        .calls("getUpdates")
+        .iter()
+        .map(|c| c["limit"].as_u64().unwrap_or(100))
+        .collect();
+    assert!(limits.iter().any(|l| *l < 100), "asked for fewer: {limits:?}");
+    assert!(limits.iter().all(|l| *l >= 1), "{limits:?}");
+}

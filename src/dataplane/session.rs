@@ -29,6 +29,7 @@ use crate::hub::{Link, SessionId};
 use crate::ids;
 use crate::json::{self, obj, s, Object};
 use crate::protocol::{code, Packet};
+use crate::providers::Failure;
 use crate::quiet;
 
 /// Chat packets queued per channel at most; beyond it xAgent is told the channel is busy.
@@ -77,6 +78,11 @@ struct Session {
 /// Tool calls one connection may have running at once; more are answered `busy` at once,
 /// so a flood of `tool.invoke` costs neither threads nor memory past this.
 const TOOLS_AT_ONCE: usize = 16;
+
+/// A tool call is answered within this, whatever its thread does. Every provider gives up on
+/// its IM system sooner (20 s at most), so this answers only a call whose thread is stuck or
+/// waited for the pool; xAgent may repeat it (a repeat of a call still running is `busy`).
+const TOOL_ANSWER_DEADLINE: Duration = Duration::from_secs(25);
 
 /// One running tool call's place in `Session::tools_running`, given back when it answers.
 struct ToolTurn(Arc<AtomicUsize>);
@@ -459,7 +465,6 @@ impl Session {
 fn tool_invoke(plane: &Arc<Plane>, p: Packet, cch: String, out: Out, turn: ToolTurn) {
     let plane = plane.clone();
     crate::runtime::spawn(async move {
-        let _turn = turn;
         let tool_id = json::get_str(&p.payload, "tool_id").unwrap_or_default().to_string();
         let args: Object = json::get_obj(&p.payload, "arguments").cloned().unwrap_or_default();
         let call_id = json::get_obj(&p.payload, "context")
@@ -467,10 +472,21 @@ fn tool_invoke(plane: &Arc<Plane>, p: Packet, cch: String, out: Out, turn: ToolT
             .filter(|c| !c.is_empty())
             .map(str::to_string);
         let (t, c) = (tool_id.clone(), cch.clone());
-        let outcome = blocking(&plane, move |plane| {
+        // The turn goes with the thread: a call answered at the deadline below still holds
+        // its place until its thread is free, so stuck calls cannot take more threads.
+        let running = blocking(&plane, move |plane| {
+            let _turn = turn;
             super::tools::run(plane, &c, &t, &args, call_id.as_deref())
-        })
-        .await;
+        });
+        let outcome = running
+            .or(async {
+                smol::Timer::after(TOOL_ANSWER_DEADLINE).await;
+                Err(Failure::temporary(
+                    code::UPSTREAM_UNREACHABLE,
+                    format!("no answer within {} s", TOOL_ANSWER_DEADLINE.as_secs()),
+                ))
+            })
+            .await;
         let ack = Packet::answer(&p, "tool.invoke.ack");
         let ack = match outcome {
             Ok(result) => ack.with_payload(obj([("tool_id", s(&tool_id)), ("result", result)])),

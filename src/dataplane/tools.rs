@@ -2,7 +2,8 @@
 //! arguments, `reply_ref` and `file_ref` ownership), the answer to a repeated `tool_call_id`,
 //! and the provider's `send`. Owns the `tool_calls` table.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 
 use redb::TableDefinition;
 
@@ -28,9 +29,24 @@ struct ToolCall {
     expires_at: u64,
 }
 
-/// Results of tool calls, by call, for as long as xAgent may repeat one.
+/// Results of tool calls, by call, for as long as xAgent may repeat one; and the calls running.
 pub struct ToolResults {
     db: Arc<Db>,
+    /// Keys of the calls running now. A call answered at the session's deadline may still be
+    /// running on its thread: a repeat of it waits for it (`busy`) instead of sending twice.
+    running: Mutex<HashSet<String>>,
+}
+
+/// A running call's key in `ToolResults::running`, removed when the call ends.
+struct Running<'a> {
+    results: &'a ToolResults,
+    key: String,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.results.lock().remove(&self.key);
+    }
 }
 
 impl ToolResults {
@@ -39,7 +55,22 @@ impl ToolResults {
             txn.open_table(TOOL_CALLS)?;
             Ok(())
         })?;
-        Ok(ToolResults { db })
+        Ok(ToolResults {
+            db,
+            running: Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Marks the call `key` running; `None` while an earlier call with it still runs.
+    fn claim(&self, key: &str) -> Option<Running<'_>> {
+        self.lock().insert(key.to_string()).then(|| Running {
+            results: self,
+            key: key.to_string(),
+        })
     }
 
     fn get(&self, key: &str) -> store::Result<Option<String>> {
@@ -106,8 +137,18 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
             "the channel is not bound; complete an auth flow first",
         ));
     };
-    // A repeated tool_call_id answers with the first result and sends nothing.
+    // A repeated tool_call_id answers with the first result and sends nothing; while the first
+    // still runs, it is `busy`.
     let key = call_id.map(|c| format!("{cch}:{tool_id}:{c}"));
+    let _running = match key.as_deref() {
+        Some(k) => Some(plane.tool_results.claim(k).ok_or_else(|| {
+            Failure::temporary(
+                code::BUSY,
+                "the first call with this tool_call_id is still running; try again",
+            )
+        })?),
+        None => None,
+    };
     if let Some(first) = key
         .as_deref()
         .map(|k| first_result(plane, k, tool_id))

@@ -21,9 +21,10 @@ use crate::json::{self, arr, b, obj, opt_s, s, Object, Value};
 use crate::outbox::Enqueued;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{code, TOOL_REPLY, TOOL_SEND};
-use crate::quiet;
+use crate::quiet::{self, Site};
 use crate::source::Source;
 use crate::store::StoreError;
+use crate::upstream;
 
 const NAME: &str = "webhook";
 /// Longest accepted `message_id` / `sender_id` / `chat_id`.
@@ -32,6 +33,11 @@ const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY];
 const FLOW: &str = "webhook_binding";
 /// Outbound POSTs to a `reply_url`: no answer within this is `upstream_unreachable`.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
+/// A `reply_url`'s answer is read up to this many bytes (it may name a message ID, no more).
+const MAX_REPLY_ANSWER: u64 = 64 * 1024;
+/// Failed sends are logged once a minute (xAgent can call the tool at will).
+static UNREACHABLE: Site = Site::new();
+static REFUSED: Site = Site::new();
 /// Stale messages are refused as often as a sender sends them: one line a minute.
 static STALE_LOG: quiet::Site = quiet::Site::new();
 
@@ -128,15 +134,9 @@ fn read(_: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn S
 }
 
 fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
-    let http = ureq::Agent::config_builder()
-        .timeout_global(Some(REPLY_TIMEOUT))
-        .timeout_connect(Some(Duration::from_secs(5)))
-        .http_status_as_error(false)
-        .user_agent(format!("imgate/{}", crate::protocol::card::VERSION))
-        .build();
     Ok(Some(Arc::new(Webhooks {
         host: host.clone(),
-        http: ureq::Agent::new_with_config(http),
+        http: upstream::agent(REPLY_TIMEOUT),
     })))
 }
 
@@ -333,8 +333,10 @@ impl Webhooks {
             .send(body.as_bytes());
         let mut resp = result.map_err(|e| {
             // The configured URL may carry a credential of its own: never echo it.
-            let e = e.to_string().replace(url, "<reply_url>");
-            log::warn!("webhook {name}: reply_url unreachable: {e}");
+            let e = upstream::Error::from(e).to_string().replace(url, "<reply_url>");
+            if let Some(more) = UNREACHABLE.admit() {
+                log::warn!("webhook {name}: reply_url unreachable: {e}{more}");
+            }
             Failure::temporary(
                 code::UPSTREAM_UNREACHABLE,
                 format!("reply_url could not be reached: {e}"),
@@ -342,25 +344,20 @@ impl Webhooks {
         })?;
         let status = resp.status().as_u16();
         if !(200..300).contains(&status) {
-            log::warn!("webhook {name}: reply_url answered HTTP {status}");
+            if let Some(more) = REFUSED.admit() {
+                log::warn!("webhook {name}: reply_url answered HTTP {status}{more}");
+            }
             let message = format!("reply_url answered HTTP {status}");
             return Err(match status {
                 429 | 500.. => Failure::temporary(code::UPSTREAM_REJECTED, message),
                 _ => Failure::new(code::UPSTREAM_REJECTED, message),
             });
         }
-        // The receiver may name the message it created.
-        let answer = resp
-            .body_mut()
-            .with_config()
-            .limit(64 * 1024)
-            .read_to_string()
-            .unwrap_or_default();
-        Ok(json::parse(&answer).ok().and_then(|v| {
-            json::as_object(&v)
-                .and_then(|o| json::get_str(o, "message_id"))
-                .map(str::to_string)
-        }))
+        // The receiver may name the message it created; its answer is not needed otherwise.
+        let answer = upstream::read_json(&mut resp, MAX_REPLY_ANSWER)
+            .ok()
+            .and_then(|(_, o)| o);
+        Ok(answer.and_then(|o| json::get_str(&o, "message_id").map(|id| id.chars().take(MAX_ID).collect())))
     }
 }
 

@@ -377,7 +377,10 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &str) -> (u16, 
                 s = cv.wait_timeout(s, left).unwrap().0;
             }
             *s.polls_now.get_mut(&bot_id).unwrap() -= 1;
-            ok(Value::Array(s.updates.get(&bot_id).cloned().unwrap_or_default()))
+            // `limit`: 1 to 100 updates, 100 when not given (the Bot API's documented bounds).
+            let limit = params["limit"].as_u64().unwrap_or(100).clamp(1, 100) as usize;
+            let updates = s.updates.get(&bot_id).map_or(&[][..], |u| &u[..u.len().min(limit)]);
+            ok(Value::Array(updates.to_vec()))
         }
         "sendMessage" => {
             let chat_id = params["chat_id"].as_i64().unwrap_or(0);

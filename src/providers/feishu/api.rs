@@ -12,8 +12,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::config::Secret;
+use crate::files::{FileError, FilePart};
 use crate::json::{self, obj, s, Value};
 use crate::providers::Transient;
+use crate::upstream::{self, Streamed};
 
 /// Feishu's code for "too many requests" (with HTTP 429 or 400).
 const CODE_RATE_LIMITED: i64 = 99991400;
@@ -23,6 +25,8 @@ const TOKEN_CODES: &[i64] = &[99991661, 99991663, 99991664, 99991668, 99991677];
 const RENEW_EARLY: Duration = Duration::from_secs(300);
 /// Answers larger than this are refused (JSON answers are small; downloads have their own cap).
 const MAX_ANSWER: u64 = 1 << 20;
+/// Characters of a header value kept (a file's type).
+const MAX_FIELD: usize = 256;
 
 /// An app's credentials.
 #[derive(Clone)]
@@ -44,6 +48,15 @@ impl ApiError {
     fn unreachable(e: impl std::fmt::Display) -> ApiError {
         ApiError {
             status: 0,
+            code: 0,
+            msg: e.to_string(),
+        }
+    }
+
+    /// The file cache refused the bytes: not temporary, its caps or its disk are not Feishu's.
+    pub fn cache(e: FileError) -> ApiError {
+        ApiError {
+            status: 413,
             code: 0,
             msg: e.to_string(),
         }
@@ -91,22 +104,11 @@ pub struct Api {
     tokens: Mutex<HashMap<String, Token>>,
 }
 
-/// A file downloaded from a message.
-pub struct Download {
-    pub bytes: Vec<u8>,
-    pub content_type: Option<String>,
-}
-
 impl Api {
     pub fn new(base: &str) -> Api {
         Api {
             base: base.trim_end_matches('/').to_string(),
-            http: ureq::Agent::config_builder()
-                .timeout_global(Some(Duration::from_secs(15)))
-                .timeout_connect(Some(Duration::from_secs(5)))
-                .http_status_as_error(false)
-                .build()
-                .into(),
+            http: upstream::agent(Duration::from_secs(15)),
             tokens: Mutex::new(HashMap::new()),
         }
     }
@@ -160,8 +162,8 @@ impl Api {
         timeout: Duration,
     ) -> Result<Value, ApiError> {
         self.authorized(app, timeout, |token| {
-            let o = self.send_json(method, path, Some(token), body, timeout)?;
-            Ok(o.get("data").cloned().unwrap_or(Value::Null))
+            let mut o = self.send_json(method, path, Some(token), body, timeout)?;
+            Ok(o.remove("data").unwrap_or(Value::Null))
         })
     }
 
@@ -180,45 +182,46 @@ impl Api {
                 .post(path, timeout)
                 .header("Authorization", &format!("Bearer {token}"))
                 .header("Content-Type", &ctype);
-            let o = read_answer(req.send(body))?;
-            Ok(o.get("data").cloned().unwrap_or(Value::Null))
+            let mut o = read_answer(req.send(body))?;
+            Ok(o.remove("data").unwrap_or(Value::Null))
         })
     }
 
-    /// Downloads a file of a message (at most `limit` bytes).
-    pub fn download(&self, app: &AppCreds, path: &str, limit: u64, timeout: Duration) -> Result<Download, ApiError> {
+    /// Downloads a file of a message into `part`; the type the server gives it.
+    pub fn download(
+        &self,
+        app: &AppCreds,
+        path: &str,
+        part: &mut FilePart,
+        timeout: Duration,
+    ) -> Result<Option<String>, ApiError> {
         self.authorized(app, timeout, |token| {
             let mut resp = self
                 .get(path, timeout)
                 .header("Authorization", &format!("Bearer {token}"))
                 .call()
-                .map_err(ApiError::unreachable)?;
+                .map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
             let status = resp.status().as_u16();
             let content_type = resp
                 .headers()
                 .get("Content-Type")
                 .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
+                .map(|c| c.chars().take(MAX_FIELD).collect::<String>());
             if status != 200
                 || content_type
                     .as_deref()
                     .is_some_and(|c| c.starts_with("application/json"))
             {
                 // Errors come as JSON, whatever the status.
-                let text = answer_text(&mut resp).unwrap_or_default();
-                return Err(error_of(status, &text));
+                let (status, o) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+                return Err(error_of(status, o.as_ref()));
             }
-            let bytes = resp
-                .body_mut()
-                .with_config()
-                .limit(limit)
-                .read_to_vec()
-                .map_err(|e| ApiError {
-                    status: 413,
-                    code: 0,
-                    msg: format!("the file is larger than the cache allows: {e}"),
-                })?;
-            Ok(Download { bytes, content_type })
+            match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
+                Ok(_) => Ok(content_type),
+                Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
+                // Not temporary: the cache's caps or its disk, not Feishu.
+                Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+            }
         })
     }
 
@@ -231,12 +234,19 @@ impl Api {
             .header("locale", "en");
         let mut resp = req
             .send(json::to_string(&body).as_bytes())
-            .map_err(ApiError::unreachable)?;
+            .map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
         let status = resp.status().as_u16();
-        let text = answer_text(&mut resp)?;
+        let body = upstream::read_body(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+        let text = String::from_utf8(body).map_err(|_| ApiError::unreachable("the endpoint answer is not text"))?;
         match status {
             200 => Ok(text),
-            _ => Err(error_of(status, &text)),
+            _ => {
+                let o = json::parse(&text).ok().and_then(|v| match v {
+                    Value::Object(o) => Some(o),
+                    _ => None,
+                });
+                Err(error_of(status, o.as_ref()))
+            }
         }
     }
 
@@ -255,7 +265,7 @@ impl Api {
         &self,
         app: &AppCreds,
         timeout: Duration,
-        attempt: impl Fn(&str) -> Result<T, ApiError>,
+        mut attempt: impl FnMut(&str) -> Result<T, ApiError>,
     ) -> Result<T, ApiError> {
         let token = self.token(app, timeout)?;
         match attempt(&token) {
@@ -309,24 +319,12 @@ fn kept_for(expire: u64) -> Duration {
 }
 
 /// Reads a JSON answer: the object when its `code` is 0.
-fn read_answer(sent: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Result<json::Object, ApiError> {
-    let mut resp = sent.map_err(ApiError::unreachable)?;
-    let status = resp.status().as_u16();
-    let text = answer_text(&mut resp)?;
-    let o = json::parse(&text).ok().and_then(|v| json::as_object(&v).cloned());
-    match o {
-        Some(o) if status == 200 && code_of(&o) == Some(0) => Ok(o),
-        _ => Err(error_of(status, &text)),
+fn read_answer(sent: Result<upstream::Response, ureq::Error>) -> Result<json::Object, ApiError> {
+    let mut resp = sent.map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
+    match upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)? {
+        (200, Some(o)) if code_of(&o) == Some(0) => Ok(o),
+        (status, o) => Err(error_of(status, o.as_ref())),
     }
-}
-
-/// An answer's body as text, at most `MAX_ANSWER` bytes.
-fn answer_text(resp: &mut ureq::http::Response<ureq::Body>) -> Result<String, ApiError> {
-    resp.body_mut()
-        .with_config()
-        .limit(MAX_ANSWER)
-        .read_to_string()
-        .map_err(ApiError::unreachable)
 }
 
 fn code_of(o: &json::Object) -> Option<i64> {
@@ -338,11 +336,9 @@ fn code_of(o: &json::Object) -> Option<i64> {
 }
 
 /// The error an answer stands for: its `code` and `msg` when it has them.
-fn error_of(status: u16, text: &str) -> ApiError {
-    let o = json::parse(text).ok().and_then(|v| json::as_object(&v).cloned());
-    let code = o.as_ref().and_then(code_of).unwrap_or(0);
+fn error_of(status: u16, o: Option<&json::Object>) -> ApiError {
+    let code = o.and_then(code_of).unwrap_or(0);
     let msg = o
-        .as_ref()
         .and_then(|o| json::get_str(o, "msg"))
         .unwrap_or(if o.is_some() {
             "no message"
@@ -364,6 +360,14 @@ fn error_of(status: u16, text: &str) -> ApiError {
 mod tests {
     use super::*;
 
+    fn error_text(status: u16, text: &str) -> ApiError {
+        let o = json::parse(text).ok().and_then(|v| match v {
+            Value::Object(o) => Some(o),
+            _ => None,
+        });
+        error_of(status, o.as_ref())
+    }
+
     #[test]
     fn a_token_is_renewed_five_minutes_before_it_expires_or_at_half_life() {
         assert_eq!(kept_for(7200), Duration::from_secs(6900), "Feishu's two hours");
@@ -374,13 +378,13 @@ mod tests {
 
     #[test]
     fn answers_with_a_code_are_errors_and_rate_limits_and_server_errors_are_temporary() {
-        let e = error_of(400, r#"{"code":232011,"msg":"Operator can NOT be out of the chat."}"#);
+        let e = error_text(400, r#"{"code":232011,"msg":"Operator can NOT be out of the chat."}"#);
         assert_eq!((e.status, e.code), (400, 232011));
         assert!(!e.temporary());
-        assert!(error_of(400, r#"{"code":99991400,"msg":"request trigger frequency limit"}"#).temporary());
-        assert!(error_of(502, "<html>bad gateway</html>").temporary());
-        assert!(error_of(200, r#"{"code":99991663,"msg":"Invalid access token"}"#).token_invalid());
+        assert!(error_text(400, r#"{"code":99991400,"msg":"request trigger frequency limit"}"#).temporary());
+        assert!(error_text(502, "<html>bad gateway</html>").temporary());
+        assert!(error_text(200, r#"{"code":99991663,"msg":"Invalid access token"}"#).token_invalid());
         let long = format!(r#"{{"code":1,"msg":"{}"}}"#, "x".repeat(5000));
-        assert_eq!(error_of(400, &long).msg.len(), 200, "a server's message is bounded");
+        assert_eq!(error_text(400, &long).msg.len(), 200, "a server's message is bounded");
     }
 }

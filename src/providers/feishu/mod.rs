@@ -357,28 +357,26 @@ impl Feishu {
             return Err("the message ID cannot be used in a request".into());
         }
         let creds = self.creds_of(app_id).ok_or("the app secret is no longer available")?;
-        let limit = self.host.config.files.max_file_bytes;
         let path = format!(
             "/open-apis/im/v1/messages/{message_id}/resources/{}?type={}",
             res.file_key, res.api_type
         );
         let deadline = Instant::now() + FETCH_DEADLINE;
-        let got = with_retry("feishu: message resource", deadline, |left| {
-            self.api.download(&creds, &path, limit, left)
+        let files = &self.host.files;
+        // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
+        let (part, content_type) = with_retry("feishu: message resource", deadline, |left| {
+            let mut part = files.begin(source.as_str(), "in").map_err(ApiError::cache)?;
+            let content_type = self.api.download(&creds, &path, &mut part, left)?;
+            Ok::<_, ApiError>((part, content_type))
         })
         .map_err(|e| e.to_string())?;
         // The server's type wins when it names one (an image may be a JPEG, not a PNG).
-        let mime = got
-            .content_type
+        let mime = content_type
             .as_deref()
             .map(|c| c.split(';').next().unwrap_or_default().trim())
             .filter(|c| c.contains('/') && !c.starts_with("application/octet-stream"))
             .unwrap_or(res.mime_type);
-        let (file_ref, rec) = self
-            .host
-            .files
-            .store(source.as_str(), &res.filename, mime, &got.bytes, "in")
-            .map_err(|e| e.to_string())?;
+        let (file_ref, rec) = files.commit(part, &res.filename, mime).map_err(|e| e.to_string())?;
         Ok(FileItem::cached(file_ref, rec))
     }
 

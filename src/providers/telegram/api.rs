@@ -7,7 +7,9 @@
 
 use std::time::Duration;
 
+use crate::files::{FileError, FilePart};
 use crate::json::{self, Value};
+use crate::upstream::{self, Streamed};
 
 /// Long polls wait this long at Telegram; the HTTP timeout adds a margin.
 pub const POLL_SECONDS: u64 = 25;
@@ -18,6 +20,8 @@ pub struct ApiError {
     pub code: u16,
     pub description: String,
     pub retry_after: Option<u64>,
+    /// The answer passed `MAX_ANSWER` and was not read.
+    pub too_large: bool,
 }
 
 impl crate::providers::Transient for ApiError {
@@ -52,21 +56,44 @@ pub struct Api {
     poll: ureq::Agent,
 }
 
-fn agent(timeout: Duration) -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .timeout_global(Some(timeout))
-        .timeout_connect(Some(Duration::from_secs(5)))
-        .http_status_as_error(false)
-        .build()
-        .into()
+/// An answer larger than this is refused unread (`ApiError::too_large`): a `getUpdates` batch
+/// past it is asked for again in fewer updates (`poll.rs`), so no answer of any size is held.
+pub const MAX_ANSWER: u64 = 1 << 20;
+/// Characters of an error's `description` kept (it reaches logs and tool results).
+const MAX_DESCRIPTION: usize = 200;
+
+impl ApiError {
+    /// What `upstream` reported, the token scrubbed from it.
+    fn of(e: upstream::Error, token: &str) -> ApiError {
+        ApiError {
+            code: 0,
+            too_large: matches!(e, upstream::Error::TooLarge { .. }),
+            description: e.scrubbed(token).to_string(),
+            retry_after: None,
+        }
+    }
+
+    /// The file cache refused the bytes: not temporary, its caps or its disk are not Telegram's.
+    pub fn cache(e: FileError) -> ApiError {
+        ApiError::refused(413, e.to_string())
+    }
+
+    fn refused(code: u16, description: impl Into<String>) -> ApiError {
+        ApiError {
+            code,
+            description: description.into(),
+            retry_after: None,
+            too_large: false,
+        }
+    }
 }
 
 impl Api {
     pub fn new(base: &str) -> Api {
         Api {
             base: base.trim_end_matches('/').to_string(),
-            http: agent(Duration::from_secs(15)),
-            poll: agent(Duration::from_secs(POLL_SECONDS + 10)),
+            http: upstream::agent(Duration::from_secs(15)),
+            poll: upstream::agent(Duration::from_secs(POLL_SECONDS + 10)),
         }
     }
 
@@ -97,41 +124,28 @@ impl Api {
         self.post(&self.http, token, method, &ctype, body, Some(timeout))
     }
 
-    /// Downloads a file named by `getFile`'s `file_path`, at most `limit` bytes, within
-    /// `timeout`. The URL holds the token, so it never leaves this function.
-    pub fn download(&self, token: &str, file_path: &str, limit: u64, timeout: Duration) -> Result<Vec<u8>, ApiError> {
+    /// Downloads a file named by `getFile`'s `file_path` into `part`, within `timeout`. The
+    /// URL holds the token, so it never leaves this function.
+    pub fn download(
+        &self,
+        token: &str,
+        file_path: &str,
+        part: &mut FilePart,
+        timeout: Duration,
+    ) -> Result<(), ApiError> {
         let url = format!("{}/file/bot{token}/{file_path}", self.base);
-        let scrub = |s: String| s.replace(token, "<token>");
-        let unreachable = |e: ureq::Error| ApiError {
-            code: 0,
-            description: scrub(e.to_string()),
-            retry_after: None,
-        };
-        let mut resp = self
-            .http
-            .get(&url)
-            .config()
-            .timeout_global(Some(timeout))
-            .build()
+        let mut resp = upstream::within(&self.http, self.http.get(&url), timeout)
             .call()
-            .map_err(unreachable)?;
+            .map_err(|e| ApiError::of(e.into(), token))?;
         let status = resp.status().as_u16();
         if status != 200 {
-            return Err(ApiError {
-                code: status,
-                description: "file download refused".into(),
-                retry_after: None,
-            });
+            return Err(ApiError::refused(status, "file download refused"));
         }
-        resp.body_mut()
-            .with_config()
-            .limit(limit)
-            .read_to_vec()
-            .map_err(|e| ApiError {
-                code: 413,
-                description: scrub(e.to_string()),
-                retry_after: None,
-            })
+        match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
+            Ok(_) => Ok(()),
+            Err(Streamed::Read(e)) => Err(ApiError::of(e, token)),
+            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+        }
     }
 
     /// One POST; `timeout` shortens the agent's own limit for this request.
@@ -145,45 +159,33 @@ impl Api {
         timeout: Option<Duration>,
     ) -> Result<Value, ApiError> {
         let url = format!("{}/bot{token}/{method}", self.base);
-        let scrub = |s: String| s.replace(token, "<token>");
         let mut req = agent.post(&url);
         if let Some(t) = timeout {
-            let agent_limit = agent.config().timeouts().global.unwrap_or(t);
-            req = req.config().timeout_global(Some(t.min(agent_limit))).build();
+            req = upstream::within(agent, req, t);
         }
         let mut resp = req
             .header("Content-Type", ctype)
             .send(&body[..])
-            .map_err(|e| ApiError {
-                code: 0,
-                description: scrub(e.to_string()),
-                retry_after: None,
-            })?;
-        let status = resp.status().as_u16();
-        let text = resp
-            .body_mut()
-            .with_config()
-            .limit(8 << 20)
-            .read_to_string()
-            .map_err(|e| ApiError {
-                code: 0,
-                description: scrub(e.to_string()),
-                retry_after: None,
-            })?;
-        let v = json::parse(&text).map_err(|_| ApiError {
-            code: status,
-            description: format!("answer to {method} is not JSON"),
-            retry_after: None,
-        })?;
-        let o = json::as_object(&v).cloned().unwrap_or_default();
+            .map_err(|e| ApiError::of(e.into(), token))?;
+        drop(body);
+        let (status, answer) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(|e| ApiError::of(e, token))?;
+        let Some(mut o) = answer else {
+            return Err(ApiError::refused(status, format!("answer to {method} is not JSON")));
+        };
         if matches!(o.get("ok"), Some(Value::Bool(true))) {
-            return Ok(o.get("result").cloned().unwrap_or(Value::Null));
+            return Ok(o.remove("result").unwrap_or(Value::Null));
         }
-        let code = json::get_u64(&o, "error_code").map_or(status, |c| c as u16);
+        let code = json::get_u64(&o, "error_code").map_or(status, |c| u16::try_from(c).unwrap_or(500));
         Err(ApiError {
             code: if code == 0 { 500 } else { code },
-            description: scrub(json::get_str(&o, "description").unwrap_or("no description").to_string()),
+            description: json::get_str(&o, "description")
+                .unwrap_or("no description")
+                .replace(token, "<token>")
+                .chars()
+                .take(MAX_DESCRIPTION)
+                .collect(),
             retry_after: json::get_obj(&o, "parameters").and_then(|p| json::get_u64(p, "retry_after")),
+            too_large: false,
         })
     }
 }

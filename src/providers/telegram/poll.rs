@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::api::{Api, POLL_SECONDS};
+use super::api::{Api, ApiError, POLL_SECONDS};
 use super::{source_of, ChatInfo, Telegram};
 use crate::json::{self, obj, strs, Value};
 use crate::outbox::{Cursor, Enqueued};
@@ -58,9 +58,14 @@ impl Pollers {
 }
 
 /// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
+/// Updates one `getUpdates` asks for at most (Telegram's own default and maximum).
+const MAX_BATCH: u64 = 100;
+
 fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
     let mut backoff = Duration::from_secs(1);
     let mut last_error = String::new();
+    // Updates asked for at once: halved while answers pass `MAX_ANSWER`, doubled back after.
+    let mut batch = MAX_BATCH;
     loop {
         let Some((token, offset)) = tg.upgrade().and_then(|t| {
             if stop.is_stopped() {
@@ -77,6 +82,7 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
         let params = obj([
             ("offset", json::n(offset)),
             ("timeout", json::n(POLL_SECONDS)),
+            ("limit", json::n(batch)),
             ("allowed_updates", strs(["message"])),
         ]);
         let polled = match tg.upgrade() {
@@ -90,6 +96,7 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
         let wait = match polled {
             Ok(Value::Array(updates)) => {
                 backoff = Duration::from_secs(1);
+                batch = batch.saturating_mul(2).min(MAX_BATCH);
                 if !last_error.is_empty() {
                     log::info!("telegram: bot {}: polling works again", info.bot_id);
                     last_error.clear();
@@ -104,6 +111,14 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                 }
             }
             Ok(_) => Some(backoff),
+            Err(e) if e.too_large && batch > 1 => {
+                batch /= 2;
+                log::debug!(
+                    "telegram: bot {}: an answer too large; asking for {batch} updates",
+                    info.bot_id
+                );
+                None
+            }
             Err(e) => {
                 let why = e.to_string();
                 if why != last_error {
@@ -305,14 +320,16 @@ fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<File
         .and_then(|o| json::get_str(o, "file_path"))
         .ok_or("getFile gave no file_path")?
         .to_string();
-    let bytes = super::with_retry("file download", deadline, |left| {
-        api.download(token, &path, limit, left)
+    let files = &tg.host.files;
+    // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
+    let part = super::with_retry("file download", deadline, |left| {
+        let mut part = files.begin(source, "in").map_err(ApiError::cache)?;
+        api.download(token, &path, &mut part, left)?;
+        Ok::<_, ApiError>(part)
     })
     .map_err(|e| e.to_string())?;
-    let (file_ref, rec) = tg
-        .host
-        .files
-        .store(source, &media.filename, &media.mime_type, &bytes, "in")
+    let (file_ref, rec) = files
+        .commit(part, &media.filename, &media.mime_type)
         .map_err(|e| e.to_string())?;
     Ok(FileItem::cached(file_ref, rec))
 }

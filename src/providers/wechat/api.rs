@@ -10,9 +10,12 @@ use std::time::Duration;
 
 use crate::json::{self, obj, s, Object, Value};
 use crate::providers::Transient;
+use crate::upstream;
 
 /// Answers larger than this are refused (a batch of updates is small; media go to the CDN).
 pub const MAX_ANSWER: u64 = 4 << 20;
+/// No call waits longer than this (the receive long poll is the longest).
+const LONGEST_CALL: Duration = Duration::from_secs(60);
 /// `errcode` of a login WeChat ended (session timeout): a new QR login is needed.
 pub const SESSION_ENDED: i64 = -14;
 
@@ -28,11 +31,12 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn unreachable(e: ureq::Error) -> ApiError {
+    fn unreachable(e: impl Into<upstream::Error>) -> ApiError {
+        let e = e.into();
         ApiError {
             status: 0,
             code: 0,
-            timed_out: matches!(e, ureq::Error::Timeout(_)),
+            timed_out: e == upstream::Error::TimedOut,
             msg: e.to_string(),
         }
     }
@@ -75,11 +79,7 @@ pub struct Api {
 impl Default for Api {
     fn default() -> Api {
         Api {
-            http: ureq::Agent::config_builder()
-                .timeout_connect(Some(Duration::from_secs(5)))
-                .http_status_as_error(false)
-                .build()
-                .into(),
+            http: upstream::agent(LONGEST_CALL),
         }
     }
 }
@@ -99,12 +99,7 @@ impl Api {
     /// `GET {base}/{path}` without a token (the QR login); the answer object.
     pub fn get(&self, base: &str, path: &str, timeout: Duration) -> Result<Object, ApiError> {
         let url = format!("{}/{path}", base.trim_end_matches('/'));
-        let resp = self
-            .http
-            .get(&url)
-            .config()
-            .timeout_global(Some(timeout))
-            .build()
+        let resp = upstream::within(&self.http, self.http.get(&url), timeout)
             .call()
             .map_err(ApiError::unreachable)?;
         read_answer(resp)
@@ -128,12 +123,7 @@ impl Api {
                 ("bot_agent", s("imgate")),
             ]),
         );
-        let resp = self
-            .http
-            .post(&url)
-            .config()
-            .timeout_global(Some(timeout))
-            .build()
+        let resp = upstream::within(&self.http, self.http.post(&url), timeout)
             .header("Content-Type", "application/json")
             .header("AuthorizationType", "ilink_bot_token")
             .header("Authorization", &format!("Bearer {token}"))
@@ -145,18 +135,8 @@ impl Api {
 }
 
 /// The answer's object: an error when the status is not 200, or `ret`/`errcode` is not 0.
-fn read_answer(mut resp: ureq::http::Response<ureq::Body>) -> Result<Object, ApiError> {
-    let status = resp.status().as_u16();
-    let text = resp
-        .body_mut()
-        .with_config()
-        .limit(MAX_ANSWER)
-        .read_to_string()
-        .map_err(ApiError::unreachable)?;
-    let parsed = json::parse(&text).ok().and_then(|v| match v {
-        Value::Object(o) => Some(o),
-        _ => None,
-    });
+fn read_answer(mut resp: upstream::Response) -> Result<Object, ApiError> {
+    let (status, parsed) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
     let Some(o) = parsed else {
         let msg = if status == 200 {
             "an answer that is not a JSON object"

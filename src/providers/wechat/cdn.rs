@@ -10,6 +10,7 @@ use aes::cipher::{BlockDecrypt, BlockEncrypt, KeyInit};
 use aes::Aes128;
 
 use crate::json::{self, Object};
+use crate::upstream::{self, Streamed};
 
 /// A media item of an inbound message, before it is fetched.
 #[derive(Debug, Clone, PartialEq)]
@@ -89,22 +90,52 @@ pub fn encrypt(plain: &[u8], key: &[u8; 16]) -> Vec<u8> {
     out
 }
 
-pub fn decrypt(data: &[u8], key: &[u8; 16]) -> Result<Vec<u8>, String> {
-    if data.is_empty() || data.len() % 16 != 0 {
-        return Err("the file is not whole AES blocks".into());
+/// AES-128-ECB decryption as the ciphertext arrives: whole blocks are decrypted and handed on
+/// at once, the last one held back until `finish` checks and strips its padding. Memory stays
+/// at one piece whatever the file's size.
+pub struct Decrypting {
+    cipher: Aes128,
+    /// Ciphertext not handed on yet: at most one read's piece plus a block.
+    held: Vec<u8>,
+}
+
+impl Decrypting {
+    pub fn new(key: &[u8; 16]) -> Decrypting {
+        Decrypting {
+            cipher: Aes128::new(GenericArray::from_slice(key)),
+            held: Vec::new(),
+        }
     }
-    let cipher = Aes128::new(GenericArray::from_slice(key));
-    let mut out = data.to_vec();
-    for block in out.chunks_exact_mut(16) {
-        cipher.decrypt_block(GenericArray::from_mut_slice(block));
+
+    /// Takes more ciphertext; hands `out` the plaintext of every block but the last.
+    pub fn push<E>(&mut self, cipher: &[u8], out: &mut impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), E> {
+        self.held.extend_from_slice(cipher);
+        // Everything before the last byte's block: that block may be the padded one.
+        let ready = self.held.len().saturating_sub(1) / 16 * 16;
+        if ready == 0 {
+            return Ok(());
+        }
+        for block in self.held[..ready].chunks_exact_mut(16) {
+            self.cipher.decrypt_block(GenericArray::from_mut_slice(block));
+        }
+        let handed = out(&self.held[..ready]);
+        self.held.drain(..ready);
+        handed
     }
-    let pad = usize::from(out[out.len() - 1]);
-    let ok = (1..=16).contains(&pad) && out[out.len() - pad..].iter().all(|b| usize::from(*b) == pad);
-    if !ok {
-        return Err("the file does not decrypt with its key".into());
+
+    /// The end of the ciphertext: the last block, its padding checked and removed.
+    pub fn finish<E: std::fmt::Display>(mut self, out: &mut impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), String> {
+        let Ok(last) = <&mut [u8; 16]>::try_from(self.held.as_mut_slice()) else {
+            return Err("the file is not whole AES blocks".into());
+        };
+        self.cipher.decrypt_block(GenericArray::from_mut_slice(last));
+        let pad = usize::from(last[15]);
+        let ok = (1..=16).contains(&pad) && last[16 - pad..].iter().all(|b| usize::from(*b) == pad);
+        if !ok {
+            return Err("the file does not decrypt with its key".into());
+        }
+        out(&last[..16 - pad]).map_err(|e| e.to_string())
     }
-    out.truncate(out.len() - pad);
-    Ok(out)
 }
 
 /// Percent-encodes a query value (RFC 3986 unreserved characters stay).
@@ -141,37 +172,34 @@ pub fn download_url(cdn_base: &str, m: &MediaRef) -> Option<String> {
     ))
 }
 
-/// GETs at most `limit` bytes. A redirect is not followed: the bytes come from where
-/// `download_url` chose (the CDN's host), not from wherever an answer points.
-pub fn download(http: &ureq::Agent, url: &str, limit: u64, timeout: Duration) -> Result<Vec<u8>, String> {
-    let mut resp = http
-        .get(url)
-        .config()
-        .timeout_global(Some(timeout))
-        .max_redirects(0)
-        .build()
+/// GETs the bytes at `url` into `write`, 64 KiB at a time. A redirect is not followed
+/// (`upstream`): the bytes come from where `download_url` chose (the CDN's host), not from
+/// wherever an answer points.
+pub fn download<E: std::fmt::Display>(
+    http: &ureq::Agent,
+    url: &str,
+    timeout: Duration,
+    write: impl FnMut(&[u8]) -> Result<(), E>,
+) -> Result<(), String> {
+    let mut resp = upstream::within(http, http.get(url), timeout)
         .call()
-        .map_err(|e| format!("the CDN is unreachable: {e}"))?;
+        .map_err(|e| format!("the CDN is unreachable: {}", upstream::Error::from(e)))?;
     if resp.status().as_u16() != 200 {
         return Err(format!("the CDN answered HTTP {}", resp.status().as_u16()));
     }
-    resp.body_mut()
-        .with_config()
-        .limit(limit)
-        .read_to_vec()
-        .map_err(|_| "larger than [files] max_file_bytes, or cut short".to_string())
+    match upstream::stream_body(&mut resp, write) {
+        Ok(_) => Ok(()),
+        Err(Streamed::Read(e)) => Err(format!("the CDN's answer broke off: {e}")),
+        Err(Streamed::Write(e)) => Err(e.to_string()),
+    }
 }
 
 /// POSTs a ciphertext; the CDN's `x-encrypted-param` for it.
 pub fn upload(http: &ureq::Agent, url: &str, body: &[u8], timeout: Duration) -> Result<String, String> {
-    let resp = http
-        .post(url)
-        .config()
-        .timeout_global(Some(timeout))
-        .build()
+    let resp = upstream::within(http, http.post(url), timeout)
         .header("Content-Type", "application/octet-stream")
         .send(body)
-        .map_err(|e| format!("the CDN is unreachable: {e}"))?;
+        .map_err(|e| format!("the CDN is unreachable: {}", upstream::Error::from(e)))?;
     let status = resp.status().as_u16();
     if status != 200 {
         return Err(format!("the CDN refused the upload (HTTP {status})"));
@@ -219,6 +247,21 @@ pub fn mime_of(kind: &str, name: &str, bytes: &[u8]) -> &'static str {
 mod tests {
     use super::*;
 
+    /// `Decrypting` fed `data` in pieces of `piece` bytes; the plaintext.
+    fn decrypt(data: &[u8], key: &[u8; 16], piece: usize) -> Result<Vec<u8>, String> {
+        let mut plain = Vec::new();
+        let mut out = |p: &[u8]| {
+            plain.extend_from_slice(p);
+            Ok::<_, String>(())
+        };
+        let mut d = Decrypting::new(key);
+        for c in data.chunks(piece.max(1)) {
+            d.push(c, &mut out)?;
+        }
+        d.finish(&mut out)?;
+        Ok(plain)
+    }
+
     #[test]
     fn aes_128_ecb_matches_fips_197_and_pads_as_pkcs7() {
         // FIPS-197 appendix C.1.
@@ -227,13 +270,32 @@ mod tests {
         let c = encrypt(&plain, &key);
         assert_eq!(crate::ids::hex(&c[..16]), "69c4e0d86a7b0430d8cdb78070b4c55a");
         assert_eq!(c.len(), 32, "a whole block of padding follows");
-        assert_eq!(decrypt(&c, &key).unwrap(), plain);
+        assert_eq!(decrypt(&c, &key, 16).unwrap(), plain);
         let short = encrypt(b"hi", &key);
         assert_eq!(short.len(), 16);
-        assert_eq!(decrypt(&short, &key).unwrap(), b"hi");
+        assert_eq!(decrypt(&short, &key, 7).unwrap(), b"hi");
         let other: [u8; 16] = [7; 16];
-        assert!(decrypt(&short, &other).is_err() || decrypt(&short, &other).unwrap() != b"hi");
-        assert!(decrypt(&short[..15], &key).is_err());
+        assert!(decrypt(&short, &other, 16).is_err() || decrypt(&short, &other, 16).unwrap() != b"hi");
+        assert!(decrypt(&short[..15], &key, 16).is_err());
+    }
+
+    #[test]
+    fn decryption_is_the_same_in_pieces_of_any_size() {
+        let key: [u8; 16] = core::array::from_fn(|i| 3 * i as u8);
+        for len in [0, 1, 15, 16, 17, 1000, 65_536, 70_001] {
+            let plain: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let cipher = encrypt(&plain, &key);
+            for piece in [1, 5, 16, 17, 4096, 65_536, cipher.len()] {
+                assert_eq!(
+                    decrypt(&cipher, &key, piece).unwrap(),
+                    plain,
+                    "{len} bytes in pieces of {piece}"
+                );
+            }
+        }
+        assert!(decrypt(&[], &key, 16).is_err(), "no bytes at all");
+        let cipher = encrypt(&[1; 20], &key);
+        assert!(decrypt(&cipher[..16 + 3], &key, 4).is_err(), "not whole blocks");
     }
 
     #[test]

@@ -52,6 +52,8 @@ const MAX_TEXT: usize = 2000;
 const TOOL_DEADLINE: Duration = Duration::from_secs(20);
 /// A message's file is fetched for at most this long before the message goes on with a note.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes of a file's start kept to tell its type (`cdn::mime_of`).
+const SNIFFED: usize = 8;
 /// iLink's `media_type` of an upload.
 const UPLOAD_IMAGE: u64 = 1;
 const UPLOAD_VIDEO: u64 = 2;
@@ -222,16 +224,32 @@ impl Wechat {
         Ok((bot.to_string(), account))
     }
 
-    /// A message's file: fetched from the CDN, decrypted, into the file cache.
+    /// A message's file: fetched from the CDN, decrypted as it arrives, into the file cache.
     fn fetch_media(&self, source: &Source, m: &cdn::MediaRef) -> Result<FileItem, String> {
-        let limit = self.host.config.files.max_file_bytes;
         let url = cdn::download_url(&self.settings.cdn_base, m).ok_or("it names no place to fetch it from")?;
-        // The ciphertext is at most one block longer than the file.
-        let bytes = cdn::download(self.api.http(), &url, limit + 16, FETCH_TIMEOUT)?;
-        let plain = match m.key.as_deref() {
-            Some(k) => cdn::decrypt(&bytes, &cdn::key_of(k).ok_or("its key cannot be read")?)?,
-            None => bytes,
+        let key = match m.key.as_deref() {
+            Some(k) => Some(cdn::key_of(k).ok_or("its key cannot be read")?),
+            None => None,
         };
+        let files = &self.host.files;
+        let mut part = files.begin(source.as_str(), "in").map_err(|e| e.to_string())?;
+        // The first bytes, for the type of an image.
+        let mut head = Vec::new();
+        let mut to_part = |plain: &[u8]| {
+            let more = plain.len().min(SNIFFED.saturating_sub(head.len()));
+            head.extend_from_slice(&plain[..more]);
+            part.write(plain)
+        };
+        match key {
+            Some(key) => {
+                let mut decrypting = cdn::Decrypting::new(&key);
+                cdn::download(self.api.http(), &url, FETCH_TIMEOUT, |c| {
+                    decrypting.push(c, &mut to_part)
+                })?;
+                decrypting.finish(&mut to_part)?;
+            }
+            None => cdn::download(self.api.http(), &url, FETCH_TIMEOUT, &mut to_part)?,
+        }
         let name = m.file_name.clone().unwrap_or_else(|| {
             match m.kind {
                 "image" => "image.jpg",
@@ -241,12 +259,8 @@ impl Wechat {
             }
             .into()
         });
-        let mime = cdn::mime_of(m.kind, &name, &plain);
-        let (file_ref, rec) = self
-            .host
-            .files
-            .store(source.as_str(), &name, mime, &plain, "in")
-            .map_err(|e| e.to_string())?;
+        let mime = cdn::mime_of(m.kind, &name, &head);
+        let (file_ref, rec) = files.commit(part, &name, mime).map_err(|e| e.to_string())?;
         Ok(FileItem::cached(file_ref, rec))
     }
 
