@@ -714,6 +714,38 @@ fn peer_9_a_tool_call_flood_runs_16_at_once_and_answers_the_rest_busy() {
     drop(silent);
 }
 
+/// A `reply_url` that accepts and never answers: each call is answered `upstream_unreachable`
+/// (README's 15 s, from when its thread starts), and a repeat of a call still running is
+/// answered `busy` instead of sending the same message a second time.
+#[test]
+fn peer_11_a_silent_reply_url_answers_unreachable_and_a_repeat_of_a_running_call_is_busy() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let reply_url = format!("http://127.0.0.1:{}/reply", silent.local_addr().unwrap().port());
+    let dir = temp_dir("peer-silent-reply");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, Some(&reply_url), ""));
+    let (mut x, cch) = d.bound_xagent();
+    let call = json!({"tool_id": "imgate_message_send", "arguments": {"text": "hello"},
+                      "context": {"session_id": "s1", "tool_call_id": "same-call"}});
+    let (first, _) = x.send("tool.invoke", Some(&cch), call.clone());
+    // The first call's connection arrives at the silent receiver: it is running.
+    let (_held, _) = silent.accept().unwrap();
+    let (repeat, _) = x.send("tool.invoke", Some(&cch), call);
+    let mut acks = std::collections::HashMap::new();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while acks.len() < 2 && Instant::now() < deadline {
+        if let Some(p) = x.recv_within(Duration::from_millis(500)) {
+            if p["type"] == "tool.invoke.ack" {
+                acks.insert(p["reply_to"].as_str().unwrap_or_default().to_string(), p);
+            }
+        }
+    }
+    assert_eq!(acks[&repeat]["error"]["code"], "busy", "{:?}", acks.get(&repeat));
+    assert_eq!(acks[&first]["error"]["code"], "upstream_unreachable", "{:?}", acks.get(&first));
+    silent.set_nonblocking(true).unwrap();
+    assert!(silent.accept().is_err(), "the repeat sent nothing");
+    alive(&d);
+}
+
 /// A flood of `channel.open` once stored every channel and logged a line for each (38,711 lines,
 /// 4.88 MB of log in 50 s). At most 1,024 channels are kept now, a new one past that is refused
 /// with a protocol error, and opens are logged one line a minute with the count since.
