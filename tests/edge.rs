@@ -740,7 +740,12 @@ fn peer_11_a_silent_reply_url_answers_unreachable_and_a_repeat_of_a_running_call
         }
     }
     assert_eq!(acks[&repeat]["error"]["code"], "busy", "{:?}", acks.get(&repeat));
-    assert_eq!(acks[&first]["error"]["code"], "upstream_unreachable", "{:?}", acks.get(&first));
+    assert_eq!(
+        acks[&first]["error"]["code"],
+        "upstream_unreachable",
+        "{:?}",
+        acks.get(&first)
+    );
     silent.set_nonblocking(true).unwrap();
     assert!(silent.accept().is_err(), "the repeat sent nothing");
     alive(&d);

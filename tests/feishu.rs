@@ -1,12 +1,12 @@
 //! The Feishu/Lark provider against `common/feishu.rs`, a simulator of the Open Platform and
 //! its long connection: binding and each failure, text, rich text and image round trips, the
 //! answer to an event only after its commit (a SIGKILL in between loses nothing and stores
-//! once), reconnects, token expiry during a tool call, rate limits, unbound chats, and an app
-//! secret that never leaves imgate.
+//! once), reconnects, token expiry during a tool call, rate limits, unbound chats, an app
+//! secret that never leaves imgate, and a gateway that floods events or pings and reads nothing.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::common::feishu::{FeishuSim, SERVICE_ID};
+use crate::common::feishu::{FeishuSim, Flood, SERVICE_ID};
 use crate::common::*;
 use serde_json::{json, Value};
 
@@ -470,4 +470,113 @@ fn images_and_files_of_every_size_up_to_max_file_bytes_download_whole() {
             1,
         );
     });
+}
+
+/// A gateway flooding events of a chat bound to no channel, each frame with 58 headers of
+/// 4,000 bytes, and never reading what imgate writes. Every answer once echoed the event's
+/// headers and waited in an unbounded queue, its budget given back before it was written: GiBs.
+/// Now an event's budget covers its answer until the answer is written: reading stops, a write
+/// that takes 30 s ends the connection, the app connects again, and the port answers throughout.
+#[test]
+fn a_gateway_flooding_events_that_never_reads_the_answers_costs_bounded_memory_and_is_dropped() {
+    let (d, sim) = feishu("fs-flood", &[]);
+    let (mut x, _) = bound(&d, &sim);
+    let (hook, _) = x.open(None);
+    let a = x.bind_webhook(&hook, "alerts", HOOK_SECRET);
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    sim.flood_next(
+        APP,
+        Flood::Events {
+            chat: "oc_unbound0".into(),
+            headers: 58,
+            header_len: 4000,
+            // imgate's most (`longconn::MAX_ECHOED`): its answers as large as they come.
+            echoed_len: 256,
+        },
+    );
+    let idle = hwm_kib(d.pid());
+    sim.drop_connection(APP);
+    assert!(
+        sim.wait_connected(APP, 2, WAIT),
+        "the app connects again: the flooding gateway"
+    );
+    // A debug build idles near 20 MiB; what the connection holds is 2 MiB of budget and
+    // tungstenite's write buffer (1.2 MiB), besides the frame being read (up to 1 MiB).
+    const PEAK_KIB: u64 = 40 << 10;
+    let deadline = Instant::now() + Duration::from_secs(150);
+    let mut slowest = Duration::ZERO;
+    let mut posted = 0;
+    // Until the flooding connection is dropped and the app connects a third time; the peak is
+    // checked all along, so a build that queues without bound fails within a few hundred MiB.
+    while !sim.wait_connected(APP, 3, Duration::from_millis(500)) {
+        let peak = hwm_kib(d.pid());
+        assert!(
+            peak < PEAK_KIB,
+            "peak RSS {peak} KiB after {} flooded events",
+            sim.flood_sent()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the flooding connection was never dropped ({} events sent)",
+            sim.flood_sent()
+        );
+        let started = Instant::now();
+        let (status, _) = http_get(&d.url("/health"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+        assert_eq!(status, 200);
+        posted += 1;
+        let (status, _) = d.post_hook(
+            "alerts",
+            &json!({"message_id": format!("h{posted}"), "sender_id": "u", "text": "still here"}),
+        );
+        assert_eq!(status, 202, "a webhook is stored during the flood");
+        slowest = slowest.max(started.elapsed());
+    }
+    let peak = hwm_kib(d.pid());
+    println!(
+        "{} flooded events; peak RSS {idle} KiB before, {peak} KiB after; slowest /health and webhook {slowest:?} ({posted} webhooks)",
+        sim.flood_sent()
+    );
+    assert!(peak < PEAK_KIB, "peak RSS {peak} KiB");
+    assert!(sim.floods_ended() >= 1, "the flood's connection is closed");
+    assert!(d.log_shows("long connection down (", WAIT));
+    assert!(
+        d.log().contains("nothing could be written for 30s"),
+        "the reason is logged:\n{}",
+        d.log()
+    );
+    // The new connection works: an event is stored and answered.
+    let frame = sim.push_event(APP, &text_event("om_900", "after the flood"), 1);
+    assert_eq!(
+        sim.answer(&frame, WAIT).map(|a| a.0),
+        Some(200),
+        "stored after the flood"
+    );
+}
+
+/// The same gateway sending 200,000 WebSocket pings of 125 bytes and reading nothing: their
+/// pongs, queued, would be 26 MB; tungstenite keeps the latest only once its write buffer is full
+/// (`wsclient::bounded_config`), so imgate goes on reading at bounded cost.
+#[test]
+fn a_gateway_flooding_pings_that_never_reads_costs_bounded_memory() {
+    let (d, sim) = feishu("fs-pingflood", &[]);
+    let _x = bound(&d, &sim);
+    let before = hwm_kib(d.pid());
+    sim.flood_next(APP, Flood::Pings);
+    sim.drop_connection(APP);
+    assert!(sim.wait_connected(APP, 2, WAIT), "the flooding gateway");
+    // Generous: a busy machine reads slowly, but a reader that stopped never gets this far.
+    assert!(
+        sim.wait_floods_ended(1, Duration::from_secs(120)),
+        "the ping flood ended"
+    );
+    let grew = hwm_kib(d.pid()).saturating_sub(before);
+    println!("{} ping frames sent; peak RSS grew {grew} KiB", sim.flood_sent() * 1000);
+    assert_eq!(sim.flood_sent(), 200, "imgate went on reading the pings");
+    assert!(grew < 8 * 1024, "peak RSS grew {grew} KiB");
+    let (status, _) = http_get(&d.url("/health"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert_eq!(status, 200);
+    assert!(
+        sim.wait_connected(APP, 3, WAIT),
+        "the app connects again after the flood"
+    );
 }

@@ -2,7 +2,9 @@
 //! `tenant_access_token` API, the long connection (the endpoint request, then a WebSocket of
 //! protobuf `Frame`s: pings answered with pongs carrying `ClientConfig`, events as data frames,
 //! split across frames when asked, redelivered until answered with code 200), and the im/v1
-//! chat, message, reply, image/file upload and message-resource APIs.
+//! chat, message, reply, image/file upload and message-resource APIs. A connection can also be
+//! a hostile gateway's (`flood_next`): events as fast as the socket takes them, or WebSocket
+//! pings, and nothing of imgate's read.
 //!
 //! Its protobuf code is its own, written from the `pbbp2.proto` message the SDKs use, not
 //! imgate's.
@@ -26,7 +28,10 @@ pub struct PbFrame {
     pub service: i32,
     pub method: i32,
     pub headers: Vec<(String, String)>,
+    pub payload_encoding: String,
+    pub payload_type: String,
     pub payload: Vec<u8>,
+    pub log_id_new: String,
 }
 
 impl PbFrame {
@@ -63,7 +68,16 @@ impl PbFrame {
             bytes(&mut h, 2, v.as_bytes());
             bytes(&mut out, 5, &h);
         }
+        // The optional strings only when set, as protobuf writes proto3 fields.
+        for (field, text) in [(6, &self.payload_encoding), (7, &self.payload_type)] {
+            if !text.is_empty() {
+                bytes(&mut out, field, text.as_bytes());
+            }
+        }
         bytes(&mut out, 8, &self.payload);
+        if !self.log_id_new.is_empty() {
+            bytes(&mut out, 9, self.log_id_new.as_bytes());
+        }
         out
     }
 
@@ -114,7 +128,10 @@ impl PbFrame {
                     }
                     f.headers.push(kv);
                 }
+                6 => f.payload_encoding = String::from_utf8(data.to_vec()).ok()?,
+                7 => f.payload_type = String::from_utf8(data.to_vec()).ok()?,
                 8 => f.payload = data.to_vec(),
+                9 => f.log_id_new = String::from_utf8(data.to_vec()).ok()?,
                 _ => {}
             }
         }
@@ -158,6 +175,31 @@ struct State {
     /// Calls whose path contains the key hang this long before they are answered (once each).
     stalls: Vec<(String, Duration)>,
     next_id: u64,
+    /// app_id → what its next connection does instead of the usual exchange.
+    floods: HashMap<String, Flood>,
+    /// Frames (events or bursts of pings) the flooding connections wrote so far.
+    flood_sent: usize,
+    /// Floods that ended (their writes failed, or the pings were all sent).
+    floods_ended: usize,
+}
+
+/// A hostile gateway: its connection writes and never reads a byte of imgate's.
+#[derive(Clone, Debug)]
+pub enum Flood {
+    /// `im.message.receive_v1` events of `chat` (bound to no channel), each frame with
+    /// `headers` extra headers of `header_len` bytes, as fast as the socket takes them, until a
+    /// write fails or stalls for two minutes. The frame's `message_id` and `trace_id` headers,
+    /// `payload_encoding`, `payload_type` and `LogIDNew` are `echoed_len` bytes each: the
+    /// answers are as large as imgate writes them, so its buffers fill with fewer events.
+    Events {
+        chat: String,
+        headers: usize,
+        header_len: usize,
+        echoed_len: usize,
+    },
+    /// 125-byte WebSocket pings (each would get a pong), 200 bursts of 1,000, each burst
+    /// written within 30 s or the flood ends.
+    Pings,
 }
 
 pub struct FeishuSim {
@@ -286,9 +328,37 @@ impl FeishuSim {
         self.wait(timeout, |s| s.conns.get(app).is_some_and(|(serial, _)| *serial >= n))
     }
 
+    /// The serial of the app's connection now (connections of every app are numbered from 1
+    /// as they come), 0 when it has none.
+    pub fn connections(&self, app: &str) -> u64 {
+        self.with(|s| s.conns.get(app).map_or(0, |(serial, _)| *serial))
+    }
+
     /// Closes the app's connection as the server would.
     pub fn drop_connection(&self, app: &str) {
         self.with(|s| s.conns.remove(app));
+    }
+
+    /// The app's next connection floods imgate as `flood` says and reads nothing; the one after
+    /// it is an ordinary one again.
+    pub fn flood_next(&self, app: &str, flood: Flood) {
+        self.with(|s| s.floods.insert(app.into(), flood));
+    }
+
+    /// Frames the flooding connections wrote so far (events, or bursts of 1,000 pings).
+    pub fn flood_sent(&self) -> usize {
+        self.with(|s| s.flood_sent)
+    }
+
+    /// Floods that ended: their connection's writes failed (imgate closed it, or read nothing
+    /// for two minutes), or every burst of pings was written.
+    pub fn floods_ended(&self) -> usize {
+        self.with(|s| s.floods_ended)
+    }
+
+    /// Waits until `n` floods ended.
+    pub fn wait_floods_ended(&self, n: usize, timeout: Duration) -> bool {
+        self.wait(timeout, |s| s.floods_ended >= n)
     }
 
     /// Waits for a ping naming `service`.
@@ -407,6 +477,7 @@ fn event_frames(id: &str, payload: &[u8], parts: usize) -> Vec<PbFrame> {
                 ("trace_id".into(), format!("trace-{id}")),
             ],
             payload: chunk.to_vec(),
+            ..PbFrame::default()
         })
         .collect()
 }
@@ -629,6 +700,25 @@ fn long_connection(state: &Arc<(Mutex<State>, Condvar)>, stream: TcpStream) {
         state.1.notify_all();
         serial
     };
+    let flood = state.0.lock().unwrap().floods.remove(&app);
+    if let Some(flood) = flood {
+        match flood {
+            Flood::Events {
+                chat,
+                headers,
+                header_len,
+                echoed_len,
+            } => flood_events(state, &mut ws, &app, &chat, (headers, header_len), echoed_len),
+            Flood::Pings => flood_pings(state, &mut ws),
+        }
+        let mut s = state.0.lock().unwrap();
+        s.floods_ended += 1;
+        if s.conns.get(&app).is_some_and(|(n, _)| *n == serial) {
+            s.conns.remove(&app);
+        }
+        state.1.notify_all();
+        return;
+    }
     // Short, so that what the test pushes goes out at once (one thread reads and writes).
     let _ = ws.get_mut().set_read_timeout(Some(Duration::from_millis(2)));
     loop {
@@ -688,5 +778,60 @@ fn long_connection(state: &Arc<(Mutex<State>, Condvar)>, stream: TcpStream) {
                 return;
             }
         }
+    }
+}
+
+/// Events of `chat` as fast as the socket takes them, each with `count` extra headers of
+/// `len` bytes and its echoed fields `echoed_len` bytes long (`Flood::Events`); nothing is
+/// read, so neither imgate's answers nor its pings are.
+fn flood_events(
+    state: &Arc<(Mutex<State>, Condvar)>,
+    ws: &mut tungstenite::WebSocket<TcpStream>,
+    app: &str,
+    chat: &str,
+    (count, len): (usize, usize),
+    echoed_len: usize,
+) {
+    // Generous: imgate reading slowly on a busy machine is not the stall this looks for.
+    let _ = ws.get_mut().set_write_timeout(Some(Duration::from_secs(120)));
+    let pad = "h".repeat(len);
+    let extra: Vec<(String, String)> = (0..count).map(|i| (format!("x-pad-{i}"), pad.clone())).collect();
+    let long = |what: String| format!("{what:-<echoed_len$}");
+    for i in 0.. {
+        let id = long(format!("flood_{i}"));
+        let payload = FeishuSim::message_event(app, chat, &format!("om_flood{i}"), "text", json!({"text": "flood"}));
+        let mut frame = event_frames(&id, &payload, 1).remove(0);
+        for (k, v) in frame.headers.iter_mut() {
+            if k == "trace_id" {
+                *v = long(format!("trace-{i}"));
+            }
+        }
+        frame.payload_encoding = long("identity".into());
+        frame.payload_type = long("json".into());
+        frame.log_id_new = long(format!("log-{i}"));
+        frame.headers.extend(extra.iter().cloned());
+        if ws.send(Message::Binary(frame.encode().into())).is_err() {
+            return;
+        }
+        state.0.lock().unwrap().flood_sent += 1;
+        state.1.notify_all();
+    }
+}
+
+/// 200 bursts of 1,000 WebSocket pings of 125 bytes (server frames: unmasked), written
+/// straight to the socket; their pongs, were they all queued, would be 26 MB.
+fn flood_pings(state: &Arc<(Mutex<State>, Condvar)>, ws: &mut tungstenite::WebSocket<TcpStream>) {
+    let mut ping = vec![0x89u8, 125];
+    ping.extend_from_slice(&[b'p'; 125]);
+    let burst: Vec<u8> = ping.iter().copied().cycle().take(ping.len() * 1000).collect();
+    let socket = ws.get_mut();
+    // Generous: a busy machine reads slowly, but a reader that stopped never takes this long.
+    let _ = socket.set_write_timeout(Some(Duration::from_secs(30)));
+    for _ in 0..200 {
+        if std::io::Write::write_all(socket, &burst).is_err() {
+            return;
+        }
+        state.0.lock().unwrap().flood_sent += 1;
+        state.1.notify_all();
     }
 }

@@ -7,6 +7,13 @@
 //! the reader keeps answering pongs. An event is answered only once its commit returned, so
 //! whatever imgate did not store, Feishu delivers again.
 //!
+//! What the connection holds is bounded until it is written: each event takes its bytes and
+//! those of its answer from the connection's budget (`QUEUED_BYTES`) when it is read, and gives
+//! them back only once the writer wrote the answer (or the connection ended). A full budget
+//! stops the reader; the writer's queue is bounded in count too (`MAX_QUEUED`); a frame the
+//! server does not take within `WRITE_DEADLINE` ends the connection. So a server that sends
+//! events and never reads the answers stalls the reader, then loses the connection.
+//!
 //! Reconnects follow the server's `ClientConfig`: after a drop, a random part of
 //! `ReconnectNonce` (at least 1 s, doubled for each drop in a row within 30 s of connecting, up
 //! to `ReconnectInterval`); after a failed attempt, `ReconnectInterval`. Each change of state (up,
@@ -37,11 +44,19 @@ const ENDPOINT_TIMEOUT: Duration = Duration::from_secs(15);
 const REFUSED_WAIT: Duration = Duration::from_secs(300);
 /// A connection that ends sooner than this counts as a quick drop.
 const SHORT_LIVED: Duration = Duration::from_secs(30);
-/// Payload bytes of a connection's events between the reader and their answers: past this the
-/// reader stops reading (and the server holds what it has not sent). Nothing is dropped.
+/// Bytes of a connection's events, and of their answers, from the event's read until its
+/// answer was written: past this the reader stops reading (and the server holds what it has not
+/// sent). Nothing is dropped.
 const QUEUED_BYTES: usize = 2 << 20;
-/// An event counts as at least this many bytes against `QUEUED_BYTES`.
+/// An event's payload counts as at least this many bytes against `QUEUED_BYTES`...
 const MIN_EVENT_COST: usize = 1024;
+/// ...so at most this many answers wait for the writer at once; its queue holds that many, and
+/// a few pings besides.
+const MAX_QUEUED: usize = QUEUED_BYTES / MIN_EVENT_COST;
+const QUEUE_SLOTS: usize = MAX_QUEUED + 8;
+/// A frame the server does not take within this long ends the connection: a server that reads
+/// nothing would otherwise hold the connection's answers, and its budget, forever.
+const WRITE_DEADLINE: Duration = Duration::from_secs(30);
 /// A lane hands at most this many of its waiting events to the outbox at once.
 const LANE_BATCH: usize = 64;
 
@@ -210,11 +225,15 @@ async fn connect(ep: &Endpoint) -> Result<Ws, String> {
     wsclient::connect(&target, request, None, wsclient::bounded_config(MAX_FRAME)).await
 }
 
-/// One received event on its way to the worker: its payload, the frame to answer with, and
-/// when it arrived.
-type Job = (Vec<u8>, Frame, Instant);
+/// One received event on its way to the worker: its payload, the frame to answer it with, when
+/// it arrived, and its share of the budget.
+type Job = (Vec<u8>, Frame, Instant, Held);
 
-/// The bytes of events read but not answered yet, and a wake-up for a reader waiting for room.
+/// A frame for the writer, with the budget share of the event it answers (none for a ping).
+type Out = (Frame, Option<Held>);
+
+/// The bytes of events read whose answers are not written yet, and a wake-up for a reader
+/// waiting for room.
 #[derive(Clone)]
 struct Budget {
     queued: Arc<AtomicUsize>,
@@ -222,65 +241,99 @@ struct Budget {
 }
 
 impl Budget {
-    fn cost(payload: &[u8]) -> usize {
-        payload.len().max(MIN_EVENT_COST)
+    /// What an event costs until its answer is written: its payload (at least `MIN_EVENT_COST`)
+    /// and its answer as it will be encoded (the frame `answer`, with the outcome).
+    fn cost(payload: &[u8], answer: &Frame) -> usize {
+        payload
+            .len()
+            .max(MIN_EVENT_COST)
+            .saturating_add(longconn::response_size(answer))
     }
 
     fn full(&self) -> bool {
         self.queued.load(Ordering::Relaxed) >= QUEUED_BYTES
     }
 
-    fn take(&self, bytes: usize) {
+    /// Takes `bytes` until the share is dropped.
+    fn take(&self, bytes: usize) -> Held {
         self.queued.fetch_add(bytes, Ordering::Relaxed);
+        Held {
+            budget: self.clone(),
+            bytes,
+        }
     }
+}
 
-    fn give_back(&self, bytes: usize) {
-        self.queued.fetch_sub(bytes, Ordering::Relaxed);
-        let _ = self.room.try_send(());
+/// One event's share of the budget, from its read until the writer wrote its answer; dropped
+/// unwritten too when the connection ends (whatever holds it is dropped with it).
+struct Held {
+    budget: Budget,
+    bytes: usize,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.budget.queued.fetch_sub(self.bytes, Ordering::Relaxed);
+        let _ = self.budget.room.try_send(());
     }
 }
 
 /// One connection, until it ends; why it ended.
 async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config: &mut ClientConfig) -> String {
     let (mut sink, mut stream) = ws.split();
-    // Both unbounded by count: `Budget` bounds the bytes of events, and every answer frame is
-    // one of those events.
-    let (out_tx, out_rx) = smol::channel::unbounded::<Frame>();
+    // Bounded by count: at most `MAX_QUEUED` answers hold budget at once (each takes at least
+    // `MIN_EVENT_COST` and the reader stops at `QUEUED_BYTES`), and pings are only offered.
+    let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
+    // Unbounded by count: `Budget` bounds the bytes of the events and answers in it.
     let (job_tx, job_rx) = smol::channel::unbounded::<Job>();
     let (room_tx, room_rx) = smol::channel::bounded::<()>(1);
     let budget = Budget {
         queued: Arc::new(AtomicUsize::new(0)),
         room: room_tx,
     };
-    let _writer = runtime::spawn(async move {
-        while let Ok(frame) = out_rx.recv().await {
-            if sink.send(Message::Binary(frame.encode().into())).await.is_err() {
-                break;
+    let mut writer = runtime::spawn(async move {
+        while let Ok((frame, held)) = out_rx.recv().await {
+            let send = async {
+                let sent = sink.send(Message::Binary(frame.encode().into())).await;
+                sent.map_err(|e| e.to_string())
+            };
+            let late = async {
+                smol::Timer::after(WRITE_DEADLINE).await;
+                Err(format!(
+                    "nothing could be written for {}: the server is not reading",
+                    crate::config::fmt_duration(WRITE_DEADLINE)
+                ))
+            };
+            if let Err(why) = send.or(late).await {
+                return why;
             }
+            // Written: the event's bytes are free for the next one.
+            drop(held);
         }
+        "the writer's queue closed".to_string()
     });
-    let _worker = runtime::spawn(worker(
-        feishu.clone(),
-        app.to_string(),
-        job_rx,
-        out_tx.clone(),
-        budget.clone(),
-    ));
+    let _worker = runtime::spawn(worker(feishu.clone(), app.to_string(), job_rx, out_tx.clone()));
     let mut reassembly = Reassembly::default();
     let mut bad_frames = Quiet::new();
     let mut last_heard = Instant::now();
     let mut next_ping = Instant::now();
+    // A gateway that keeps the socket full must not hold up other connections.
+    let mut fair = runtime::Fair::default();
     loop {
+        fair.turn().await;
         enum Step {
             Read(Option<Result<Message, async_tungstenite::tungstenite::Error>>),
             Ping,
             Room,
+            Writer(String),
         }
         let ping = async {
             smol::Timer::at(next_ping).await;
             Step::Ping
         };
-        // Past the byte budget, nothing is read until answers make room; pings go on.
+        let writer_ended = async { Step::Writer((&mut writer).await) };
+        // Past the byte budget, nothing is read until written answers make room; pings go on,
+        // and a writer that gives up ends the connection.
         let step = match budget.full() {
             true => {
                 async {
@@ -288,18 +341,29 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
                     Step::Room
                 }
                 .or(ping)
+                .or(writer_ended)
                 .await
             }
-            false => async { Step::Read(stream.next().await) }.or(ping).await,
+            false => {
+                async { Step::Read(stream.next().await) }
+                    .or(ping)
+                    .or(writer_ended)
+                    .await
+            }
         };
         let now = Instant::now();
         let bytes = match step {
+            Step::Writer(why) => return why,
             Step::Ping => {
                 // The server answers every ping; three intervals of silence is a dead link.
                 if now.duration_since(last_heard) > config.ping_every * 3 {
                     return "no answer to pings".into();
                 }
-                if out_tx.send(longconn::ping(ep.service_id)).await.is_err() {
+                // Offered, not awaited: a queue full of answers means the server is not
+                // reading, and the writer's deadline ends the connection.
+                if let Err(smol::channel::TrySendError::Closed(_)) =
+                    out_tx.try_send((longconn::ping(ep.service_id), None))
+                {
                     return "the writer stopped".into();
                 }
                 next_ping = now + config.ping_every;
@@ -327,8 +391,8 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
         match reassembly.receive(frame, now) {
             Received::Pong(update) => *config = config.updated(update),
             Received::Event { payload, answer, .. } => {
-                budget.take(Budget::cost(&payload));
-                if job_tx.send((payload, answer, now)).await.is_err() {
+                let held = budget.take(Budget::cost(&payload, &answer));
+                if job_tx.send((payload, answer, now, held)).await.is_err() {
                     return "the event worker stopped".into();
                 }
             }
@@ -345,12 +409,10 @@ async fn worker(
     feishu: Weak<Feishu>,
     app: String,
     jobs: smol::channel::Receiver<Job>,
-    out: smol::channel::Sender<Frame>,
-    budget: Budget,
+    out: smol::channel::Sender<Out>,
 ) {
     let mut lanes: HashMap<String, smol::channel::Sender<Parsed>> = HashMap::new();
-    while let Ok((payload, answer, arrived)) = jobs.recv().await {
-        let cost = Budget::cost(&payload);
+    while let Ok((payload, answer, arrived, held)) = jobs.recv().await {
         // Parsing a payload of up to 4 MiB is work for the pool, not the executor.
         let read = runtime::unblock(move || event::read(&payload)).await;
         let chat = match &read {
@@ -358,11 +420,11 @@ async fn worker(
             _ => String::new(),
         };
         let key = lane_key(&lanes, chat);
-        let mut job = (read, answer, arrived, cost);
+        let mut job = (read, answer, arrived, held);
         loop {
             let lane = lanes
                 .entry(key.clone())
-                .or_insert_with(|| start_lane(feishu.clone(), app.clone(), out.clone(), budget.clone()));
+                .or_insert_with(|| start_lane(feishu.clone(), app.clone(), out.clone()));
             match lane.try_send(job) {
                 // A lane is unbounded by count: the budget bounds the bytes of all of them.
                 Ok(()) | Err(smol::channel::TrySendError::Full(_)) => break,
@@ -386,9 +448,9 @@ fn lane_key<V>(lanes: &HashMap<String, V>, chat: String) -> String {
     }
 }
 
-/// An event read on the pool, the frame to answer it with, when it arrived, and its cost
-/// against the budget.
-type Parsed = (Result<Event, event::Unreadable>, Frame, Instant, usize);
+/// An event read on the pool, the frame to answer it with, when it arrived, and its share of
+/// the budget.
+type Parsed = (Result<Event, event::Unreadable>, Frame, Instant, Held);
 
 /// At most this many chats have a lane of their own at once.
 const MAX_LANES: usize = 32;
@@ -425,13 +487,9 @@ async fn next_batch<T>(rx: &smol::channel::Receiver<T>, idle: Duration, max: usi
 }
 
 /// One chat's lane: its events in order, in batches of what is waiting (their commits
-/// shared), each answered after its commit returned.
-fn start_lane(
-    feishu: Weak<Feishu>,
-    app: String,
-    out: smol::channel::Sender<Frame>,
-    budget: Budget,
-) -> smol::channel::Sender<Parsed> {
+/// shared), each answered after its commit returned; the answer carries the event's share of
+/// the budget to the writer.
+fn start_lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Out>) -> smol::channel::Sender<Parsed> {
     let (tx, rx) = smol::channel::unbounded::<Parsed>();
     runtime::spawn(async move {
         while let Some(batch) = next_batch(&rx, LANE_IDLE, LANE_BATCH).await {
@@ -439,16 +497,12 @@ fn start_lane(
             let app = app.clone();
             let (reads, rest): (Vec<_>, Vec<_>) = batch
                 .into_iter()
-                .map(|(read, answer, arrived, cost)| (read, (answer, arrived, cost)))
+                .map(|(read, answer, arrived, held)| (read, (answer, arrived, held)))
                 .unzip();
             let outcomes = runtime::unblock(move || f.accept(&app, reads)).await;
-            for ((answer, arrived, cost), stored) in rest.into_iter().zip(outcomes) {
-                budget.give_back(cost);
-                if out
-                    .send(longconn::respond(answer, stored, arrived.elapsed()))
-                    .await
-                    .is_err()
-                {
+            for ((answer, arrived, held), stored) in rest.into_iter().zip(outcomes) {
+                let frame = longconn::respond(answer, stored, arrived.elapsed());
+                if out.send((frame, Some(held))).await.is_err() {
                     return;
                 }
             }

@@ -158,6 +158,35 @@ impl Frame {
         put_bytes_field(&mut out, 9, self.log_id_new.as_bytes());
         out
     }
+
+    /// The length of `encode()`'s bytes, without encoding: what a frame waiting to be written
+    /// will take.
+    pub fn encoded_len(&self) -> usize {
+        let varint_field = |v: u64| 1 + varint_len(v);
+        let bytes_field = |n: usize| (1 + varint_len(n as u64)).saturating_add(n);
+        let headers = self.headers.iter().fold(0usize, |sum, (k, v)| {
+            let h = bytes_field(k.len()).saturating_add(bytes_field(v.len()));
+            sum.saturating_add(bytes_field(h))
+        });
+        [
+            varint_field(self.seq_id),
+            varint_field(self.log_id),
+            varint_field(self.service as i64 as u64),
+            varint_field(self.method as i64 as u64),
+            headers,
+            bytes_field(self.payload_encoding.len()),
+            bytes_field(self.payload_type.len()),
+            bytes_field(self.payload.len()),
+            bytes_field(self.log_id_new.len()),
+        ]
+        .into_iter()
+        .fold(0, usize::saturating_add)
+    }
+}
+
+/// How many bytes `put_varint` writes for `v`.
+fn varint_len(v: u64) -> usize {
+    (64 - v.max(1).leading_zeros() as usize).div_ceil(7)
 }
 
 const WIRE_VARINT: u8 = 0;
@@ -302,8 +331,21 @@ mod tests {
     fn a_frame_survives_encode_and_decode() {
         let f = event();
         assert_eq!(Frame::decode(&f.encode()), Ok(f.clone()));
+        assert_eq!(f.encoded_len(), f.encode().len());
         assert_eq!(f.header("message_id"), Some("m-1"));
         assert_eq!(f.header("trace_id"), None);
+    }
+
+    #[test]
+    fn the_encoded_length_is_known_without_encoding() {
+        for n in [0, 1, 127, 128, 300, 16_383, 16_384, 70_000] {
+            let mut f = event();
+            f.seq_id = n as u64;
+            f.headers.push(("k".repeat(n.min(MAX_TEXT)), "v".repeat(n % 500)));
+            f.payload = vec![b'x'; n];
+            f.log_id_new = "l".repeat(n % 200);
+            assert_eq!(f.encoded_len(), f.encode().len(), "{n}");
+        }
     }
 
     #[test]
@@ -336,6 +378,7 @@ mod tests {
             ..event()
         };
         let bytes = f.encode();
+        assert_eq!(f.encoded_len(), bytes.len());
         assert_eq!(Frame::decode(&bytes), Ok(f));
         // -1 as int32 on the wire: ten bytes.
         assert!(bytes

@@ -1,6 +1,6 @@
 //! The long connection's protocol, without I/O: what the endpoint request answers, what a
 //! received frame means, the frames imgate sends (ping, the response to an event), and the
-//! reassembly of a payload split across frames. The connection task (still to come) drives it.
+//! reassembly of a payload split across frames. The connection task (`conn.rs`) drives it.
 //!
 //! The exchange, as the official SDKs implement it:
 //! 1. `POST {base}/callback/ws/endpoint` with `{"AppID", "AppSecret"}` answers
@@ -11,7 +11,9 @@
 //! 3. Events arrive as data frames (header `type: event`); a payload over the server's frame
 //!    size comes as `sum` frames with `seq` 0..sum under one `message_id`. Each event is answered
 //!    with the same frame, its payload replaced by `{"code": 200, ...}` and a `biz_rt` header;
-//!    an event left unanswered is delivered again. imgate answers only after the outbox commit.
+//!    an event left unanswered is delivered again. imgate answers only after the outbox commit,
+//!    and echoes only the headers the SDKs read (`ANSWER_HEADERS`), not every one the event
+//!    came with.
 //! 4. When the connection drops, the client waits a random part of `ReconnectNonce` seconds,
 //!    then tries again every `ReconnectInterval` seconds.
 
@@ -237,6 +239,9 @@ impl Reassembly {
         let number = |key: &str| frame.header(key).and_then(|v| v.parse::<usize>().ok());
         let (sum, seq) = (number("sum").unwrap_or(1), number("seq").unwrap_or(0));
         let payload = std::mem::take(&mut frame.payload);
+        // What waits for the answer is the frame cut down to what the answer needs, not the
+        // headers the event came with (up to 64 of 4 KiB each).
+        let frame = answer_frame(frame);
         if sum <= 1 {
             return Received::Event {
                 message_id,
@@ -284,9 +289,53 @@ impl Reassembly {
     }
 }
 
-/// The answer to an event: its frame with the outcome as payload (200: stored, so Feishu may
-/// forget it; 500: not stored, deliver it again) and how long handling took.
-pub fn respond(mut answer: Frame, stored: bool, took: Duration) -> Frame {
+/// The headers an answer echoes from its event: those the official SDKs read from an event
+/// frame (`type`, `message_id`, `sum`, `seq`, `trace_id`), which is all the server can match an
+/// answer by. The SDKs echo the whole frame; imgate echoes these, each once, so an event's other
+/// headers (up to 64 of 4 KiB each) are never written back, nor held while the answer waits.
+pub const ANSWER_HEADERS: [&str; 5] = ["type", "message_id", "sum", "seq", "trace_id"];
+/// An echoed header value, `payload_encoding`, `payload_type` or `LogIDNew` longer than this is
+/// left out (the server's are IDs and numbers, far shorter); an answer is at most about 2 KiB.
+pub const MAX_ECHOED: usize = 256;
+/// What `respond` adds to its frame at most, in encoded bytes: the `biz_rt` header and the
+/// outcome as payload.
+pub const RESPONSE_GROWTH: usize = 128;
+
+/// `event` as the frame to answer it with: its own fields (`SeqID`, `LogID`, `service`,
+/// `method`, and the short text fields), the first of each of `ANSWER_HEADERS` within
+/// `MAX_ECHOED`, no payload.
+fn answer_frame(event: Frame) -> Frame {
+    let short = |t: String| if t.len() <= MAX_ECHOED { t } else { String::new() };
+    let mut headers: Vec<(String, String)> = Vec::with_capacity(ANSWER_HEADERS.len() + 1);
+    for (k, v) in event.headers {
+        let wanted = ANSWER_HEADERS.contains(&k.as_str()) && v.len() <= MAX_ECHOED;
+        if wanted && !headers.iter().any(|(seen, _)| *seen == k) {
+            headers.push((k, v));
+        }
+    }
+    Frame {
+        seq_id: event.seq_id,
+        log_id: event.log_id,
+        service: event.service,
+        method: event.method,
+        headers,
+        payload_encoding: short(event.payload_encoding),
+        payload_type: short(event.payload_type),
+        payload: Vec::new(),
+        log_id_new: short(event.log_id_new),
+    }
+}
+
+/// The encoded size of `respond(answer, ..)` at most: what an answer costs until it is written.
+pub fn response_size(answer: &Frame) -> usize {
+    answer.encoded_len().saturating_add(RESPONSE_GROWTH)
+}
+
+/// The answer to an event: its frame (`answer_frame`: only what the server needs) with the
+/// outcome as payload (200: stored, so Feishu may forget it; 500: not stored, deliver it again)
+/// and how long handling took (`biz_rt`, in milliseconds, as the SDKs write it).
+pub fn respond(answer: Frame, stored: bool, took: Duration) -> Frame {
+    let mut answer = answer_frame(answer);
     let code = if stored { 200 } else { 500 };
     answer.headers.push(("biz_rt".into(), took.as_millis().to_string()));
     answer.payload = format!(r#"{{"code":{code},"headers":{{}},"data":null}}"#).into_bytes();
@@ -451,6 +500,77 @@ mod tests {
         assert_eq!(Frame::decode(&ok.encode()), Ok(ok));
         let failed = respond(answer, false, Duration::ZERO);
         assert!(std::str::from_utf8(&failed.payload).unwrap().contains("500"));
+    }
+
+    #[test]
+    fn the_answer_echoes_only_the_headers_the_server_matches_it_by_and_stays_small() {
+        let mut frame = event("m-42", 1, 0, b"{}");
+        frame.payload_type = "json".into();
+        frame.log_id_new = "x".repeat(MAX_ECHOED + 1);
+        // 58 headers of 4,000 bytes (one a `trace_id` too long to be the server's, which the
+        // later one stands for) and a second `type`: 64 headers, as many as a frame may have.
+        let big = "h".repeat(4000);
+        let mut padding: Vec<(String, String)> = (0..57).map(|i| (format!("x-pad-{i}"), big.clone())).collect();
+        padding.push(("trace_id".into(), big.clone()));
+        frame.headers.splice(1..1, padding);
+        frame.headers.push(("type".into(), "card".into()));
+        let bytes = frame.encode();
+        assert!(bytes.len() > 58 * 4000, "{}", bytes.len());
+        assert_eq!(Frame::decode(&bytes).map(|f| f.headers.len()), Ok(64));
+        let Received::Event { answer, .. } = Reassembly::default().receive(frame.clone(), Instant::now()) else {
+            panic!("an event")
+        };
+        assert!(answer.headers.len() <= ANSWER_HEADERS.len(), "cut down while it waits");
+        let took = Duration::from_millis(7);
+        for answer in [respond(frame, true, took), respond(answer, true, took)] {
+            let keys: Vec<(&str, &str)> = answer.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            assert_eq!(
+                keys,
+                [
+                    ("type", "event"),
+                    ("message_id", "m-42"),
+                    ("sum", "1"),
+                    ("seq", "0"),
+                    ("trace_id", "t"),
+                    ("biz_rt", "7")
+                ]
+            );
+            assert_eq!(
+                (answer.seq_id, answer.log_id, answer.service, answer.method),
+                (3, 4, 77, METHOD_DATA)
+            );
+            assert_eq!((answer.payload_type.as_str(), answer.log_id_new.as_str()), ("json", ""));
+            let bytes = answer.encode();
+            assert!(bytes.len() < 200, "an answer of {} bytes", bytes.len());
+            assert_eq!(Frame::decode(&bytes), Ok(answer));
+        }
+    }
+
+    #[test]
+    fn an_answer_never_outgrows_its_stated_size() {
+        // Every echoed field as long as it may be (`sum` and `seq` are numbers still).
+        let mut frame = event(&"m".repeat(MAX_ECHOED), 1, 0, b"");
+        frame.headers = vec![
+            ("type".into(), "event".into()),
+            ("message_id".into(), "m".repeat(MAX_ECHOED)),
+            ("sum".into(), format!("{:0>MAX_ECHOED$}", 1)),
+            ("seq".into(), "0".repeat(MAX_ECHOED)),
+            ("trace_id".into(), "t".repeat(MAX_ECHOED)),
+        ];
+        frame.payload_encoding = "e".repeat(MAX_ECHOED);
+        frame.payload_type = "t".repeat(MAX_ECHOED);
+        frame.log_id_new = "l".repeat(MAX_ECHOED);
+        frame.seq_id = u64::MAX;
+        frame.log_id = u64::MAX;
+        frame.service = i32::MIN;
+        let Received::Event { answer, .. } = Reassembly::default().receive(frame, Instant::now()) else {
+            panic!("an event")
+        };
+        let size = response_size(&answer);
+        assert_eq!(answer.headers.len(), ANSWER_HEADERS.len(), "every one echoed");
+        let longest = respond(answer, false, Duration::MAX).encode().len();
+        assert!(longest <= size, "{longest} > {size}");
+        assert!(size <= 2 << 10, "an answer counted as {size} bytes");
     }
 
     #[test]
