@@ -144,6 +144,24 @@ pub async fn unblock<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) 
     }
 }
 
+/// Fairness for a loop whose reads may all be ready at once (a peer flooding frames): the
+/// executor runs a task until it waits, so such a loop would hold up every other connection.
+/// `turn` lets the others run every `FAIR_TURNS` passes.
+#[derive(Default)]
+pub struct Fair(u32);
+
+/// Passes of a `Fair` loop between two yields.
+const FAIR_TURNS: u32 = 32;
+
+impl Fair {
+    pub async fn turn(&mut self) {
+        self.0 = self.0.wrapping_add(1);
+        if self.0 % FAIR_TURNS == 0 {
+            smol::future::yield_now().await;
+        }
+    }
+}
+
 /// Runs blocking `f` on a pool thread; nobody waits for it.
 pub fn spawn_blocking(f: impl FnOnce() + Send + 'static) {
     submit(Box::new(f));

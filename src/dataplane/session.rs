@@ -139,7 +139,10 @@ where
         tools_running: Arc::new(AtomicUsize::new(0)),
     };
 
+    // A peer that keeps the socket full (a flood of pings) must not hold up other connections.
+    let mut fair = crate::runtime::Fair::default();
     let (reason, close) = loop {
+        fair.turn().await;
         // `Err`: the session was told to stop (shutdown, dead peer), with its reason.
         let next = async { Ok(rx.next().await) }
             .or(async { Err(stop_rx.recv().await.unwrap_or_else(|_| "stopped".to_string())) });
