@@ -213,7 +213,7 @@ fn run(cfg: config::Config) -> ExitCode {
     // Every connection needs a descriptor: as many as the hard limit allows, and no more
     // connections than they carry.
     let max_connections = front::connection_limit(app.config.server.max_connections, service::raise_fd_limit());
-    let names: Vec<&str> = app.providers.all().iter().map(|p| p.name()).collect();
+    let names: Vec<&str> = app.providers.all().iter().map(|p| p.declaration().name).collect();
     log::info!(
         "listening on {} (connector_id {}, providers: {})",
         app.config.server.listen,

@@ -247,7 +247,7 @@ fn describe(plane: &Plane, cch: &str) -> Value {
                     let label = p.label(&src);
                     Shown::unusable(
                         "error",
-                        p.name(),
+                        p.declaration().name,
                         &label,
                         format!("{label} (storage unavailable)"),
                         STORAGE,

@@ -9,7 +9,7 @@ use crate::app::App;
 use crate::json::{self, Object, Value};
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_REPLY, TOOL_SEND};
-use crate::providers::{AuthStep, Description, Failure, Outbound, Prompt, Provider, Registry, Stage};
+use crate::providers::{AuthStep, Declaration, Description, Failure, Outbound, Prompt, Provider, Registry, Stage};
 use crate::source::Source;
 use crate::store::StoreError;
 
@@ -40,21 +40,20 @@ impl StandIn {
     }
 }
 
+const DECLARATION: Declaration = Declaration {
+    name: "standin",
+    label: "Stand-in",
+    description: "A provider of the data plane's unit tests.",
+    flow_ids: &["form", "qr"],
+    tools: &[TOOL_SEND, TOOL_REPLY],
+};
+
 impl Provider for StandIn {
-    fn name(&self) -> &'static str {
-        "standin"
-    }
-    fn target(&self) -> Value {
-        Value::Null
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
     }
     fn auth_flows(&self) -> Vec<Value> {
         Vec::new()
-    }
-    fn flow_ids(&self) -> &'static [&'static str] {
-        &["form", "qr"]
-    }
-    fn tools(&self) -> &'static [&'static str] {
-        &[TOOL_SEND, TOOL_REPLY]
     }
     fn auth_start(&self, flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
         note(&self.asked, format!("start {flow_id}"));

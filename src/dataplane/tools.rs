@@ -176,7 +176,7 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
         message_id: None,
         streamed: None,
     };
-    let can = || match provider.tools().contains(&tool_id) {
+    let can = || match provider.declaration().tools.contains(&tool_id) {
         true => Ok(()),
         false => Err(Failure::new(
             code::CHANNEL_UNAVAILABLE,

@@ -188,7 +188,7 @@ fn card_of(app: &App) -> Value {
         app.config.server.api_key.is_some(),
         app.config.xagent.profile,
         card::Parts {
-            targets: p.all().iter().map(|p| p.target()).collect(),
+            targets: p.all().iter().map(|p| p.declaration().target()).collect(),
             auth_flows: p.all().iter().flat_map(|p| p.auth_flows()).collect(),
             tools: p.tools(),
         },

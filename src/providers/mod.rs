@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use crate::channels::Channels;
 use crate::config::{self, Config};
 use crate::files::{FileRecord, Files};
-use crate::json::{Object, Value};
+use crate::json::{arr, b, obj, s, Object, Value};
 use crate::outbox::{Enqueued, Outbox, Ticket};
 use crate::peer_wait;
 use crate::protocol::code;
@@ -288,21 +288,75 @@ impl Route {
     }
 }
 
-pub trait Provider: Send + Sync {
-    /// Its name: the provider part of its sources and the Card's `target.provider`.
-    fn name(&self) -> &'static str;
-
-    /// Its entry in the Card's `supports.targets`.
-    fn target(&self) -> Value;
-
-    /// Its auth flows, as the Card lists them; their IDs are unique across providers.
-    fn auth_flows(&self) -> Vec<Value>;
-
-    /// The IDs of its auth flows.
-    fn flow_ids(&self) -> &'static [&'static str];
-
+/// What a provider is, declared once: its name, its target in the Card, its flows' IDs and its
+/// tools. Everything else reads these from here (`Provider::declaration`).
+pub struct Declaration {
+    /// The provider part of its sources and the Card's `target.provider`.
+    pub name: &'static str,
+    /// The target's label and description in the Card (`Declaration::target`).
+    pub label: &'static str,
+    pub description: &'static str,
+    /// The IDs of its auth flows (unique across providers); `Provider::auth_flows` gives the
+    /// flows themselves, built with `flow` and `field`.
+    pub flow_ids: &'static [&'static str],
     /// The tools its channels can use (the Card declares the union over all providers).
-    fn tools(&self) -> &'static [&'static str];
+    pub tools: &'static [&'static str],
+}
+
+impl Declaration {
+    /// Its entry in the Card's `supports.targets`.
+    pub fn target(&self) -> Value {
+        obj([
+            ("target_type", s("im")),
+            ("provider", s(self.name)),
+            ("label", s(self.label)),
+            ("description", s(self.description)),
+        ])
+    }
+}
+
+/// An auth flow as the Card lists it: `kind` is `form` (with its `fields`) or `qr_login`.
+pub fn flow(id: &str, kind: &str, title: &str, description: &str, fields: Vec<Value>) -> Value {
+    let mut o = vec![
+        ("id", s(id)),
+        ("target_type", s("im")),
+        ("type", s(kind)),
+        ("title", s(title)),
+        ("description", s(description)),
+    ];
+    if !fields.is_empty() {
+        o.push(("fields", arr(fields)));
+    }
+    obj(o)
+}
+
+/// What a form field takes: text, or a secret (typed as a password, never shown back).
+#[derive(Clone, Copy, PartialEq)]
+pub enum Input {
+    Text,
+    Secret,
+}
+
+/// A field of a form flow.
+pub fn field(name: &str, label: &str, input: Input, required: bool, placeholder: Option<&str>, help: &str) -> Value {
+    let secret = input == Input::Secret;
+    obj([
+        ("name", s(name)),
+        ("label", s(label)),
+        ("input_type", s(if secret { "password" } else { "text" })),
+        ("required", b(required)),
+        ("secret", if secret { b(true) } else { Value::Null }),
+        ("placeholder", placeholder.map_or(Value::Null, s)),
+        ("help_text", s(help)),
+    ])
+}
+
+pub trait Provider: Send + Sync {
+    /// What it is (see `Declaration`).
+    fn declaration(&self) -> &'static Declaration;
+
+    /// Its auth flows, as the Card lists them (`flow`), one per ID its declaration names.
+    fn auth_flows(&self) -> Vec<Value>;
 
     /// Starts one of its auth flows: a form finishes here (`AuthStep::Bound`), a login the
     /// user completes elsewhere (a QR code) answers `AuthStep::Waiting` and is polled.
@@ -404,7 +458,7 @@ impl Registry {
     }
 
     pub fn get(&self, name: &str) -> Option<&Arc<dyn Provider>> {
-        self.providers.iter().find(|p| p.name() == name)
+        self.providers.iter().find(|p| p.declaration().name == name)
     }
 
     /// The provider that owns `source`; `None` for one no enabled provider knows.
@@ -414,7 +468,9 @@ impl Registry {
 
     /// The provider whose auth flow this is.
     pub fn for_flow(&self, flow_id: &str) -> Option<&Arc<dyn Provider>> {
-        self.providers.iter().find(|p| p.flow_ids().contains(&flow_id))
+        self.providers
+            .iter()
+            .find(|p| p.declaration().flow_ids.contains(&flow_id))
     }
 
     /// The provider answering `method path` itself.
@@ -436,7 +492,7 @@ impl Registry {
         crate::protocol::ALL_TOOLS
             .iter()
             .copied()
-            .filter(|t| self.providers.iter().any(|p| p.tools().contains(t)))
+            .filter(|t| self.providers.iter().any(|p| p.declaration().tools.contains(t)))
             .collect()
     }
 

@@ -12,12 +12,12 @@ use ring::hmac;
 use super::inbound::Inbound;
 use super::intake::{Arrival, Intake, WhenStale};
 use super::{
-    AuthStep, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration, Reply,
-    Route,
+    field, AuthStep, Declaration, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Input, Outbound,
+    Provider, Registration, Reply, Route,
 };
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::ids;
-use crate::json::{self, arr, b, obj, opt_s, s, Object, Value};
+use crate::json::{self, arr, obj, opt_s, s, Object, Value};
 use crate::outbox::Enqueued;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{code, TOOL_REPLY, TOOL_SEND};
@@ -361,41 +361,35 @@ impl Webhooks {
     }
 }
 
+const DECLARATION: Declaration = Declaration {
+    name: NAME,
+    label: "Webhook",
+    description: "Any system that can POST JSON to an HTTP endpoint.",
+    flow_ids: &[FLOW],
+    tools: TOOLS,
+};
+
 fn flow() -> Value {
-    obj([
-        ("id", s(FLOW)),
-        ("target_type", s("im")),
-        ("type", s("form")),
-        ("title", s("Bind a Webhook Endpoint")),
-        (
-            "description",
-            s("Bind this channel to a [webhook.NAME] endpoint configured on the imgate device."),
+    let fields = vec![
+        field(
+            "endpoint",
+            "Endpoint name",
+            Input::Text,
+            true,
+            Some("alerts"),
+            "The NAME of a [webhook.NAME] section in imgate.conf.",
         ),
-        (
-            "fields",
-            arr([
-                obj([
-                    ("name", s("endpoint")),
-                    ("label", s("Endpoint name")),
-                    ("input_type", s("text")),
-                    ("required", b(true)),
-                    ("placeholder", s("alerts")),
-                    ("help_text", s("The NAME of a [webhook.NAME] section in imgate.conf.")),
-                ]),
-                obj([
-                    ("name", s("secret")),
-                    ("label", s("Endpoint secret")),
-                    ("input_type", s("password")),
-                    ("required", b(true)),
-                    ("secret", b(true)),
-                    (
-                        "help_text",
-                        s("The secret of that endpoint, proving you administer the device."),
-                    ),
-                ]),
-            ]),
+        field(
+            "secret",
+            "Endpoint secret",
+            Input::Secret,
+            true,
+            None,
+            "The secret of that endpoint, proving you administer the device.",
         ),
-    ])
+    ];
+    let description = "Bind this channel to a [webhook.NAME] endpoint configured on the imgate device.";
+    super::flow(FLOW, "form", "Bind a Webhook Endpoint", description, fields)
 }
 
 impl Webhooks {
@@ -421,29 +415,12 @@ impl Webhooks {
 }
 
 impl Provider for Webhooks {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn target(&self) -> Value {
-        obj([
-            ("target_type", s("im")),
-            ("provider", s(NAME)),
-            ("label", s("Webhook")),
-            ("description", s("Any system that can POST JSON to an HTTP endpoint.")),
-        ])
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
     }
 
     fn auth_flows(&self) -> Vec<Value> {
         vec![flow()]
-    }
-
-    fn flow_ids(&self) -> &'static [&'static str] {
-        &[FLOW]
-    }
-
-    fn tools(&self) -> &'static [&'static str] {
-        TOOLS
     }
 
     /// `webhook_binding`: the endpoint must exist and the secret must be that endpoint's.

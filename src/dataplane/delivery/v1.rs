@@ -285,7 +285,7 @@ fn render_push(plane: &super::Plane, source: &Source, m: &Readable) -> Rendered 
     let origin = Origin {
         provider: source.provider(),
         label: &label,
-        tools: provider.map_or(&[], |p| p.tools()),
+        tools: provider.map_or(&[], |p| p.declaration().tools),
         base: plane.public_base(),
         skill: plane.config.server.card_id.skill_name(),
     };

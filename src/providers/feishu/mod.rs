@@ -31,12 +31,12 @@ use super::inbound::{self, FileItem};
 use super::intake::{Arrival, Fetch, Intake, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::{
-    multipart, split_text, with_retry, AuthStep, Description, Failure, Host, Outbound, Provider, Registration,
-    Transient,
+    field, multipart, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound,
+    Provider, Registration, Transient,
 };
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::files::FileRecord;
-use crate::json::{self, arr, b, obj, s, Object, Value};
+use crate::json::{self, obj, s, Object, Value};
 use crate::outbox::{Enqueued, Ticket};
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
@@ -190,10 +190,7 @@ fn send_uuid(idempotency_key: &str, part: usize) -> String {
 
 impl Feishu {
     fn label_text(&self) -> &'static str {
-        match self.settings.domain {
-            "lark" => "Lark",
-            _ => "Feishu",
-        }
+        self.declaration().label
     }
 
     fn secret_files(&self) -> KeyFiles {
@@ -521,54 +518,47 @@ fn chat_failure(e: &ApiError) -> Failure {
     }
 }
 
+/// One provider, shown by the name of the domain it is configured for.
+const FEISHU: Declaration = Declaration {
+    name: NAME,
+    label: "Feishu",
+    description: "A Feishu / Lark self-built app's bot in a private chat or a group.",
+    flow_ids: &[FLOW],
+    tools: TOOLS,
+};
+const LARK: Declaration = Declaration {
+    label: "Lark",
+    ..FEISHU
+};
+
 fn flow(default_app: bool) -> Value {
-    let field = |name: &str, label: &str, input_type: &str, secret: bool, required: bool, help: &str| {
-        let mut o = vec![
-            ("name", s(name)),
-            ("label", s(label)),
-            ("input_type", s(input_type)),
-            ("required", b(required)),
-            ("help_text", s(help)),
-        ];
-        if secret {
-            o.push(("secret", b(true)));
-        }
-        obj(o)
-    };
     let app_help = if default_app {
         "Leave empty to use the device's app, or enter another self-built app's App ID."
     } else {
         "The App ID of a self-built app with the bot ability (Credentials & Basic Info)."
     };
-    obj([
-        ("id", s(FLOW)),
-        ("target_type", s("im")),
-        ("type", s("form")),
-        ("title", s("Bind a Feishu / Lark chat")),
-        ("description", s("Bind this channel to one chat of a self-built app's bot; events arrive over the app's long connection.")),
-        (
-            "fields",
-            arr([
-                field("app_id", "App ID", "text", false, !default_app, app_help),
-                field(
-                    "app_secret",
-                    "App Secret",
-                    "password",
-                    true,
-                    !default_app,
-                    "The app's App Secret (needed with another app's App ID).",
-                ),
-                field(
-                    "chat_id",
-                    "Chat ID",
-                    "text",
-                    false,
-                    true,
-                    "Add the bot to the chat, then enter the chat's ID (oc_...).",
-                ),
-            ]),
+    let fields = vec![
+        field("app_id", "App ID", Input::Text, !default_app, None, app_help),
+        field(
+            "app_secret",
+            "App Secret",
+            Input::Secret,
+            !default_app,
+            None,
+            "The app's App Secret (needed with another app's App ID).",
         ),
-    ])
+        field(
+            "chat_id",
+            "Chat ID",
+            Input::Text,
+            true,
+            None,
+            "Add the bot to the chat, then enter the chat's ID (oc_...).",
+        ),
+    ];
+    let description =
+        "Bind this channel to one chat of a self-built app's bot; events arrive over the app's long connection.";
+    super::flow(FLOW, "form", "Bind a Feishu / Lark chat", description, fields)
 }
 
 impl Feishu {
@@ -678,32 +668,15 @@ impl Feishu {
 }
 
 impl Provider for Feishu {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn target(&self) -> Value {
-        obj([
-            ("target_type", s("im")),
-            ("provider", s(NAME)),
-            ("label", s(self.label_text())),
-            (
-                "description",
-                s("A Feishu / Lark self-built app's bot in a private chat or a group."),
-            ),
-        ])
+    fn declaration(&self) -> &'static Declaration {
+        match self.settings.domain {
+            "lark" => &LARK,
+            _ => &FEISHU,
+        }
     }
 
     fn auth_flows(&self) -> Vec<Value> {
         vec![flow(self.settings.app_id.is_some())]
-    }
-
-    fn flow_ids(&self) -> &'static [&'static str] {
-        &[FLOW]
-    }
-
-    fn tools(&self) -> &'static [&'static str] {
-        TOOLS
     }
 
     /// `feishu_app_binding`: checks the credentials (a fresh token), that the app may open a

@@ -19,13 +19,13 @@ use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
 use super::keyfiles::KeyFiles;
-use super::{inbound, multipart, with_retry};
 use super::{
-    Activity, AuthStep, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Outbound, Provider, Registration,
-    Reply, Route,
+    field, Activity, AuthStep, Declaration, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Input,
+    Outbound, Provider, Registration, Reply, Route,
 };
+use super::{inbound, multipart, with_retry};
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
-use crate::json::{self, arr, b, obj, s, Object, Value};
+use crate::json::{self, b, obj, s, Object, Value};
 use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
@@ -489,47 +489,41 @@ impl Telegram {
     }
 }
 
+const DECLARATION: Declaration = Declaration {
+    name: NAME,
+    label: "Telegram",
+    description: "A Telegram bot in a private chat or a group.",
+    flow_ids: &[FLOW],
+    tools: TOOLS,
+};
+
 fn flow(default_bot: bool) -> Value {
-    obj([
-        ("id", s(FLOW)),
-        ("target_type", s("im")),
-        ("type", s("form")),
-        ("title", s("Bind a Telegram Bot")),
-        ("description", s("Bind this channel to one Telegram chat of a bot.")),
-        (
-            "fields",
-            arr([
-                obj([
-                    ("name", s("bot_token")),
-                    ("label", s("Bot Token")),
-                    ("input_type", s("password")),
-                    // Required only when the device has no default bot.
-                    ("required", b(!default_bot)),
-                    ("secret", b(true)),
-                    ("placeholder", s("123456:ABC-DEF...")),
-                    (
-                        "help_text",
-                        s(if default_bot {
-                            "Leave empty to use the device's bot, or enter another bot's token from BotFather."
-                        } else {
-                            "Create a bot with BotFather and enter its token."
-                        }),
-                    ),
-                ]),
-                obj([
-                    ("name", s("chat_id")),
-                    ("label", s("Chat ID")),
-                    ("input_type", s("text")),
-                    ("required", b(true)),
-                    ("placeholder", s("For example, 123456789")),
-                    (
-                        "help_text",
-                        s("Start a conversation with the bot (or add it to the group), then enter the chat ID."),
-                    ),
-                ]),
-            ]),
+    let token_help = if default_bot {
+        "Leave empty to use the device's bot, or enter another bot's token from BotFather."
+    } else {
+        "Create a bot with BotFather and enter its token."
+    };
+    let fields = vec![
+        // Required only when the device has no default bot.
+        field(
+            "bot_token",
+            "Bot Token",
+            Input::Secret,
+            !default_bot,
+            Some("123456:ABC-DEF..."),
+            token_help,
         ),
-    ])
+        field(
+            "chat_id",
+            "Chat ID",
+            Input::Text,
+            true,
+            Some("For example, 123456789"),
+            "Start a conversation with the bot (or add it to the group), then enter the chat ID.",
+        ),
+    ];
+    let description = "Bind this channel to one Telegram chat of a bot.";
+    super::flow(FLOW, "form", "Bind a Telegram Bot", description, fields)
 }
 
 impl Telegram {
@@ -611,29 +605,12 @@ impl Telegram {
 }
 
 impl Provider for Telegram {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn target(&self) -> Value {
-        obj([
-            ("target_type", s("im")),
-            ("provider", s(NAME)),
-            ("label", s("Telegram")),
-            ("description", s("A Telegram bot in a private chat or a group.")),
-        ])
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
     }
 
     fn auth_flows(&self) -> Vec<Value> {
         vec![flow(self.settings.bot_token.is_some())]
-    }
-
-    fn flow_ids(&self) -> &'static [&'static str] {
-        &[FLOW]
-    }
-
-    fn tools(&self) -> &'static [&'static str] {
-        TOOLS
     }
 
     /// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
@@ -644,7 +621,7 @@ impl Provider for Telegram {
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
         let target = |display_name: String, account_hint| Target {
             provider: NAME.into(),
-            label: "Telegram".into(),
+            label: DECLARATION.label.into(),
             display_name,
             account_hint,
         };

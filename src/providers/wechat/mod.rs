@@ -32,7 +32,9 @@ use self::api::Api;
 use super::inbound::FileItem;
 use super::keyfiles::KeyFiles;
 use super::workers::{Worker, Workers};
-use super::{split_text, with_retry, AuthStep, Description, Failure, Host, Outbound, Provider, Registration};
+use super::{
+    split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Outbound, Provider, Registration,
+};
 use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
 use crate::files::FileRecord;
 use crate::ids;
@@ -419,43 +421,33 @@ fn client_id(idempotency_key: &str, part: usize) -> String {
     format!("imgate-{}", super::send_id(idempotency_key, part, 12))
 }
 
+const DECLARATION: Declaration = Declaration {
+    name: NAME,
+    label: "WeChat",
+    description: "Your WeChat bot, signed in by scanning a QR code.",
+    flow_ids: &[FLOW],
+    tools: TOOLS,
+};
+
 fn flow() -> Value {
-    obj([
-        ("id", s(FLOW)),
-        ("target_type", s("im")),
-        ("type", s("qr_login")),
-        ("title", s("Sign in to WeChat with a QR code")),
-        (
-            "description",
-            s("Scan the code with WeChat on your phone and confirm: this channel then talks to your WeChat bot."),
-        ),
-    ])
+    let description =
+        "Scan the code with WeChat on your phone and confirm: this channel then talks to your WeChat bot.";
+    super::flow(
+        FLOW,
+        "qr_login",
+        "Sign in to WeChat with a QR code",
+        description,
+        Vec::new(),
+    )
 }
 
 impl Provider for Wechat {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn target(&self) -> Value {
-        obj([
-            ("target_type", s("im")),
-            ("provider", s(NAME)),
-            ("label", s("WeChat")),
-            ("description", s("Your WeChat bot, signed in by scanning a QR code.")),
-        ])
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
     }
 
     fn auth_flows(&self) -> Vec<Value> {
         vec![flow()]
-    }
-
-    fn flow_ids(&self) -> &'static [&'static str] {
-        &[FLOW]
-    }
-
-    fn tools(&self) -> &'static [&'static str] {
-        TOOLS
     }
 
     fn auth_start(&self, _flow_id: &str, _input: &Object) -> Result<AuthStep, Failure> {
@@ -484,7 +476,7 @@ impl Provider for Wechat {
         let account = self.account(bot);
         let target = Target {
             provider: NAME.into(),
-            label: "WeChat".into(),
+            label: DECLARATION.label.into(),
             display_name: format!("WeChat ({bot})"),
             account_hint: account.as_ref().map(|a| crate::providers::inbound::redact(&a.user_id)),
         };
