@@ -10,6 +10,7 @@ pub use crate::protocol::Packet;
 pub use crate::providers::readers as config_readers;
 pub use crate::providers::telegram::poll::read_update as read_telegram_update;
 pub use crate::providers::webhook::parse_body as parse_webhook_body;
+pub use crate::providers::wechat::cdn::Decrypting as WechatDecrypting;
 pub use crate::providers::wechat::qr::data_url as qr_data_url;
 pub use crate::providers::wechat::update::read_batch as read_wechat_batch;
 

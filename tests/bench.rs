@@ -3,6 +3,7 @@
 //!
 //!     cargo test --release --test bench -- --ignored --nocapture --test-threads=1
 
+mod bench_upstreams;
 mod common;
 
 use std::collections::HashMap;
@@ -1047,11 +1048,20 @@ fn steady_sender(d: &Daemon, stop: &AtomicBool) -> Duration {
 
 /// Runs `work` beside a steady webhook sender: what `work` gives and the sender's worst latency.
 fn beside_webhooks<T>(d: &Daemon, work: impl FnOnce() -> T) -> (T, Duration) {
+    /// Stops the sender however `work` ends: a panic in it must not leave the scope waiting.
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let sender = scope.spawn(|| steady_sender(d, &stop));
-        let out = work();
-        stop.store(true, Ordering::SeqCst);
+        let out = {
+            let _stop = StopOnDrop(&stop);
+            work()
+        };
         (out, sender.join().unwrap())
     })
 }

@@ -37,6 +37,8 @@ struct State {
     uploads: Vec<(String, String, Vec<u8>)>,
     polls_now: HashMap<u64, usize>,
     polls_max: HashMap<u64, usize>,
+    /// A hostile server: `getUpdates` answers every update it has, whatever `limit` says.
+    ignore_limit: bool,
 }
 
 pub struct BotApi {
@@ -229,6 +231,11 @@ impl BotApi {
             .extend(std::iter::repeat_n(d, n));
     }
 
+    /// From now on `getUpdates` answers every update it has, whatever `limit` asks for.
+    pub fn ignore_limit(&self) {
+        self.state.0.lock().unwrap().ignore_limit = true;
+    }
+
     /// The next `n` calls of `method` fail with `code` (and `retry_after` seconds).
     pub fn fail(&self, method: &str, code: u16, retry_after: Option<u64>, n: usize) {
         let mut s = self.state.0.lock().unwrap();
@@ -378,7 +385,10 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &str) -> (u16, 
             }
             *s.polls_now.get_mut(&bot_id).unwrap() -= 1;
             // `limit`: 1 to 100 updates, 100 when not given (the Bot API's documented bounds).
-            let limit = params["limit"].as_u64().unwrap_or(100).clamp(1, 100) as usize;
+            let limit = match s.ignore_limit {
+                true => usize::MAX,
+                false => params["limit"].as_u64().unwrap_or(100).clamp(1, 100) as usize,
+            };
             let updates = s.updates.get(&bot_id).map_or(&[][..], |u| &u[..u.len().min(limit)]);
             ok(Value::Array(updates.to_vec()))
         }
