@@ -367,11 +367,15 @@ pub struct FilePart {
 impl FilePart {
     /// Appends bytes; TooLarge once the total would pass max_file_bytes (nothing more
     /// written), CacheFull once it would pass the room the cache had at `begin`. After an
-    /// error every later call returns it.
+    /// error the bytes are removed and every later call returns it.
     pub fn write(&mut self, bytes: &[u8]) -> Result<(), FileError> {
         let result = self.append(bytes);
         if let Err(e) = &result {
             self.failed = Some(e.clone());
+            // These bytes can never be a file: they go now, before whoever wrote them answers
+            // (a refused upload leaves nothing behind once it is answered), not at the drop.
+            self.file = None;
+            let _ = std::fs::remove_file(&self.path);
         }
         result
     }

@@ -56,10 +56,11 @@ pub enum Error {
 }
 
 impl Error {
-    /// `text` with `secret` (a token in a URL) replaced, for errors that quote the URL.
-    pub fn scrubbed(self, secret: &str) -> Error {
+    /// The error with `secret` (a token in a URL, a URL with a credential) shown as `name`,
+    /// for errors that quote the URL; before it is shown, which shortens it.
+    pub fn hiding(self, secret: &str, name: &str) -> Error {
         match self {
-            Error::Unreachable(text) if !secret.is_empty() => Error::Unreachable(text.replace(secret, "<token>")),
+            Error::Unreachable(text) if !secret.is_empty() => Error::Unreachable(text.replace(secret, name)),
             other => other,
         }
     }

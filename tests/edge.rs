@@ -728,7 +728,15 @@ fn peer_11_a_silent_reply_url_answers_unreachable_and_a_repeat_of_a_running_call
                       "context": {"session_id": "s1", "tool_call_id": "same-call"}});
     let (first, _) = x.send("tool.invoke", Some(&cch), call.clone());
     // The first call's connection arrives at the silent receiver: it is running.
-    let (_held, _) = silent.accept().unwrap();
+    silent.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let _held = loop {
+        match silent.accept() {
+            Ok((held, _)) => break held,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("the first call never reached the reply_url: {e}"),
+        }
+    };
     let (repeat, _) = x.send("tool.invoke", Some(&cch), call);
     let mut acks = std::collections::HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(90);
@@ -746,7 +754,6 @@ fn peer_11_a_silent_reply_url_answers_unreachable_and_a_repeat_of_a_running_call
         "{:?}",
         acks.get(&first)
     );
-    silent.set_nonblocking(true).unwrap();
     assert!(silent.accept().is_err(), "the repeat sent nothing");
     alive(&d);
 }

@@ -831,4 +831,14 @@ fn updates_too_large_for_one_answer_are_asked_for_in_smaller_batches_and_none_is
         .collect();
     assert!(limits.iter().any(|l| *l < 100), "asked for fewer: {limits:?}");
     assert!(limits.iter().all(|l| *l >= 1), "{limits:?}");
+    // And as many as before once the answers fit again.
+    let smaller = limits.iter().position(|l| *l < 100).unwrap_or(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !api.calls("getUpdates")[smaller..]
+        .iter()
+        .any(|c| c["limit"].as_u64() == Some(100))
+    {
+        assert!(std::time::Instant::now() < deadline, "the batch grew back to 100");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -79,9 +79,10 @@ struct Session {
 /// so a flood of `tool.invoke` costs neither threads nor memory past this.
 const TOOLS_AT_ONCE: usize = 16;
 
-/// A tool call is answered within this, whatever its thread does. Every provider gives up on
-/// its IM system sooner (20 s at most), so this answers only a call whose thread is stuck or
-/// waited for the pool; xAgent may repeat it (a repeat of a call still running is `busy`).
+/// A tool call is answered within this, whatever its thread does: a thread stuck or waiting for
+/// the pool, or a send of several parts (a file, a long text) whose calls to the IM system take
+/// their own time each (20 s at most). The send may still complete: a repeat with the same
+/// `tool_call_id` is `busy` while it runs and gets its result after.
 const TOOL_ANSWER_DEADLINE: Duration = Duration::from_secs(25);
 
 /// One running tool call's place in `Session::tools_running`, given back when it answers.
@@ -484,9 +485,13 @@ fn tool_invoke(plane: &Arc<Plane>, p: Packet, cch: String, out: Out, turn: ToolT
         let outcome = running
             .or(async {
                 smol::Timer::after(TOOL_ANSWER_DEADLINE).await;
-                Err(Failure::temporary(
-                    code::UPSTREAM_UNREACHABLE,
-                    format!("no answer within {} s", TOOL_ANSWER_DEADLINE.as_secs()),
+                Err(Failure::new(
+                    code::TOOL_INVOKE_FAILED,
+                    format!(
+                        "no answer from the IM system within {} s; the message may still be sent \
+                         (repeat it only with the same tool_call_id)",
+                        TOOL_ANSWER_DEADLINE.as_secs()
+                    ),
                 ))
             })
             .await;

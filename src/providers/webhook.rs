@@ -333,7 +333,7 @@ impl Webhooks {
             .send(body.as_bytes());
         let mut resp = result.map_err(|e| {
             // The configured URL may carry a credential of its own: never echo it.
-            let e = upstream::Error::from(e).to_string().replace(url, "<reply_url>");
+            let e = upstream::Error::from(e).hiding(url, "<reply_url>").to_string();
             if let Some(more) = UNREACHABLE.admit() {
                 log::warn!("webhook {name}: reply_url unreachable: {e}{more}");
             }

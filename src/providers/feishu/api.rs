@@ -213,7 +213,7 @@ impl Api {
                     .is_some_and(|c| c.starts_with("application/json"))
             {
                 // Errors come as JSON, whatever the status.
-                let (status, o) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+                let o = upstream::read_json(&mut resp, MAX_ANSWER).ok().and_then(|(_, o)| o);
                 return Err(error_of(status, o.as_ref()));
             }
             match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
@@ -236,18 +236,13 @@ impl Api {
             .send(json::to_string(&body).as_bytes())
             .map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
         let status = resp.status().as_u16();
-        let body = upstream::read_body(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
-        let text = String::from_utf8(body).map_err(|_| ApiError::unreachable("the endpoint answer is not text"))?;
-        match status {
-            200 => Ok(text),
-            _ => {
-                let o = json::parse(&text).ok().and_then(|v| match v {
-                    Value::Object(o) => Some(o),
-                    _ => None,
-                });
-                Err(error_of(status, o.as_ref()))
-            }
+        if status != 200 {
+            // A refusal keeps its status even when its body cannot be read.
+            let o = upstream::read_json(&mut resp, MAX_ANSWER).ok().and_then(|(_, o)| o);
+            return Err(error_of(status, o.as_ref()));
         }
+        let body = upstream::read_body(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+        String::from_utf8(body).map_err(|_| ApiError::unreachable("the endpoint answer is not text"))
     }
 
     fn post(&self, path: &str, timeout: Duration) -> ureq::RequestBuilder<ureq::typestate::WithBody> {

@@ -10,7 +10,7 @@
 //! What the connection holds is bounded until it is written: each event takes its bytes and
 //! those of its answer from the connection's budget (`QUEUED_BYTES`) when it is read, and gives
 //! them back only once the writer wrote the answer (or the connection ended). A full budget
-//! stops the reader; the writer's queue is bounded in count too (`MAX_QUEUED`); a frame the
+//! stops the reader; the writer's queue is bounded in count too (`QUEUE_SLOTS`); a frame the
 //! server does not take within `WRITE_DEADLINE` ends the connection. So a server that sends
 //! events and never reads the answers stalls the reader, then loses the connection.
 //!
@@ -50,10 +50,9 @@ const SHORT_LIVED: Duration = Duration::from_secs(30);
 const QUEUED_BYTES: usize = 2 << 20;
 /// An event's payload counts as at least this many bytes against `QUEUED_BYTES`...
 const MIN_EVENT_COST: usize = 1024;
-/// ...so at most this many answers wait for the writer at once; its queue holds that many, and
-/// a few pings besides.
-const MAX_QUEUED: usize = QUEUED_BYTES / MIN_EVENT_COST;
-const QUEUE_SLOTS: usize = MAX_QUEUED + 8;
+/// Frames the writer's queue holds (a bounded queue takes its slots' memory at once). Answers
+/// past it wait in their lanes, holding their event's share of the budget.
+const QUEUE_SLOTS: usize = 64;
 /// A frame the server does not take within this long ends the connection: a server that reads
 /// nothing would otherwise hold the connection's answers, and its budget, forever.
 const WRITE_DEADLINE: Duration = Duration::from_secs(30);
@@ -281,8 +280,7 @@ impl Drop for Held {
 /// One connection, until it ends; why it ended.
 async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config: &mut ClientConfig) -> String {
     let (mut sink, mut stream) = ws.split();
-    // Bounded by count: at most `MAX_QUEUED` answers hold budget at once (each takes at least
-    // `MIN_EVENT_COST` and the reader stops at `QUEUED_BYTES`), and pings are only offered.
+    // Bounded by count; lanes wait for room, and pings are only offered.
     let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
     // Unbounded by count: `Budget` bounds the bytes of the events and answers in it.
     let (job_tx, job_rx) = smol::channel::unbounded::<Job>();

@@ -54,6 +54,9 @@ pub struct Api {
     base: String,
     http: ureq::Agent,
     poll: ureq::Agent,
+    /// File downloads: the longest a fetch may take (`poll::FETCH_DEADLINE`), a slow link's
+    /// 20 MiB included.
+    files: ureq::Agent,
 }
 
 /// An answer larger than this is refused unread (`ApiError::too_large`): a `getUpdates` batch
@@ -68,7 +71,7 @@ impl ApiError {
         ApiError {
             code: 0,
             too_large: matches!(e, upstream::Error::TooLarge { .. }),
-            description: e.scrubbed(token).to_string(),
+            description: e.hiding(token, "<token>").to_string(),
             retry_after: None,
         }
     }
@@ -94,6 +97,7 @@ impl Api {
             base: base.trim_end_matches('/').to_string(),
             http: upstream::agent(Duration::from_secs(15)),
             poll: upstream::agent(Duration::from_secs(POLL_SECONDS + 10)),
+            files: upstream::agent(super::poll::FETCH_DEADLINE),
         }
     }
 
@@ -134,7 +138,7 @@ impl Api {
         timeout: Duration,
     ) -> Result<(), ApiError> {
         let url = format!("{}/file/bot{token}/{file_path}", self.base);
-        let mut resp = upstream::within(&self.http, self.http.get(&url), timeout)
+        let mut resp = upstream::within(&self.files, self.files.get(&url), timeout)
             .call()
             .map_err(|e| ApiError::of(e.into(), token))?;
         let status = resp.status().as_u16();

@@ -57,10 +57,10 @@ impl Pollers {
     }
 }
 
-/// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
 /// Updates one `getUpdates` asks for at most (Telegram's own default and maximum).
 const MAX_BATCH: u64 = 100;
 
+/// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
 fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
     let mut backoff = Duration::from_secs(1);
     let mut last_error = String::new();
@@ -301,7 +301,7 @@ fn media_of(m: &json::Object) -> Option<Media> {
 
 /// A file is fetched for at most this long (a 5xx or 429 is retried) before the message goes on
 /// with a note instead: one broken file must not hold up the bot's other chats for long.
-const FETCH_DEADLINE: Duration = Duration::from_secs(30);
+pub(super) const FETCH_DEADLINE: Duration = Duration::from_secs(30);
 
 /// `getFile` and the download, into the file cache.
 fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<FileItem, String> {
