@@ -108,21 +108,19 @@ pub fn read_json(resp: &mut Response, cap: u64) -> Result<(u16, Option<Object>),
     Ok((status, object))
 }
 
-/// Streams the body to `write` in pieces of at most 64 KiB; the bytes written. `write` bounds
-/// the total (the file cache refuses a file past its caps) and its error ends the stream.
-pub fn stream_body<E>(resp: &mut Response, mut write: impl FnMut(&[u8]) -> Result<(), E>) -> Result<u64, Streamed<E>> {
+/// Streams the body to `write` in pieces of at most 64 KiB. `write` bounds the total (the file
+/// cache refuses a file past its caps, and knows what it wrote) and its error ends the stream.
+pub fn stream_body<E>(resp: &mut Response, mut write: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), Streamed<E>> {
     let mut reader = resp.body_mut().as_reader();
     let mut piece = vec![0u8; PIECE];
-    let mut total = 0u64;
     loop {
         let n = match reader.read(&mut piece) {
-            Ok(0) => return Ok(total),
+            Ok(0) => return Ok(()),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(Streamed::Read(io_error(e))),
         };
         write(&piece[..n]).map_err(Streamed::Write)?;
-        total = total.saturating_add(n as u64);
     }
 }
 

@@ -217,7 +217,7 @@ impl Api {
                 return Err(error_of(status, o.as_ref()));
             }
             match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
-                Ok(_) => Ok(content_type),
+                Ok(()) => Ok(content_type),
                 Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
                 // Not temporary: the cache's caps or its disk, not Feishu.
                 Err(Streamed::Write(e)) => Err(ApiError::cache(e)),

@@ -146,7 +146,7 @@ impl Api {
             return Err(ApiError::refused(status, "file download refused"));
         }
         match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
-            Ok(_) => Ok(()),
+            Ok(()) => Ok(()),
             Err(Streamed::Read(e)) => Err(ApiError::of(e, token)),
             Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
         }

@@ -188,7 +188,7 @@ pub fn download<E: std::fmt::Display>(
         return Err(format!("the CDN answered HTTP {}", resp.status().as_u16()));
     }
     match upstream::stream_body(&mut resp, write) {
-        Ok(_) => Ok(()),
+        Ok(()) => Ok(()),
         Err(Streamed::Read(e)) => Err(format!("the CDN's answer broke off: {e}")),
         Err(Streamed::Write(e)) => Err(e.to_string()),
     }
