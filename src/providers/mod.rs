@@ -14,6 +14,7 @@ pub mod feishu;
 pub mod inbound;
 pub mod intake;
 pub mod keyfiles;
+pub mod socket;
 pub mod telegram;
 pub mod webhook;
 pub mod wechat;

@@ -19,7 +19,6 @@
 //! to `ReconnectInterval`); after a failed attempt, `ReconnectInterval`. Each change of state (up,
 //! down, refused, unreachable) is logged once, not once per retry.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -33,6 +32,7 @@ use super::frame::{Frame, MAX_FRAME};
 use super::longconn::{self, ClientConfig, Endpoint, EndpointError, Reassembly, Received};
 use super::Feishu;
 use crate::ids;
+use crate::providers::socket::{self, Budget, Held, Lanes, Out, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
 use crate::quiet::Quiet;
 use crate::runtime;
@@ -50,14 +50,6 @@ const SHORT_LIVED: Duration = Duration::from_secs(30);
 const QUEUED_BYTES: usize = 2 << 20;
 /// An event's payload counts as at least this many bytes against `QUEUED_BYTES`...
 const MIN_EVENT_COST: usize = 1024;
-/// Frames the writer's queue holds (a bounded queue takes its slots' memory at once). Answers
-/// past it wait in their lanes, holding their event's share of the budget.
-const QUEUE_SLOTS: usize = 64;
-/// A frame the server does not take within this long ends the connection: a server that reads
-/// nothing would otherwise hold the connection's answers, and its budget, forever.
-const WRITE_DEADLINE: Duration = Duration::from_secs(30);
-/// A lane hands at most this many of its waiting events to the outbox at once.
-const LANE_BATCH: usize = 64;
 
 /// The running connections, by app ID.
 pub struct Connections {
@@ -228,88 +220,24 @@ async fn connect(ep: &Endpoint) -> Result<Ws, String> {
 /// it arrived, and its share of the budget.
 type Job = (Vec<u8>, Frame, Instant, Held);
 
-/// A frame for the writer, with the budget share of the event it answers (none for a ping).
-type Out = (Frame, Option<Held>);
-
-/// The bytes of events read whose answers are not written yet, and a wake-up for a reader
-/// waiting for room.
-#[derive(Clone)]
-struct Budget {
-    queued: Arc<AtomicUsize>,
-    room: smol::channel::Sender<()>,
-}
-
-impl Budget {
-    /// What an event costs until its answer is written: its payload (at least `MIN_EVENT_COST`)
-    /// and its answer as it will be encoded (the frame `answer`, with the outcome).
-    fn cost(payload: &[u8], answer: &Frame) -> usize {
-        payload
-            .len()
-            .max(MIN_EVENT_COST)
-            .saturating_add(longconn::response_size(answer))
-    }
-
-    fn full(&self) -> bool {
-        self.queued.load(Ordering::Relaxed) >= QUEUED_BYTES
-    }
-
-    /// Takes `bytes` until the share is dropped.
-    fn take(&self, bytes: usize) -> Held {
-        self.queued.fetch_add(bytes, Ordering::Relaxed);
-        Held {
-            budget: self.clone(),
-            bytes,
-        }
-    }
-}
-
-/// One event's share of the budget, from its read until the writer wrote its answer; dropped
-/// unwritten too when the connection ends (whatever holds it is dropped with it).
-struct Held {
-    budget: Budget,
-    bytes: usize,
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.budget.queued.fetch_sub(self.bytes, Ordering::Relaxed);
-        let _ = self.budget.room.try_send(());
-    }
+/// What an event costs until its answer is written: its payload (at least `MIN_EVENT_COST`)
+/// and its answer as it will be encoded (the frame `answer`, with the outcome).
+fn cost(payload: &[u8], answer: &Frame) -> usize {
+    payload
+        .len()
+        .max(MIN_EVENT_COST)
+        .saturating_add(longconn::response_size(answer))
 }
 
 /// One connection, until it ends; why it ended.
 async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config: &mut ClientConfig) -> String {
-    let (mut sink, mut stream) = ws.split();
+    let (sink, mut stream) = ws.split();
     // Bounded by count; lanes wait for room, and pings are only offered.
     let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
     // Unbounded by count: `Budget` bounds the bytes of the events and answers in it.
     let (job_tx, job_rx) = smol::channel::unbounded::<Job>();
-    let (room_tx, room_rx) = smol::channel::bounded::<()>(1);
-    let budget = Budget {
-        queued: Arc::new(AtomicUsize::new(0)),
-        room: room_tx,
-    };
-    let mut writer = runtime::spawn(async move {
-        while let Ok((frame, held)) = out_rx.recv().await {
-            let send = async {
-                let sent = sink.send(Message::Binary(frame.encode().into())).await;
-                sent.map_err(|e| e.to_string())
-            };
-            let late = async {
-                smol::Timer::after(WRITE_DEADLINE).await;
-                Err(format!(
-                    "nothing could be written for {}: the server is not reading",
-                    crate::config::fmt_duration(WRITE_DEADLINE)
-                ))
-            };
-            if let Err(why) = send.or(late).await {
-                return why;
-            }
-            // Written: the event's bytes are free for the next one.
-            drop(held);
-        }
-        "the writer's queue closed".to_string()
-    });
+    let (budget, room_rx) = Budget::new(QUEUED_BYTES);
+    let mut writer = socket::writer(sink, out_rx);
     let _worker = runtime::spawn(worker(feishu.clone(), app.to_string(), job_rx, out_tx.clone()));
     let mut reassembly = Reassembly::default();
     let mut bad_frames = Quiet::new();
@@ -360,7 +288,7 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
                 // Offered, not awaited: a queue full of answers means the server is not
                 // reading, and the writer's deadline ends the connection.
                 if let Err(smol::channel::TrySendError::Closed(_)) =
-                    out_tx.try_send((longconn::ping(ep.service_id), None))
+                    out_tx.try_send((binary(&longconn::ping(ep.service_id)), None))
                 {
                     return "the writer stopped".into();
                 }
@@ -389,7 +317,7 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
         match reassembly.receive(frame, now) {
             Received::Pong(update) => *config = config.updated(update),
             Received::Event { payload, answer, .. } => {
-                let held = budget.take(Budget::cost(&payload, &answer));
+                let held = budget.take(cost(&payload, &answer));
                 if job_tx.send((payload, answer, now, held)).await.is_err() {
                     return "the event worker stopped".into();
                 }
@@ -409,7 +337,7 @@ async fn worker(
     jobs: smol::channel::Receiver<Job>,
     out: smol::channel::Sender<Out>,
 ) {
-    let mut lanes: HashMap<String, smol::channel::Sender<Parsed>> = HashMap::new();
+    let mut lanes = Lanes::new(move |batch: Vec<Parsed>| lane(feishu.clone(), app.clone(), out.clone(), batch));
     while let Ok((payload, answer, arrived, held)) = jobs.recv().await {
         // Parsing a payload of up to 4 MiB is work for the pool, not the executor.
         let read = runtime::unblock(move || event::read(&payload)).await;
@@ -417,32 +345,7 @@ async fn worker(
             Ok(Event { message: Some(m), .. }) => m.chat_id.clone(),
             _ => String::new(),
         };
-        let key = lane_key(&lanes, chat);
-        let mut job = (read, answer, arrived, held);
-        loop {
-            let lane = lanes
-                .entry(key.clone())
-                .or_insert_with(|| start_lane(feishu.clone(), app.clone(), out.clone()));
-            match lane.try_send(job) {
-                // A lane is unbounded by count: the budget bounds the bytes of all of them.
-                Ok(()) | Err(smol::channel::TrySendError::Full(_)) => break,
-                // The lane closed itself after a quiet while: a new one takes the job.
-                Err(smol::channel::TrySendError::Closed(back)) => {
-                    lanes.remove(&key);
-                    job = back;
-                }
-            }
-        }
-        lanes.retain(|_, lane| !lane.is_closed());
-    }
-}
-
-/// The lane of `chat`: its own, while fewer than `MAX_LANES` chats have one; past that the
-/// newest chats share one lane.
-fn lane_key<V>(lanes: &HashMap<String, V>, chat: String) -> String {
-    match lanes.contains_key(&chat) || lanes.len() < MAX_LANES {
-        true => chat,
-        false => OVERFLOW_LANE.to_string(),
+        lanes.route(chat, (read, answer, arrived, held));
     }
 }
 
@@ -450,100 +353,33 @@ fn lane_key<V>(lanes: &HashMap<String, V>, chat: String) -> String {
 /// the budget.
 type Parsed = (Result<Event, event::Unreadable>, Frame, Instant, Held);
 
-/// At most this many chats have a lane of their own at once.
-const MAX_LANES: usize = 32;
-const OVERFLOW_LANE: &str = "*";
-/// A lane with nothing to do for this long ends (a new event starts it again).
-const LANE_IDLE: Duration = Duration::from_secs(60);
-
-/// The lane's next events: whatever waits, up to `max`, once there is one. `None` when the lane
-/// should end: nothing came for `idle` (the channel is then closed, so a sender gets its event
-/// back and starts a new lane), or every sender is gone.
-async fn next_batch<T>(rx: &smol::channel::Receiver<T>, idle: Duration, max: usize) -> Option<Vec<T>> {
-    let next = async { rx.recv().await.ok() }
-        .or(async {
-            smol::Timer::after(idle).await;
-            None
-        })
-        .await;
-    let first = match next {
-        Some(job) => job,
-        None => {
-            // Closed first, so no event slips in behind the last look.
-            rx.close();
-            rx.try_recv().ok()?
-        }
-    };
-    let mut batch = vec![first];
-    while batch.len() < max {
-        match rx.try_recv() {
-            Ok(job) => batch.push(job),
-            Err(_) => break,
-        }
-    }
-    Some(batch)
+/// A frame as the WebSocket carries it.
+fn binary(frame: &Frame) -> Message {
+    Message::Binary(frame.encode().into())
 }
 
-/// One chat's lane: its events in order, in batches of what is waiting (their commits
-/// shared), each answered after its commit returned; the answer carries the event's share of
-/// the budget to the writer.
-fn start_lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Out>) -> smol::channel::Sender<Parsed> {
-    let (tx, rx) = smol::channel::unbounded::<Parsed>();
-    runtime::spawn(async move {
-        while let Some(batch) = next_batch(&rx, LANE_IDLE, LANE_BATCH).await {
-            let Some(f) = feishu.upgrade() else { return };
-            let app = app.clone();
-            let (reads, rest): (Vec<_>, Vec<_>) = batch
-                .into_iter()
-                .map(|(read, answer, arrived, held)| (read, (answer, arrived, held)))
-                .unzip();
-            let outcomes = runtime::unblock(move || f.accept(&app, reads)).await;
-            for ((answer, arrived, held), stored) in rest.into_iter().zip(outcomes) {
-                let frame = longconn::respond(answer, stored, arrived.elapsed());
-                if out.send((frame, Some(held))).await.is_err() {
-                    return;
-                }
-            }
+/// A batch of one chat's events, in order (their commits shared), each answered after its
+/// commit returned; the answer carries the event's share of the budget to the writer. False
+/// when the connection is gone.
+async fn lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Out>, batch: Vec<Parsed>) -> bool {
+    let Some(f) = feishu.upgrade() else { return false };
+    let (reads, rest): (Vec<_>, Vec<_>) = batch
+        .into_iter()
+        .map(|(read, answer, arrived, held)| (read, (answer, arrived, held)))
+        .unzip();
+    let outcomes = runtime::unblock(move || f.accept(&app, reads)).await;
+    for ((answer, arrived, held), stored) in rest.into_iter().zip(outcomes) {
+        let frame = longconn::respond(answer, stored, arrived.elapsed());
+        if out.send((binary(&frame), Some(held))).await.is_err() {
+            return false;
         }
-    })
-    .detach();
-    tx
+    }
+    true
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_lane_takes_what_waits_in_batches_and_closes_when_idle_handing_late_events_back() {
-        let (tx, rx) = smol::channel::unbounded::<u32>();
-        for i in 0..5 {
-            tx.try_send(i).unwrap();
-        }
-        let idle = Duration::from_millis(50);
-        smol::block_on(async {
-            assert_eq!(next_batch(&rx, idle, 3).await, Some(vec![0, 1, 2]), "at most `max`");
-            assert_eq!(
-                next_batch(&rx, idle, 3).await,
-                Some(vec![3, 4]),
-                "then the rest, in order"
-            );
-            assert_eq!(next_batch(&rx, idle, 3).await, None, "idle: the lane ends");
-        });
-        match tx.try_send(9) {
-            Err(smol::channel::TrySendError::Closed(back)) => assert_eq!(back, 9, "the sender gets it back"),
-            other => panic!("an ended lane took an event: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn past_the_lane_cap_new_chats_share_one_lane_and_known_chats_keep_theirs() {
-        let mut lanes: HashMap<String, ()> = (0..MAX_LANES - 1).map(|i| (format!("oc_{i}"), ())).collect();
-        assert_eq!(lane_key(&lanes, "oc_new".into()), "oc_new", "a lane is free");
-        lanes.insert("oc_new".into(), ());
-        assert_eq!(lane_key(&lanes, "oc_later".into()), OVERFLOW_LANE);
-        assert_eq!(lane_key(&lanes, "oc_3".into()), "oc_3");
-    }
 
     #[test]
     fn drops_in_a_row_wait_longer_up_to_the_reconnect_interval() {
