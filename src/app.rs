@@ -57,6 +57,7 @@ impl App {
             db,
             config,
             state_changed: OnceLock::new(),
+            unbound: Default::default(),
         });
         let connector_id = host.channels.connector_id()?;
         let hub = Arc::new(Hub::default());

@@ -19,6 +19,12 @@ pub mod front {
     pub use crate::front::{conn, head, LIMITS};
 }
 
+/// Slack's Socket Mode frames and message events, and its markup made readable.
+#[cfg(feature = "slack")]
+pub mod slack {
+    pub use crate::providers::slack::event;
+}
+
 /// Feishu/Lark's long connection: its frame, its protocol, its event payload.
 pub mod feishu {
     pub use crate::providers::feishu::{event, frame::Frame, longconn};

@@ -432,3 +432,104 @@ fn wechat_bot_idle_beside_a_webhook() {
         println!("{kind:<8} {wakes:>16.2} {polls:>22} {threads:>8} {hwm:>12}");
     }
 }
+
+/// Idle cost of one bound Slack bot (its Socket Mode socket to the simulator) beside a bound
+/// webhook channel, and the peak RSS while a catch-up of 1,000 messages (posted while imgate was
+/// stopped) runs beside webhook load, side by side with the webhook alone under the same load.
+#[test]
+#[ignore = "budgets: cross/budgets.sh"]
+fn slack_bot_idle_and_a_catch_up_beside_webhooks() {
+    use common::slack::SlackSim;
+    const N: usize = 1000;
+    const CHAN: &str = "C0BUDGET1";
+    let text = "a message of a busy channel, about two hundred bytes long, as people write them: ".repeat(2);
+    let mut rows = Vec::new();
+    for kind in ["webhook", "slack"] {
+        let sim = SlackSim::start();
+        sim.add_app("xoxb-budget", "xapp-budget", "U0BUDGET1", "B0BUDGET1");
+        sim.add_user("U0PEOPLE1", "Ann");
+        sim.add_channel(CHAN, "budget", "channel", &["U0BUDGET1", "U0PEOPLE1"]);
+        let dir = temp_dir(&format!("budgets-sl-{kind}"));
+        let extra = format!("[slack]\napi_base = {}\n", sim.base);
+        let conf = config_text(free_port(), &dir, None, &extra).replace("log_level = debug", "log_level = info");
+        let mut d = Daemon::start_env(&dir, &conf, "warn", &[]);
+        let mut x = d.xagent();
+        x.hello("");
+        let (hook, _) = x.open(None);
+        x.bind_webhook(&hook, "alerts", HOOK_SECRET);
+        let mut channels = vec![hook];
+        if kind == "slack" {
+            let (cch, _) = x.open(None);
+            let input = serde_json::json!({"bot_token": "xoxb-budget", "app_token": "xapp-budget", "channel_id": CHAN});
+            let a = x.request(
+                "auth.start",
+                Some(&cch),
+                serde_json::json!({"flow_id": "slack_app_binding", "input": input}),
+            );
+            assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+            assert!(sim.wait_connected("xapp-budget", 1, Duration::from_secs(10)));
+            channels.push(cch);
+        }
+        let settle = Instant::now();
+        while settle.elapsed() < Duration::from_secs(10) {
+            x.recv_within(Duration::from_millis(500));
+        }
+        let (before, from) = (wakeups(d.pid()), Instant::now());
+        while from.elapsed() < Duration::from_secs(30) {
+            x.recv_within(Duration::from_millis(500));
+        }
+        let wakes = (wakeups(d.pid()) - before) as f64 / from.elapsed().as_secs_f64();
+        let threads = proc_field(d.pid(), "status", "Threads:");
+        let connector = d.connector_id();
+        x.close();
+        d.signal("TERM");
+        assert!(d.wait_exit(Duration::from_secs(20)).is_some());
+        if kind == "slack" {
+            for i in 0..N {
+                sim.post(CHAN, "U0PEOPLE1", &format!("{i} {text}"), None);
+            }
+        }
+        let d = d.restart();
+        let mut x = d.xagent();
+        x.hello(&connector);
+        for cch in &channels {
+            x.open(Some(cch));
+        }
+        let started = Instant::now();
+        let load = {
+            let url = d.url("/hooks/alerts");
+            let text = text.clone();
+            std::thread::spawn(move || {
+                let agent = load_agent();
+                for i in 0..N {
+                    let body =
+                        serde_json::json!({"message_id": format!("load-{i}"), "sender_id": "bench", "text": text});
+                    let r = agent
+                        .post(&url)
+                        .header("Authorization", &format!("Bearer {HOOK_SECRET}"))
+                        .send(body.to_string())
+                        .expect("POST");
+                    assert_eq!(r.status().as_u16(), 202);
+                }
+            })
+        };
+        let want = if kind == "slack" { 2 * N } else { N };
+        let mut pushed = 0;
+        while pushed < want {
+            x.next_push(Duration::from_secs(60)).expect("every message is pushed");
+            pushed += 1;
+        }
+        load.join().unwrap();
+        rows.push((kind, wakes, threads, started.elapsed(), hwm_kib(d.pid())));
+    }
+    println!(
+        "{:<8} {:>16} {:>13} {:>34} {:>12}",
+        "bound", "wake-ups/s idle", "idle threads", "1,000 webhook + catch-up pushed in", "VmHWM KiB"
+    );
+    for (kind, wakes, threads, took, hwm) in rows {
+        println!(
+            "{kind:<8} {wakes:>16.2} {threads:>13} {:>31.1} s {hwm:>12}",
+            took.as_secs_f64()
+        );
+    }
+}

@@ -446,6 +446,11 @@ fn events_from_unbound_chats_and_unreadable_events_are_counted_not_stored() {
     let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
     assert!(metrics.contains("imgate_feishu_unbound_events_total 1"), "{metrics}");
     assert!(metrics.contains("imgate_feishu_unreadable_events_total 1"), "{metrics}");
+    let status = get_json(&d.url("/status"));
+    assert_eq!(
+        status["unbound_recent"][0]["conversation_id"], "oc_notbound",
+        "listed so the owner can find the ID to bind: {status}"
+    );
 }
 
 #[test]

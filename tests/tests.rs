@@ -14,6 +14,7 @@ mod limits;
 mod outbox;
 mod secrets;
 mod service;
+mod slack;
 mod telegram;
 mod tls;
 mod uploads;

@@ -31,14 +31,16 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
                 .unwrap_or_default(),
             None => SourceStats::default(),
         };
-        // A binding whose sign-in the IM system ended shows as its provider describes it.
-        let expired = rec
+        // A binding whose sign-in the IM system ended, or that its IM system refuses, shows as
+        // its provider describes it.
+        let described = rec
             .source()
             .and_then(|src| app.providers.of(&src)?.describe(&src).ok())
-            .is_some_and(|d| d.status == "expired");
+            .map(|d| d.status);
         let status = match (&rec.source, app.hub.is_open(&cch)) {
             (None, _) => "created",
-            (Some(_), _) if expired => "expired",
+            (Some(_), _) if described == Some("expired") => "expired",
+            (Some(_), _) if described == Some("error") => "error",
             (Some(_), true) => "connected",
             (Some(_), false) => "offline",
         };
@@ -116,6 +118,24 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
                 ("lease_ms", n(app.config.xagent.lease.as_millis() as u64)),
                 ("channels_unregistered", n(app.channels.lease_unregistered()?)),
             ]),
+        ),
+        (
+            "unbound_recent",
+            arr(app
+                .unbound
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .rev()
+                .map(|u| {
+                    obj([
+                        ("provider", s(u.provider)),
+                        ("conversation_id", s(&u.conversation)),
+                        ("kind", s(u.kind)),
+                        ("last_seen", n(u.last_seen)),
+                    ])
+                })
+                .collect::<Vec<_>>()),
         ),
         (
             "unbound",

@@ -14,14 +14,17 @@ pub mod feishu;
 pub mod inbound;
 pub mod intake;
 pub mod keyfiles;
+#[cfg(feature = "slack")]
+pub mod slack;
 pub mod socket;
 pub mod telegram;
 pub mod webhook;
 pub mod wechat;
 pub mod workers;
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::channels::Channels;
@@ -41,6 +44,8 @@ pub const REGISTRATIONS: &[Registration] = &[
     telegram::REGISTRATION,
     feishu::REGISTRATION,
     wechat::REGISTRATION,
+    #[cfg(feature = "slack")]
+    slack::REGISTRATION,
 ];
 
 /// One provider's entry: how it reads the config, how it starts.
@@ -68,7 +73,25 @@ pub struct Host {
     /// Told when a binding's state changed at its IM system (a sign-in ended): the data plane
     /// pushes the channel's Descriptor. Set once by the data plane.
     pub state_changed: OnceLock<StateChanged>,
+    /// Conversations that wrote to a bound account and have no binding (`unbound_seen`).
+    pub unbound: Mutex<VecDeque<Unbound>>,
 }
+
+/// A conversation that wrote to a bound account without a binding of its own, as `/status`
+/// lists it (`unbound_recent`) so an owner can find the ID to bind.
+#[derive(Clone)]
+pub struct Unbound {
+    pub provider: &'static str,
+    /// The IM system's ID of the conversation (checked by the provider: letters, digits, `._-`).
+    pub conversation: String,
+    /// `channel`, `dm`, `group`...
+    pub kind: &'static str,
+    /// Unix ms.
+    pub last_seen: u64,
+}
+
+/// `/status` lists at most this many unbound conversations, the latest seen.
+const UNBOUND_RECENT: usize = 16;
 
 /// What `Host::binding_state_changed` calls.
 pub type StateChanged = Box<dyn Fn(&Source) + Send + Sync>;
@@ -79,6 +102,22 @@ impl Host {
         if let Some(tell) = self.state_changed.get() {
             tell(source);
         }
+    }
+
+    /// A conversation with no binding wrote to a bound account: listed (the latest
+    /// `UNBOUND_RECENT`), never stored.
+    pub fn unbound_seen(&self, provider: &'static str, conversation: &str, kind: &'static str) {
+        let mut recent = self.unbound.lock().unwrap_or_else(|e| e.into_inner());
+        recent.retain(|u| !(u.provider == provider && u.conversation == conversation));
+        if recent.len() >= UNBOUND_RECENT {
+            recent.pop_front();
+        }
+        recent.push_back(Unbound {
+            provider,
+            conversation: conversation.chars().take(64).collect(),
+            kind,
+            last_seen: crate::ids::now_ms(),
+        });
     }
 
     pub fn ttl_ms(&self) -> u64 {

@@ -9,6 +9,7 @@ pub mod feishu;
 pub mod ilink;
 #[path = "../../src/scratch.rs"]
 mod scratch;
+pub mod slack;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -297,6 +297,8 @@ impl Feishu {
             Ok(Some(_)) => {}
             Ok(None) => {
                 self.unbound_events.fetch_add(1, Ordering::Relaxed);
+                let kind = if inbound.chat_type == "p2p" { "dm" } else { "group" };
+                self.host.unbound_seen(NAME, &message.chat_id, kind);
                 log::debug!("feishu: app {app_id}: a message from a chat no channel is bound to");
                 return Handled::Answer(true);
             }

@@ -176,6 +176,12 @@ pub(super) fn accept(tg: &Telegram, token: &str, bot_id: u64, updates: &[Value])
             }
             Ok(None) => {
                 tg.unbound_updates.fetch_add(1, Ordering::Relaxed);
+                let kind = if message.inbound.chat_type == "p2p" {
+                    "dm"
+                } else {
+                    "group"
+                };
+                host.unbound_seen("telegram", &message.chat_id.to_string(), kind);
                 log::debug!("telegram: bot {}: update from a chat no channel is bound to", bot_id);
                 next = next.max(after);
                 continue;

@@ -1,0 +1,949 @@
+//! Slack: a Slack app's bot in a channel, a private channel, a DM or a group DM. Events come over
+//! Socket Mode, a WebSocket the app opens itself (`conn`), so imgate works behind NAT with no
+//! public URL; after every reconnect the channel's history fills what the socket missed
+//! (`catchup`); the tools answer through the Web API (`api`).
+//!
+//! Source key: `{bot_user_id}:{channel_id}` (the bot's user ID names the app in its
+//! workspace: one Socket Mode connection per bot, shared by its channels). A binding stores
+//! what it knows of the channel in its own table (`slack_channels`); the two tokens are kept
+//! in `state_dir/slack/{bot_user_id}.bot` and `.app` (mode 0600), never in the database, a
+//! packet or a log line, and forgotten with the bot's last binding.
+//!
+//! An envelope is acknowledged only after its message is committed (or found a duplicate, or
+//! is one imgate does not store): Slack delivers again whatever was not acknowledged within 3 s,
+//! and the outbox's message-ID dedupe (`CHANNEL:TS`) makes the second delivery a duplicate.
+//! Each channel's high-water `ts` is a `Cursor` moved with the messages it covers; the
+//! catch-up reads the history after it.
+
+pub mod api;
+pub mod catchup;
+pub mod conn;
+pub mod event;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use miniserde::{Deserialize, Serialize};
+use redb::TableDefinition;
+
+use self::api::{Api, ApiError};
+use self::event::{Message, SlackFile};
+use super::inbound::{self, FileItem, Inbound};
+use super::intake::{Arrival, Fetch, Intake, WhenStale};
+use super::keyfiles::KeyFiles;
+use super::{
+    field, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
+    Registration, Transient,
+};
+use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::json::{self, Object, Value};
+use crate::outbox::{Cursor, Enqueued, Ticket};
+use crate::protocol::code;
+use crate::protocol::descriptor::{Target, ToolState};
+use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use crate::quiet::Site;
+use crate::source::Source;
+use crate::store::{self, StoreError};
+
+const NAME: &str = "slack";
+/// source → `ChannelInfo` JSON.
+const SLACK_CHANNELS: TableDefinition<&str, &str> = TableDefinition::new("slack_channels");
+const FLOW: &str = "slack_app_binding";
+const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
+/// A text is split at this many characters: Slack documents 40,000, but answers `msg_too_long`
+/// well below that (about 4,000, its SDK maintainers report), and recommends 4,000.
+const MAX_TEXT: usize = 4_000;
+/// A tool call retries rate limits and 5xx answers for at most this long.
+const TOOL_DEADLINE: Duration = Duration::from_secs(20);
+/// A message's file is fetched for at most this long before the message goes on with a note.
+pub const FETCH_DEADLINE: Duration = Duration::from_secs(30);
+/// A user's display name is looked up for at most this long (else the redacted ID shows).
+const NAME_DEADLINE: Duration = Duration::from_secs(5);
+/// Display names kept, each for `NAME_TTL`.
+const NAMES: usize = 512;
+const NAME_TTL: Duration = Duration::from_secs(3600);
+/// Users of one message whose names are looked up (its sender and its first mentions).
+const MENTIONS: usize = 8;
+/// Event and message IDs of recently stored messages: a redelivery is acknowledged at once,
+/// without fetching its file again (the outbox's dedupe is what makes it a duplicate).
+const RECENT: usize = 256;
+/// Messages whose thread is known (a reply goes to the thread's parent, never to a reply).
+const THREADS: usize = 1024;
+
+pub const REGISTRATION: Registration = Registration {
+    reader: Reader {
+        provider: NAME,
+        section: "slack",
+        secrets: &[],
+        read,
+    },
+    start,
+};
+
+/// `[slack]`.
+#[derive(Clone)]
+pub struct SlackSettings {
+    pub api_base: String,
+}
+
+impl Settings for SlackSettings {
+    fn summary(&self) -> String {
+        format!("slack:             api_base {}\n", self.api_base)
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+    let section = sections.first()?;
+    let mut f = Fields::new(section, p, &[]);
+    let settings = SlackSettings {
+        api_base: f.url("api_base").unwrap_or_else(|| "https://slack.com/api".into()),
+    };
+    f.finish();
+    Some(Arc::new(settings))
+}
+
+fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
+    let Some(settings) = host.config.provider::<SlackSettings>(NAME).cloned() else {
+        return Ok(None);
+    };
+    host.db.write(|txn| {
+        txn.open_table(SLACK_CHANNELS)?;
+        Ok(())
+    })?;
+    Ok(Some(Arc::new_cyclic(|me| Slack {
+        me: me.clone(),
+        host: host.clone(),
+        api: Api::new(&settings.api_base),
+        conns: conn::Connections::default(),
+        recent: Mutex::default(),
+        names: Mutex::default(),
+        threads: Mutex::default(),
+        behind: Mutex::default(),
+        counts: Counts::default(),
+        full_log: Site::new(),
+    })))
+}
+
+/// What a binding knows about its bot and channel.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct ChannelInfo {
+    /// The bot's user ID (`U…`): the account, and how its own messages are told apart.
+    pub bot_user: String,
+    pub bot_id: String,
+    pub channel: String,
+    pub channel_name: String,
+    /// `p2p` (a DM) or `group`.
+    pub chat_type: String,
+}
+
+pub fn source_of(bot_user: &str, channel: &str) -> Source {
+    Source::new(NAME, &format!("{bot_user}:{channel}"))
+}
+
+/// The outbox cursor holding a channel's high-water `ts` (microseconds).
+fn high_water_key(source: &Source) -> String {
+    format!("slack_hw:{}", source.key())
+}
+
+/// Counters for `/metrics`.
+#[derive(Default)]
+struct Counts {
+    /// Messages from channels no channel is bound to (counted, not stored).
+    unbound: AtomicU64,
+    /// Edits, deletes, notices and the bot's own messages: acknowledged, not stored.
+    skipped: AtomicU64,
+    /// Messages stored by a catch-up (not by the socket).
+    caught_up: AtomicU64,
+}
+
+pub struct Slack {
+    me: Weak<Slack>,
+    host: Arc<Host>,
+    api: Api,
+    conns: conn::Connections,
+    /// (event ID, message ID) of recently stored messages.
+    recent: Mutex<VecDeque<(String, String)>>,
+    /// user ID → (display name, when looked up).
+    names: Mutex<HashMap<String, (String, Instant)>>,
+    /// message ID → its thread's parent ts, for replies.
+    threads: Mutex<VecDeque<(String, String)>>,
+    /// Channels whose history may hold messages not stored (the connection was down, a commit
+    /// failed): the `ts` their next catch-up reads from, and when one last ran. Their live
+    /// messages are stored without moving the high-water mark.
+    behind: Mutex<HashMap<Source, (u64, Option<Instant>)>>,
+    counts: Counts,
+    /// Messages refused by full caps (`reject_new`), logged once a minute.
+    full_log: Site,
+}
+
+/// The two tokens of one bot.
+#[derive(Clone)]
+pub struct Tokens {
+    pub bot: String,
+    pub app: String,
+}
+
+impl Slack {
+    fn token_files(&self, suffix: &'static str) -> KeyFiles {
+        KeyFiles {
+            dir: self.host.config.server.state_dir.join("slack"),
+            prefix: "",
+            suffix,
+        }
+    }
+
+    /// The tokens of bot `bot_user`, while a binding keeps them.
+    pub fn tokens(&self, bot_user: &str) -> Option<Tokens> {
+        Some(Tokens {
+            bot: self.token_files(".bot").read(bot_user)?,
+            app: self.token_files(".app").read(bot_user)?,
+        })
+    }
+
+    fn channel_info(&self, source: &str) -> Result<Option<ChannelInfo>, StoreError> {
+        self.host.db.read(|txn| {
+            let Some(v) = txn.open_table(SLACK_CHANNELS)?.get(source)? else {
+                return Ok(None);
+            };
+            let info = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("slack channel"))?;
+            Ok(Some(info))
+        })
+    }
+
+    /// The binding of a source and its bot token.
+    fn route(&self, source: &Source) -> Result<(ChannelInfo, String), Failure> {
+        let info = self
+            .channel_info(source.as_str())
+            .map_err(Failure::storage)?
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the Slack binding is gone"))?;
+        let tokens = self
+            .tokens(&info.bot_user)
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bot's tokens are no longer available"))?;
+        Ok((info, tokens.bot))
+    }
+
+    /// The bound channels of bot `bot_user`.
+    pub fn channels_of(&self, bot_user: &str) -> Vec<(Source, ChannelInfo)> {
+        match self.host.channels.bound_sources() {
+            Ok(bound) => bound
+                .into_iter()
+                .filter(|s| s.provider() == NAME)
+                .filter_map(|s| self.channel_info(s.as_str()).ok().flatten().map(|i| (s, i)))
+                .filter(|(_, i)| i.bot_user == bot_user)
+                .collect(),
+            Err(e) => {
+                log::error!("slack: cannot read the bindings: {e}");
+                Vec::new()
+            }
+        }
+    }
+
+    /// A connection of `bot_user` said hello: every bound channel is read from its high-water
+    /// mark before its live messages move it again.
+    pub fn connected(&self, bot_user: &str) -> Vec<String> {
+        let channels = self.channels_of(bot_user);
+        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
+        for (source, _) in &channels {
+            let from = behind.get(source).map_or(u64::MAX, |b| b.0);
+            behind.insert(source.clone(), (from, None));
+        }
+        channels.into_iter().map(|(_, i)| i.channel).collect()
+    }
+
+    /// Handles messages of one channel of `bot_user`'s connection, in their order, on a
+    /// blocking thread: a catch-up first when the channel is behind (`catch_up`: run it even if
+    /// one ran lately), then each message handed to the outbox without waiting, then every
+    /// commit awaited, so a burst shares its commits. For each message: true when its envelope
+    /// may be acknowledged (stored, a duplicate, or nothing imgate stores), false to have Slack
+    /// deliver it again (the store failed or the queue is full).
+    pub fn accept(&self, bot_user: &str, channel: &str, catch_up: bool, messages: Vec<Message>) -> Vec<bool> {
+        let source = source_of(bot_user, channel);
+        let info = match self.channel_info(source.as_str()) {
+            Ok(Some(info)) => info,
+            Ok(None) => {
+                self.counts.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                if let Some(m) = messages.first() {
+                    let kind = if m.channel_type == "im" { "dm" } else { "group" };
+                    self.host.unbound_seen(NAME, channel, kind);
+                    log::debug!("slack: bot {bot_user}: a message from a channel no channel is bound to");
+                }
+                return vec![true; messages.len()];
+            }
+            Err(e) => {
+                log::debug!("slack: {source}: cannot read the binding: {e}");
+                return vec![false; messages.len()];
+            }
+        };
+        if catch_up || self.catch_up_due(&source) {
+            catchup::run(self, &source, &info);
+        }
+        let moves_cursor = !self
+            .behind
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&source);
+        let handled: Vec<Handled> = messages
+            .into_iter()
+            .map(|m| self.prepare(&source, &info, m, moves_cursor, WhenStale::CountExpired))
+            .collect();
+        handled.into_iter().map(|h| self.finish(&source, h)).collect()
+    }
+
+    /// Whether a channel that is behind should be caught up now (at most every 30 s).
+    fn catch_up_due(&self, source: &Source) -> bool {
+        let behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
+        behind
+            .get(source)
+            .is_some_and(|(_, last)| last.is_none_or(|t| t.elapsed() > Duration::from_secs(30)))
+    }
+
+    /// One message up to its hand-over to the outbox. `cursor`: its commit moves the channel's
+    /// high-water mark to it.
+    fn prepare(&self, source: &Source, info: &ChannelInfo, m: Message, cursor: bool, stale: WhenStale) -> Handled {
+        if m.user == info.bot_user || m.bot_id.as_deref() == Some(info.bot_id.as_str()) {
+            // The bot's own messages come back as events: never pushed to the agent.
+            self.counts.skipped.fetch_add(1, Ordering::Relaxed);
+            return Handled::Answer(true);
+        }
+        let message_id = m.message_id_in(&info.channel);
+        self.remember_thread(&message_id, m.thread());
+        if self.was_stored(&m.event_id, &message_id) {
+            return Handled::Answer(true);
+        }
+        let tokens = self.tokens(&info.bot_user);
+        let bot_token = tokens.as_ref().map(|t| t.bot.as_str()).unwrap_or_default();
+        let names = self.names_of(bot_token, &m);
+        let name_of = |u: &str| names.iter().find(|(id, _)| id == u).map(|(_, n)| n.clone());
+        let ts = event::ts_micros(&m.ts).unwrap_or_default();
+        let message_type = m.file.as_ref().map_or("text", |f| crate::files::kind_of(&f.mimetype));
+        let inbound = Inbound {
+            message_id: message_id.clone(),
+            sender_id: m.user.clone(),
+            sender_name: name_of(&m.user),
+            chat_id: Some(info.channel.clone()),
+            chat_type: info.chat_type.clone(),
+            message_type: message_type.to_string(),
+            text: event::readable(&m.text, name_of),
+            event_time: Some(ts / 1000),
+            files: None,
+        };
+        let arrival = Arrival {
+            source: source.clone(),
+            file: m.file.clone().map(|file| Fetch {
+                kind: crate::files::kind_of(&file.mimetype).to_string(),
+                // The file's URL needs the bot token; our file cache does not.
+                fetch: Box::new(move || self.fetch(bot_token, &file, source)),
+            }),
+            inbound,
+            reply_ref: true,
+            cursors: match cursor {
+                true => vec![Cursor::Forward(high_water_key(source), ts)],
+                false => Vec::new(),
+            },
+            when_stale: stale,
+        };
+        match self.host.intake(arrival) {
+            // Older than the TTL: counted expired, never pushed.
+            Intake::Stale => Handled::Answer(true),
+            Intake::Submitted(ticket) => Handled::Commit(ticket, m.event_id, message_id, m.ts),
+        }
+    }
+
+    /// Waits for a prepared message's commit: whether its envelope may be acknowledged. A
+    /// message not stored leaves its channel behind, from just before it.
+    fn finish(&self, source: &Source, h: Handled) -> bool {
+        let (ticket, event_id, message_id, ts) = match h {
+            Handled::Answer(done) => return done,
+            Handled::Commit(ticket, event_id, message_id, ts) => (ticket, event_id, message_id, ts),
+        };
+        let refused = match ticket.wait() {
+            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
+                self.stored(event_id, message_id);
+                return true;
+            }
+            Ok(Enqueued::CapacityExceeded) => {
+                if let Some(more) = self.full_log.admit() {
+                    log::warn!("slack: {source}: queue full; the message is read again from the history later{more}");
+                }
+                "queue full"
+            }
+            Err(e) => {
+                log::debug!("slack: {source}: cannot store a message: {e}");
+                "store failed"
+            }
+        };
+        log::debug!("slack: {source}: a message not stored ({refused}); the channel is behind");
+        let from = event::ts_micros(&ts).unwrap_or(1).saturating_sub(1);
+        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = behind.entry(source.clone()).or_insert((from, Some(Instant::now())));
+        entry.0 = entry.0.min(from);
+        false
+    }
+
+    /// Whether this event, or another delivery of its message, was stored lately.
+    fn was_stored(&self, event_id: &str, message_id: &str) -> bool {
+        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        recent
+            .iter()
+            .any(|(e, m)| m == message_id || (!event_id.is_empty() && e == event_id))
+    }
+
+    fn stored(&self, event_id: String, message_id: String) {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() >= RECENT {
+            recent.pop_front();
+        }
+        recent.push_back((event_id, message_id));
+    }
+
+    fn remember_thread(&self, message_id: &str, thread: &str) {
+        let mut threads = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        if threads.iter().any(|(m, _)| m == message_id) {
+            return;
+        }
+        if threads.len() >= THREADS {
+            threads.pop_front();
+        }
+        threads.push_back((message_id.to_string(), thread.to_string()));
+    }
+
+    /// The display names of a message's sender and first mentions, from the cache or
+    /// `users.info` (each lookup short; a failed one shows the redacted ID).
+    fn names_of(&self, bot_token: &str, m: &Message) -> Vec<(String, String)> {
+        let mut users = vec![m.user.clone()];
+        for u in event::mentioned(&m.text, MENTIONS) {
+            if !users.contains(&u) {
+                users.push(u);
+            }
+        }
+        users
+            .into_iter()
+            .filter(|u| event::safe_id(u, 64))
+            .filter_map(|u| self.name_of(bot_token, &u).map(|n| (u, n)))
+            .collect()
+    }
+
+    fn name_of(&self, bot_token: &str, user: &str) -> Option<String> {
+        {
+            let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((name, at)) = names.get(user).filter(|(_, at)| at.elapsed() < NAME_TTL) {
+                let _ = at;
+                return Some(name.clone());
+            }
+        }
+        if bot_token.is_empty() {
+            return None;
+        }
+        let answer = self.api.call(bot_token, "users.info", &[("user", user)], NAME_DEADLINE);
+        let name = match answer {
+            Ok(o) => json::get_obj(&o, "user").and_then(display_name)?,
+            Err(e) => {
+                log::debug!("slack: no display name for a user: {e}");
+                return None;
+            }
+        };
+        let mut names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        if names.len() >= NAMES {
+            names.retain(|_, (_, at)| at.elapsed() < NAME_TTL);
+            if names.len() >= NAMES {
+                names.clear();
+            }
+        }
+        names.insert(user.to_string(), (name.clone(), Instant::now()));
+        Some(name)
+    }
+
+    /// A message's file, with the bot token, into the file cache.
+    fn fetch(&self, bot_token: &str, file: &SlackFile, source: &Source) -> Result<FileItem, String> {
+        if bot_token.is_empty() {
+            return Err("the bot token is no longer available".into());
+        }
+        let files = &self.host.files;
+        let deadline = Instant::now() + FETCH_DEADLINE;
+        // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
+        let (part, content_type) = with_retry("slack: file download", deadline, |left| {
+            let mut part = files.begin(source.as_str(), "in").map_err(ApiError::cache)?;
+            let content_type = self.api.download(bot_token, &file.url, &mut part, left)?;
+            Ok::<_, ApiError>((part, content_type))
+        })
+        .map_err(|e| e.to_string())?;
+        let served = content_type
+            .as_deref()
+            .map(|c| c.split(';').next().unwrap_or_default().trim().to_string())
+            .filter(|c| c.contains('/') && !c.starts_with("application/octet-stream"));
+        let mime = served.unwrap_or_else(|| file.mimetype.clone());
+        let (file_ref, rec) = files.commit(part, &file.name, &mime).map_err(|e| e.to_string())?;
+        Ok(FileItem::cached(file_ref, rec))
+    }
+
+    /// The thread a reply to `message_id` goes to: the parent of its thread, from what this
+    /// process saw, else from `conversations.replies`, else the message itself.
+    fn thread_of(&self, bot_token: &str, channel: &str, ts: &str, message_id: &str, deadline: Instant) -> String {
+        let known = self.threads.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, thread)) = known.iter().find(|(m, _)| m == message_id) {
+            return thread.clone();
+        }
+        drop(known);
+        let left = deadline.saturating_duration_since(Instant::now()).min(NAME_DEADLINE);
+        let params = [("channel", channel), ("ts", ts), ("limit", "1")];
+        match self.api.call(bot_token, "conversations.replies", &params, left) {
+            Ok(o) => match json::get(&o, "messages") {
+                Some(Value::Array(list)) => list
+                    .iter()
+                    .filter_map(json::as_object)
+                    .find_map(|m| json::get_str(m, "thread_ts").or_else(|| json::get_str(m, "ts")))
+                    .filter(|t| event::ts_micros(t).is_some())
+                    .unwrap_or(ts)
+                    .to_string(),
+                _ => ts.to_string(),
+            },
+            Err(e) => {
+                log::debug!("slack: the thread of a message is not known ({e}); replying to the message itself");
+                ts.to_string()
+            }
+        }
+    }
+
+    /// One `chat.postMessage`; the new message's ts.
+    fn post(
+        &self,
+        bot_token: &str,
+        channel: &str,
+        text: &str,
+        thread: Option<&str>,
+        deadline: Instant,
+    ) -> Result<String, Failure> {
+        let mut params = vec![("channel", channel), ("text", text)];
+        if let Some(t) = thread {
+            params.push(("thread_ts", t));
+        }
+        let sent = with_retry("slack: send", deadline, |left| {
+            self.api.call(bot_token, "chat.postMessage", &params, left)
+        })
+        .map_err(|e| refusal(&e))?;
+        Ok(json::get_str(&sent, "ts").unwrap_or_default().to_string())
+    }
+
+    /// One file: an upload URL, the bytes, then the upload completed into the channel (with
+    /// `comment` as its message); the file's ID.
+    fn send_file(
+        &self,
+        bot_token: &str,
+        channel: &str,
+        file: &(crate::files::FileRecord, std::path::PathBuf),
+        comment: Option<&str>,
+        thread: Option<&str>,
+        deadline: Instant,
+    ) -> Result<String, Failure> {
+        let (rec, path) = file;
+        let length = rec.byte_size.to_string();
+        let params = [("filename", rec.filename.as_str()), ("length", length.as_str())];
+        let slot = with_retry("slack: upload URL", deadline, |left| {
+            self.api.call(bot_token, "files.getUploadURLExternal", &params, left)
+        })
+        .map_err(|e| refusal(&e))?;
+        let (Some(url), Some(file_id)) = (json::get_str(&slot, "upload_url"), json::get_str(&slot, "file_id")) else {
+            return Err(Failure::new(
+                code::UPSTREAM_REJECTED,
+                "the upload URL answer is incomplete",
+            ));
+        };
+        let (url, file_id) = (url.to_string(), file_id.to_string());
+        with_retry("slack: upload", deadline, |left| {
+            let bytes = std::fs::File::open(path)
+                .map_err(|e| ApiError::cache(crate::files::FileError::Storage(e.to_string())))?;
+            self.api.upload(&url, &bytes, left)
+        })
+        .map_err(|e| refusal(&e))?;
+        let files = json::to_string(&json::arr([json::obj([
+            ("id", json::s(&file_id)),
+            ("title", json::s(&rec.filename)),
+        ])]));
+        let mut params = vec![("files", files.as_str()), ("channel_id", channel)];
+        if let Some(c) = comment.filter(|c| !c.is_empty()) {
+            params.push(("initial_comment", c));
+        }
+        if let Some(t) = thread {
+            params.push(("thread_ts", t));
+        }
+        with_retry("slack: upload complete", deadline, |left| {
+            self.api.call(bot_token, "files.completeUploadExternal", &params, left)
+        })
+        .map_err(|e| refusal(&e))?;
+        Ok(file_id)
+    }
+
+    /// The bound bots, and their channels.
+    fn bound_bots(&self, bound: &[Source]) -> Vec<String> {
+        let mut bots: Vec<String> = bound
+            .iter()
+            .filter(|s| s.provider() == NAME)
+            .filter_map(|s| match self.channel_info(s.as_str()) {
+                Ok(info) => info.map(|i| i.bot_user),
+                Err(e) => {
+                    log::error!("slack: cannot read the binding of {s}: {e}");
+                    None
+                }
+            })
+            .collect();
+        bots.sort();
+        bots.dedup();
+        bots
+    }
+}
+
+/// One message after `prepare`: its answer, or the commit to wait for first (with its event
+/// ID, message ID and ts).
+enum Handled {
+    Answer(bool),
+    Commit(Ticket, String, String, String),
+}
+
+/// A user's name as Slack shows it: the display name, else the real name, else the handle.
+fn display_name(user: &Object) -> Option<String> {
+    fn pick<'a>(o: Option<&'a Object>, k: &str) -> Option<&'a str> {
+        o.and_then(|o| json::get_str(o, k)).filter(|n| !n.trim().is_empty())
+    }
+    let profile = json::get_obj(user, "profile");
+    let name = pick(profile, "display_name")
+        .or_else(|| pick(profile, "real_name"))
+        .or_else(|| pick(Some(user), "real_name"))
+        .or_else(|| pick(Some(user), "name"))?;
+    Some(name.chars().take(80).collect())
+}
+
+/// A Web API refusal as a tool's failure, with what the owner can do about it.
+fn refusal(e: &ApiError) -> Failure {
+    let refused = |why: String| Failure::new(code::UPSTREAM_REJECTED, why);
+    match e.error.as_str() {
+        "not_in_channel" | "channel_not_found" => {
+            refused("the bot is not in this channel any more: invite it again".into())
+        }
+        "missing_scope" => refused(e.to_string()),
+        _ if e.bad_token() => Failure::new(
+            code::CONNECTION_NOT_AUTHENTICATED,
+            format!("Slack refused the bot token ({}): bind the channel again", e.error),
+        ),
+        _ => Failure::upstream(e),
+    }
+}
+
+/// What a binding check met, as the reason the form shows.
+fn bind_failure(what: &str, e: &ApiError) -> Failure {
+    let refused = |why: String| Failure::new(code::CONNECTION_NOT_AUTHENTICATED, why);
+    if e.temporary() {
+        return Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the {what}: {e}"));
+    }
+    match (what, e.error.as_str()) {
+        (_, "missing_scope") => refused(format!(
+            "the app lacks the scope {} (add it under OAuth & Permissions, reinstall the app, then bind again)",
+            e.needed.as_deref().unwrap_or("the check needs")
+        )),
+        ("bot token", _) => refused(format!(
+            "Slack rejected the bot token ({}): it looks like xoxb-...",
+            e.error
+        )),
+        ("app token", "not_allowed_token_type") => refused(
+            "the app token is not an app-level token: create one with the connections:write scope (xapp-...)".into(),
+        ),
+        ("app token", "invalid_auth" | "not_authed" | "token_revoked") => {
+            refused(format!("Slack rejected the app token ({})", e.error))
+        }
+        ("app token", other) => refused(format!(
+            "Slack refused a Socket Mode connection ({other}): turn on Socket Mode in the app's settings"
+        )),
+        (_, "channel_not_found") => refused("Slack does not know this channel, or the bot cannot see it".into()),
+        (_, "not_in_channel") => {
+            refused("the bot is not in this channel: invite it (/invite @your-app), then bind again".into())
+        }
+        (_, other) => refused(format!("Slack refused the {what} check ({other})")),
+    }
+}
+
+const DECLARATION: Declaration = Declaration {
+    name: NAME,
+    label: "Slack",
+    description: "A Slack app's bot in a channel, a private channel or a DM, over Socket Mode.",
+    flow_ids: &[FLOW],
+    tools: TOOLS,
+};
+
+fn flow() -> Value {
+    let fields = vec![
+        field(
+            "bot_token",
+            "Bot token",
+            Input::Secret,
+            true,
+            Some("xoxb-..."),
+            "The app's Bot User OAuth Token (OAuth & Permissions).",
+        ),
+        field(
+            "app_token",
+            "App-level token",
+            Input::Secret,
+            true,
+            Some("xapp-..."),
+            "An app-level token with the connections:write scope (Basic Information), with Socket Mode on.",
+        ),
+        field(
+            "channel_id",
+            "Channel ID",
+            Input::Text,
+            true,
+            Some("C0123456789"),
+            "Invite the bot to the channel, then enter its ID (channel details, at the bottom).",
+        ),
+    ];
+    let description = "Bind this channel to one Slack channel or DM of an app's bot; events arrive over Socket Mode.";
+    super::flow(FLOW, "form", "Bind a Slack channel", description, fields)
+}
+
+/// A token as Slack issues them: its prefix, then letters, digits and `-`.
+fn token_shaped(token: &str, prefix: &str) -> bool {
+    token.starts_with(prefix) && token.len() <= 512 && token.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+impl Slack {
+    /// Its form flow: the source the filled-in form names, checked.
+    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+        let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
+        let (bot_token, app_token, channel) = (given("bot_token"), given("app_token"), given("channel_id"));
+        let invalid = |why: &str| Err(Failure::new(code::INVALID_ARGUMENTS, why.to_string()));
+        if !token_shaped(bot_token, "xoxb-") {
+            return invalid("bot_token must be a bot token (xoxb-...)");
+        }
+        if !token_shaped(app_token, "xapp-") {
+            return invalid("app_token must be an app-level token (xapp-...)");
+        }
+        if !event::safe_id(channel, 32) || !channel.starts_with(['C', 'G', 'D']) {
+            return invalid("channel_id must be a channel ID like C0123456789");
+        }
+        let deadline = || TOOL_DEADLINE;
+        let me = self
+            .api
+            .call(bot_token, "auth.test", &[], deadline())
+            .map_err(|e| bind_failure("bot token", &e))?;
+        let id = |o: &Object, k: &str| {
+            json::get_str(o, k)
+                .filter(|v| event::safe_id(v, 64))
+                .map(str::to_string)
+        };
+        let (Some(bot_user), Some(bot_id)) = (id(&me, "user_id"), id(&me, "bot_id")) else {
+            return invalid("the bot token is not a bot's token (auth.test names no bot): use the xoxb- token");
+        };
+        // The URL is valid once and is not used: the check is that Slack gives one.
+        self.api
+            .call(app_token, "apps.connections.open", &[], deadline())
+            .map_err(|e| bind_failure("app token", &e))?;
+        let found = self
+            .api
+            .call(bot_token, "conversations.info", &[("channel", channel)], deadline())
+            .map_err(|e| bind_failure("channel", &e))?;
+        let info = json::get_obj(&found, "channel").cloned().unwrap_or_default();
+        let flag = |k: &str| matches!(info.get(k), Some(Value::Bool(true)));
+        let dm = flag("is_im");
+        if !dm && matches!(info.get("is_member"), Some(Value::Bool(false))) {
+            return Err(bind_failure(
+                "channel",
+                &ApiError {
+                    status: 400,
+                    error: "not_in_channel".into(),
+                    needed: None,
+                    retry_after: None,
+                    too_large: false,
+                },
+            ));
+        }
+        // The catch-up reads the history: check it can, and start from its newest message.
+        let newest = self
+            .api
+            .call(
+                bot_token,
+                "conversations.history",
+                &[("channel", channel), ("limit", "1")],
+                deadline(),
+            )
+            .map_err(|e| bind_failure("channel history", &e))?;
+        let newest = match json::get(&newest, "messages") {
+            Some(Value::Array(list)) => list
+                .iter()
+                .filter_map(json::as_object)
+                .filter_map(|m| json::get_str(m, "ts").and_then(event::ts_micros))
+                .max(),
+            _ => None,
+        };
+        let name = json::get_str(&info, "name").filter(|n| !n.is_empty() && !dm);
+        let source = source_of(&bot_user, channel);
+        let binding = ChannelInfo {
+            bot_user: bot_user.clone(),
+            bot_id,
+            channel: channel.to_string(),
+            channel_name: name.map_or_else(
+                || {
+                    if dm {
+                        "Slack DM".into()
+                    } else {
+                        inbound::redact(channel)
+                    }
+                },
+                |n| format!("#{}", n.chars().take(80).collect::<String>()),
+            ),
+            chat_type: if dm { "p2p" } else { "group" }.into(),
+        };
+        let stored = self
+            .token_files(".bot")
+            .store(&bot_user, bot_token)
+            .and_then(|_| self.token_files(".app").store(&bot_user, app_token));
+        stored.map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the tokens: {e}")))?;
+        // History from before the binding is never read: the mark starts at the channel's
+        // newest message (or now, for an empty one), and never moves back.
+        let from = newest.unwrap_or_else(|| crate::ids::now_ms().saturating_mul(1000));
+        self.host
+            .outbox
+            .move_cursors(&[Cursor::Forward(high_water_key(&source), from)])
+            .map_err(Failure::storage)?;
+        self.host
+            .db
+            .write(|txn| {
+                txn.open_table(SLACK_CHANNELS)?
+                    .insert(source.as_str(), miniserde::json::to_string(&binding).as_str())?;
+                Ok(())
+            })
+            .map_err(Failure::storage)?;
+        Ok(source)
+    }
+}
+
+impl Provider for Slack {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow()]
+    }
+
+    /// `slack_app_binding`: checks the bot token (`auth.test`), the app token
+    /// (`apps.connections.open`), the channel (`conversations.info`: the bot is in it) and its
+    /// history (the catch-up reads it).
+    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
+        self.bind_form(input).map(AuthStep::Bound)
+    }
+
+    fn describe(&self, source: &Source) -> Result<Description, StoreError> {
+        let target = |display_name: String, account_hint| Target {
+            provider: NAME.into(),
+            label: DECLARATION.label.into(),
+            display_name,
+            account_hint,
+        };
+        let info = self.channel_info(source.as_str())?;
+        let unusable = |display: String, why: &str| Description {
+            status: "error",
+            target: target(display, None),
+            tools: TOOLS.iter().map(|t| (*t, ToolState::unavailable(why))).collect(),
+        };
+        Ok(match info {
+            Some(info) if self.tokens(&info.bot_user).is_none() => unusable(
+                "Slack (binding lost: bind again)".into(),
+                "the bot's tokens are no longer available",
+            ),
+            Some(info) => match self.conns.disabled(&info.bot_user) {
+                Some(why) => unusable(info.channel_name.clone(), &why),
+                None => Description {
+                    status: "connected",
+                    target: target(info.channel_name.clone(), Some(inbound::redact(&info.channel))),
+                    tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
+                },
+            },
+            None => unusable("Slack (binding lost: bind again)".into(), "the Slack binding is gone"),
+        })
+    }
+
+    fn label(&self, _source: &Source) -> String {
+        DECLARATION.label.into()
+    }
+
+    /// Text (split at 4,000 characters) and files, in the thread of the message answered.
+    /// With files, the text is the first file's comment.
+    fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
+        let (info, bot_token) = self.route(source)?;
+        let deadline = Instant::now() + TOOL_DEADLINE;
+        let thread = match out.reply_to {
+            None => None,
+            Some(m) => {
+                let ts = m
+                    .strip_prefix(info.channel.as_str())
+                    .and_then(|r| r.strip_prefix(':'))
+                    .filter(|ts| event::ts_micros(ts).is_some())
+                    .ok_or_else(|| {
+                        Failure::new(code::REPLY_REF_INVALID, "the message answered is not in this channel")
+                    })?;
+                Some(self.thread_of(&bot_token, &info.channel, ts, m, deadline))
+            }
+        };
+        let thread = thread.as_deref();
+        let parts = split_text(out.text, MAX_TEXT);
+        // The text goes as the first file's comment when it fits in one.
+        let comment = (!out.files.is_empty() && parts.len() == 1).then_some(out.text);
+        let mut last = String::new();
+        if comment.is_none() && !out.text.is_empty() {
+            for part in &parts {
+                last = self.post(&bot_token, &info.channel, part, thread, deadline)?;
+            }
+        }
+        for (i, file) in out.files.iter().enumerate() {
+            let comment = if i == 0 { comment } else { None };
+            last = self.send_file(&bot_token, &info.channel, file, comment, thread, deadline)?;
+        }
+        Ok(last)
+    }
+
+    /// One Socket Mode connection per bot with a binding; tokens no binding uses are forgotten.
+    fn bindings_changed(&self, bound: &[Source]) {
+        let bots = self.bound_bots(bound);
+        if let Some(me) = self.me.upgrade() {
+            self.conns.sync(&me, &bots);
+        }
+        self.token_files(".bot").forget_unused(&bots, "slack: bot token of");
+        self.token_files(".app").forget_unused(&bots, "slack: app token of");
+        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
+        behind.retain(|s, _| bound.contains(s));
+    }
+
+    fn metrics(&self, out: &mut String) {
+        let lines = [
+            ("imgate_slack_connections", "gauge", self.conns.count() as u64),
+            ("imgate_slack_connections_up", "gauge", self.conns.up() as u64),
+            (
+                "imgate_slack_unbound_messages_total",
+                "counter",
+                self.counts.unbound.load(Ordering::Relaxed),
+            ),
+            (
+                "imgate_slack_skipped_messages_total",
+                "counter",
+                self.counts.skipped.load(Ordering::Relaxed),
+            ),
+            (
+                "imgate_slack_caught_up_messages_total",
+                "counter",
+                self.counts.caught_up.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, kind, value) in lines {
+            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
+        }
+    }
+
+    fn stop(&self) {
+        self.conns.stop_all();
+    }
+}
