@@ -10,7 +10,7 @@
 //! - `Lanes`: one lane per conversation, its events in arrival order and in batches (their
 //!   commits shared), conversations side by side.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -33,6 +33,9 @@ const LANE_BATCH: usize = 64;
 /// At most this many conversations have a lane of their own at once.
 const MAX_LANES: usize = 32;
 const OVERFLOW_LANE: &str = "*";
+/// Conversations remembered as the shared lane's (a peer naming new ones without end fills
+/// this; past it, a new conversation may get a lane of its own once one is free).
+const MAX_SHARED: usize = 4096;
 /// A lane with nothing to do for this long ends (a new event starts it again).
 const LANE_IDLE: Duration = Duration::from_secs(60);
 
@@ -94,14 +97,15 @@ impl Drop for Held {
 /// A frame for the writer, with the budget share of the event it answers (none for a ping).
 pub type Out = (Message, Option<Held>);
 
-/// Writes the frames of `queue` to `sink` until the queue closes or a write fails or takes
-/// `WRITE_DEADLINE`; why it stopped. Each frame's share of the budget is given back once written.
+/// Writes the frames of `queue` to `sink` until the queue closes, a close frame was written, or
+/// a write fails or takes `WRITE_DEADLINE`; why it stopped. Each frame's share of the budget is given back once written.
 pub fn writer<S>(mut sink: WebSocketSender<S>, queue: smol::channel::Receiver<Out>) -> smol::Task<String>
 where
     S: smol::io::AsyncRead + smol::io::AsyncWrite + Unpin + Send + 'static,
 {
     runtime::spawn(async move {
         while let Ok((message, held)) = queue.recv().await {
+            let closing = matches!(message, Message::Close(_));
             let send = async { sink.send(message).await.map_err(|e| e.to_string()) };
             let late = async {
                 smol::Timer::after(WRITE_DEADLINE).await;
@@ -115,6 +119,9 @@ where
             }
             // Written: the event's bytes are free for the next one.
             drop(held);
+            if closing {
+                return "closed".to_string();
+            }
         }
         // Every sender is gone: a close frame, if the server takes it in time.
         let close = async {
@@ -132,6 +139,9 @@ where
 /// events in order; `handle` returning false ends the lane (its connection is gone).
 pub struct Lanes<J, H> {
     lanes: HashMap<String, smol::channel::Sender<J>>,
+    /// Conversations sent to the shared lane while it lives: they stay there, so a lane of their
+    /// own (one freed meanwhile) cannot overtake what the shared lane still holds of theirs.
+    shared: HashSet<String>,
     handle: H,
 }
 
@@ -144,6 +154,7 @@ where
     pub fn new(handle: H) -> Lanes<J, H> {
         Lanes {
             lanes: HashMap::new(),
+            shared: HashSet::new(),
             handle,
         }
     }
@@ -151,7 +162,13 @@ where
     /// Hands `job` to the lane of `conversation` (started when it has none). Lanes are unbounded
     /// by count: the connection's `Budget` bounds the bytes of all of them.
     pub fn route(&mut self, conversation: String, mut job: J) {
-        let key = lane_key(&self.lanes, conversation);
+        let key = match self.shared.contains(&conversation) {
+            true => OVERFLOW_LANE.to_string(),
+            false => lane_key(&self.lanes, conversation.clone()),
+        };
+        if key == OVERFLOW_LANE && self.shared.len() < MAX_SHARED {
+            self.shared.insert(conversation);
+        }
         loop {
             let lane = self
                 .lanes
@@ -167,6 +184,9 @@ where
             }
         }
         self.lanes.retain(|_, lane| !lane.is_closed());
+        if !self.lanes.contains_key(OVERFLOW_LANE) {
+            self.shared.clear();
+        }
     }
 }
 

@@ -259,7 +259,11 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
         };
         let writer_ended = async { Step::Writer((&mut writer).await) };
         // Past the byte budget, nothing is read until written answers make room; pings go on,
-        // and a writer that gives up ends the connection.
+        // and a writer that gives up ends the connection. Silence counts only while reading:
+        // a paused reader hears nothing, pongs included.
+        if budget.full() {
+            last_heard = Instant::now();
+        }
         let step = match budget.full() {
             true => {
                 async {

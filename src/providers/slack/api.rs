@@ -29,6 +29,8 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
     /// The answer passed `MAX_ANSWER` and was not read.
     pub too_large: bool,
+    /// Slack itself refused (its JSON said `ok: false`), not a proxy, a network or a cache.
+    pub from_slack: bool,
 }
 
 impl ApiError {
@@ -39,16 +41,19 @@ impl ApiError {
             error: e.to_string(),
             needed: None,
             retry_after: None,
+            from_slack: false,
         }
     }
 
-    fn refused(status: u16, error: impl Into<String>) -> ApiError {
+    /// A refusal that is not Slack's JSON (a status, a page, the file cache).
+    pub fn refused(status: u16, error: impl Into<String>) -> ApiError {
         ApiError {
             status,
             error: error.into(),
             needed: None,
             retry_after: None,
             too_large: false,
+            from_slack: false,
         }
     }
 
@@ -77,13 +82,15 @@ impl crate::providers::Transient for ApiError {
     }
 
     fn temporary(&self) -> bool {
-        self.status == 0
+        // An answer too large is as large the next time: the caller asks for less.
+        let again = self.status == 0
             || self.status == 429
             || self.status >= 500
             || matches!(
                 self.error.as_str(),
                 "ratelimited" | "internal_error" | "fatal_error" | "service_unavailable"
-            )
+            );
+        again && !self.too_large
     }
 
     fn retry_after(&self) -> Option<Duration> {
@@ -148,14 +155,21 @@ impl Api {
         if status == 200 && matches!(o.get("ok"), Some(Value::Bool(true))) {
             return Ok(o);
         }
-        let text = |o: &Object, k: &str| json::get_str(o, k).map(|e| e.chars().take(MAX_ERROR).collect::<String>());
-        let error = text(&o, "error").unwrap_or_else(|| "no error named".into());
+        // Slack's error codes are `snake_case` words, its scopes `a:b` lists: anything else (a
+        // server echoing what it was sent, the token included) is not shown.
+        let text = |o: &Object, k: &str| {
+            json::get_str(o, k)
+                .filter(|e| e.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.:,-".contains(&b)))
+                .map(|e| e.chars().take(MAX_ERROR).collect::<String>())
+        };
+        let error = text(&o, "error").unwrap_or_else(|| "an error it did not name".into());
         Err(ApiError {
             status: if status == 200 { 400 } else { status },
             needed: text(&o, "needed").filter(|_| error == "missing_scope"),
             error,
             retry_after,
             too_large: false,
+            from_slack: true,
         })
     }
 
@@ -170,7 +184,7 @@ impl Api {
         let mut resp = upstream::within(&self.files, self.files.get(url), timeout)
             .header("Authorization", &format!("Bearer {token}"))
             .call()
-            .map_err(|e| ApiError::unreachable(e.into()))?;
+            .map_err(|e| ApiError::unreachable(upstream::Error::from(e).hiding(url, "the file's URL")))?;
         let status = resp.status().as_u16();
         let content_type = resp
             .headers()
@@ -199,7 +213,7 @@ impl Api {
         let mut resp = upstream::within(&self.files, self.files.post(url), timeout)
             .header("Content-Type", "application/octet-stream")
             .send(bytes)
-            .map_err(|e| ApiError::unreachable(e.into()))?;
+            .map_err(|e| ApiError::unreachable(upstream::Error::from(e).hiding(url, "the upload URL")))?;
         let status = resp.status().as_u16();
         // The body is a short status line; read (capped) so the connection can be reused.
         let _ = upstream::read_body(&mut resp, 4096);

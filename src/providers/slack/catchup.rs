@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::api::ApiError;
 use super::event::{self, ts_micros, ts_of, Message};
-use super::{high_water_key, ChannelInfo, Slack};
+use super::{high_water_key, Behind, ChannelInfo, Slack};
 use crate::json::{self, Object, Value};
 use crate::outbox::Cursor;
 use crate::providers::intake::WhenStale;
@@ -34,15 +34,33 @@ const PAGE: usize = 100;
 const CALL_DEADLINE: Duration = Duration::from_secs(60);
 /// A cursor longer than this is not Slack's.
 const MAX_CURSOR: usize = 1024;
+/// A first pass reads at most this many pages (10,000 messages in pages of 200 are 50; a server
+/// that answers empty pages with `has_more` forever is stopped here).
+const MAX_PAGES: usize = 200;
 
 /// Reads the channel of `source` from its high-water mark into the outbox; true when it is
-/// caught up (every message after the mark stored or not to be stored).
+/// caught up (every message after the mark stored or not to be stored). A channel another
+/// catch-up is reading now is left to it.
 pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
-    let floor = {
+    let Some(_reading) = Reading::start(slack, source) else {
+        // The running one may have read the history before what this one was for: due again,
+        // and not cleared by the running one.
+        slack.fell_behind(source, u64::MAX, false);
+        return false;
+    };
+    let Behind {
+        from: floor,
+        generation,
+        ..
+    } = {
         let mut behind = slack.behind.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = behind.entry(source.clone()).or_insert((u64::MAX, None));
-        entry.1 = Some(Instant::now());
-        entry.0
+        let entry = behind.entry(source.clone()).or_insert(Behind {
+            from: u64::MAX,
+            tried: None,
+            generation: 0,
+        });
+        entry.tried = Some(Instant::now());
+        *entry
     };
     let key = high_water_key(source);
     let mark = match slack.host.outbox.cursor(&key) {
@@ -54,7 +72,7 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
     };
     // A binding always sets the mark; without one there is nothing to read from.
     let Some(from) = mark.map(|m| m.min(floor)) else {
-        return caught_up(slack, source);
+        return caught_up(slack, source, generation);
     };
     let Some(tokens) = slack.tokens(&info.bot_user) else {
         return false;
@@ -90,9 +108,12 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
                 }
             };
             let count = messages.len() as u64;
+            // The messages move no mark themselves: one not stored must not be passed by a
+            // later one that was. The window's end moves it once all are in (a crash before
+            // reads the window again, its messages duplicates by their ID).
             let handled: Vec<_> = messages
                 .into_iter()
-                .map(|m| slack.prepare(source, info, m, true, WhenStale::CountExpired))
+                .map(|m| slack.prepare(source, info, m, false, WhenStale::CountExpired))
                 .collect();
             let stored = handled.into_iter().map(|h| slack.finish(source, h));
             // Every one is waited for: one not stored leaves the channel behind from it.
@@ -101,21 +122,48 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
             } else {
                 return false;
             }
-            // Past what was read but not stored (edits, the bot's own, deleted since): the
-            // mark moves with no message.
-            if let Err(e) = slack.host.outbox.move_cursors(&[Cursor::Forward(key.clone(), last)]) {
-                log::debug!("slack: {source}: cannot move the high-water mark: {e}");
+            if super::plausible(last) {
+                if let Err(e) = slack.host.outbox.move_cursors(&[Cursor::Forward(key.clone(), last)]) {
+                    log::debug!("slack: {source}: cannot move the high-water mark: {e}");
+                }
             }
             after = last;
             rest = &rest[window.len()..];
         }
     }
-    caught_up(slack, source)
+    caught_up(slack, source, generation)
 }
 
-fn caught_up(slack: &Slack, source: &Source) -> bool {
-    slack.behind.lock().unwrap_or_else(|e| e.into_inner()).remove(source);
+/// The channel is no longer behind, unless it fell behind again meanwhile.
+fn caught_up(slack: &Slack, source: &Source, generation: u64) -> bool {
+    let mut behind = slack.behind.lock().unwrap_or_else(|e| e.into_inner());
+    if behind.get(source).is_some_and(|b| b.generation == generation) {
+        behind.remove(source);
+    }
     true
+}
+
+/// A catch-up of one channel in progress; dropped, the channel is free for the next.
+struct Reading<'a> {
+    slack: &'a Slack,
+    source: Source,
+}
+
+impl<'a> Reading<'a> {
+    fn start(slack: &'a Slack, source: &Source) -> Option<Reading<'a>> {
+        let mut reading = slack.catching_up.lock().unwrap_or_else(|e| e.into_inner());
+        reading.insert(source.clone()).then(|| Reading {
+            slack,
+            source: source.clone(),
+        })
+    }
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        let mut reading = self.slack.catching_up.lock().unwrap_or_else(|e| e.into_inner());
+        reading.remove(&self.source);
+    }
 }
 
 /// The `ts` of every message after `from` (microseconds), oldest first: at most
@@ -125,7 +173,15 @@ fn newer_than(slack: &Slack, token: &str, channel: &str, from: u64) -> Result<Ve
     let mut stamps = Vec::new();
     let mut cursor = String::new();
     let mut limit = PAGE * 2;
+    let mut pages = 0;
     loop {
+        pages += 1;
+        if pages > MAX_PAGES {
+            return Err(ApiError::refused(
+                400,
+                "the history did not end after as many pages as a catch-up reads",
+            ));
+        }
         let limit_text = limit.to_string();
         let mut params = vec![
             ("channel", channel),
@@ -147,8 +203,24 @@ fn newer_than(slack: &Slack, token: &str, channel: &str, from: u64) -> Result<Ve
                 stamps.push(ts);
             }
         }
+        let more = matches!(answer.get("has_more"), Some(Value::Bool(true)));
         match next_cursor(&answer) {
-            Some(next) if stamps.len() < MAX_CATCHUP => cursor = next.to_string(),
+            _ if stamps.len() >= MAX_CATCHUP => {
+                if more {
+                    log::warn!(
+                        "slack: channel {channel}: more than {MAX_CATCHUP} messages to catch up; the oldest are not read"
+                    );
+                }
+                break;
+            }
+            Some(next) if next != cursor => cursor = next.to_string(),
+            // More, but no way to them: the channel stays behind rather than skip them.
+            _ if more => {
+                return Err(ApiError::refused(
+                    400,
+                    "the history has more pages but no usable cursor",
+                ))
+            }
             _ => break,
         }
     }
@@ -156,9 +228,6 @@ fn newer_than(slack: &Slack, token: &str, channel: &str, from: u64) -> Result<Ve
     stamps.dedup();
     if stamps.len() > MAX_CATCHUP {
         let skipped = stamps.len() - MAX_CATCHUP;
-        log::warn!(
-            "slack: channel {channel}: more than {MAX_CATCHUP} messages to catch up; {skipped} or more of the oldest are not read"
-        );
         stamps.drain(..skipped);
     }
     Ok(stamps)
@@ -195,7 +264,7 @@ fn window_of(
                 .filter(|m| ts_micros(&m.ts).is_some_and(|ts| ts > after && ts <= last)),
         );
         match next_cursor(&answer) {
-            Some(next) if list.len() < count => cursor = next.to_string(),
+            Some(next) if list.len() < count && next != cursor => cursor = next.to_string(),
             _ => break,
         }
     }

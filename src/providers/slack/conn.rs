@@ -56,6 +56,8 @@ const PING_EVERY: Duration = Duration::from_secs(20);
 const SILENT: Duration = Duration::from_secs(50);
 /// A replaced connection writes what it owes for at most this long, then closes.
 const DRAIN: Duration = Duration::from_secs(5);
+/// A socket is replaced at Slack's request no sooner than this after it opened.
+const MIN_AGE: Duration = Duration::from_secs(10);
 /// A refused bot is asked again this often.
 const REFUSED_WAIT: Duration = Duration::from_secs(600);
 /// A connection that ends sooner than this counts as a quick drop: the backoff goes on growing.
@@ -212,6 +214,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
         last: String::new(),
         shared: shared.clone(),
     };
+    // Unbounded by count, bounded by sessions: each sends at most one `Replace` and one `Ended`.
     let (signals, signaled) = smol::channel::unbounded::<Signal>();
     let mut current: Option<Running> = None;
     // Replaced sessions, writing what they owe before they close.
@@ -219,20 +222,9 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
     let mut backoff = MIN_BACKOFF;
     let mut serial = 0u64;
     loop {
+        // Open the next socket; `wait`: how long until trying again, when it did not open.
         let wait = match open(&slack, &bot).await {
             None => return,
-            Some(Opened::Refused(why)) => {
-                if state.refused(why) {
-                    tell(&slack, &bot).await;
-                }
-                Some(REFUSED_WAIT)
-            }
-            Some(Opened::Failed(why, retry_after)) => {
-                state.set(format!("cannot open the Socket Mode connection: {why}; retrying"), true);
-                let wait = peer_wait::retry_after(retry_after, jittered(backoff));
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-                Some(wait)
-            }
             Some(Opened::Ws(ws)) => {
                 serial += 1;
                 if state.accepted() {
@@ -261,18 +253,54 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
                 }
                 None
             }
+            // A replacement Slack asked for failed: the socket in use goes on meanwhile.
+            Some(Opened::Refused(why) | Opened::Failed(why, None)) if current.is_some() => {
+                state.set(
+                    format!("cannot open the next Socket Mode connection: {why}; the current one goes on"),
+                    true,
+                );
+                let wait = jittered(backoff);
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                Some(wait)
+            }
+            Some(Opened::Refused(why)) => {
+                if state.refused(why) {
+                    tell(&slack, &bot).await;
+                }
+                Some(REFUSED_WAIT)
+            }
+            Some(Opened::Failed(why, retry_after)) => {
+                state.set(format!("cannot open the Socket Mode connection: {why}; retrying"), true);
+                let wait = peer_wait::retry_after(retry_after, jittered(backoff));
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                Some(wait)
+            }
         };
-        if let Some(wait) = wait {
-            smol::Timer::after(wait).await;
-            continue;
-        }
-        // The current session runs; wait for what it (or a retiring one) says.
+        // Wait for what the sessions say, and for `wait` to pass when it is set.
+        let until = wait.map(|w| Instant::now() + w);
         loop {
-            let Ok(signal) = signaled.recv().await else { return };
+            let next = async { signaled.recv().await.ok().map(Some) };
+            let passed = async {
+                match until {
+                    Some(t) => {
+                        smol::Timer::at(t).await;
+                        Some(None)
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            let signal = match next.or(passed).await {
+                None => return,
+                Some(None) => break,
+                Some(Some(signal)) => signal,
+            };
             let serial_now = current.as_ref().map_or(0, |c| c.serial);
             match signal {
                 Signal::Replace(s) if s == serial_now => {
                     log::info!("slack: bot {bot}: Slack asked for a new connection; opening it");
+                    // A server that asks at every hello gets a new socket every `MIN_AGE`.
+                    let age = current.as_ref().map_or(MIN_AGE, |c| c.started.elapsed());
+                    smol::Timer::after(MIN_AGE.saturating_sub(age)).await;
                     break;
                 }
                 Signal::Ended(s, end) if s == serial_now => {
@@ -336,7 +364,8 @@ async fn open(slack: &Weak<Slack>, bot: &str) -> Option<Opened> {
     let url = match url {
         Ok(url) => url,
         Err(None) => return Some(Opened::Failed("no usable URL (or the tokens are gone)".into(), None)),
-        Err(Some(e)) if e.temporary() => return Some(Opened::Failed(e.to_string(), e.retry_after())),
+        // Only Slack's own refusal (its JSON) disables the bot; a proxy's page is a failure.
+        Err(Some(e)) if e.temporary() || !e.from_slack => return Some(Opened::Failed(e.to_string(), e.retry_after())),
         Err(Some(e)) => {
             return Some(Opened::Refused(format!(
                 "Slack refused a Socket Mode connection ({}): check the app-level token and that Socket Mode is on",
@@ -360,11 +389,12 @@ async fn open(slack: &Weak<Slack>, bot: &str) -> Option<Opened> {
     let hello = async {
         while let Some(frame) = ws.next().await {
             match frame {
-                Ok(WsMessage::Text(t)) if t.len() <= crate::json::INLINE_PARSE => {
-                    if event::read_frame(t.as_str()) == Frame::Hello {
-                        return Ok(());
-                    }
-                }
+                Ok(WsMessage::Text(t)) if t.len() <= crate::json::INLINE_PARSE => match event::read_frame(t.as_str()) {
+                    Frame::Hello => return Ok(()),
+                    // `link_disabled`, or `too_many_websockets` (an eleventh socket of the app).
+                    Frame::Disconnect { reason } => return Err(reason),
+                    _ => {}
+                },
                 Ok(WsMessage::Close(_)) => return Err("closed before hello".to_string()),
                 Ok(_) => {}
                 Err(e) => return Err(e.to_string()),
@@ -378,7 +408,11 @@ async fn open(slack: &Weak<Slack>, bot: &str) -> Option<Opened> {
     };
     Some(match hello.or(late).await {
         Ok(()) => Opened::Ws(Box::new(ws)),
-        Err(why) => Opened::Failed(why, None),
+        Err(reason) if reason == "link_disabled" => Opened::Refused(
+            "Slack disabled the app's Socket Mode link (link_disabled): turn Socket Mode on in the app's settings"
+                .into(),
+        ),
+        Err(why) => Opened::Failed(crate::quiet::shown(&why), None),
     })
 }
 
@@ -444,6 +478,7 @@ async fn live(
     let mut last_heard = Instant::now();
     let mut next_ping = Instant::now() + PING_EVERY;
     let mut draining: Option<Instant> = None;
+    let mut replace_asked = false;
     // A server that keeps the socket full must not hold up other connections.
     let mut fair = runtime::Fair::default();
     loop {
@@ -457,8 +492,20 @@ async fn live(
         }
         if let Some(until) = draining {
             if budget.empty() || Instant::now() >= until {
+                // A close frame after what it owed; the writer ends once it is written.
+                let _ = out_tx.try_send((WsMessage::Close(None), None));
+                let late = async {
+                    smol::Timer::after(Duration::from_secs(2)).await;
+                    String::new()
+                };
+                (&mut writer).or(late).await;
                 return End::Down("replaced by a new connection".into());
             }
+        }
+        let paused = budget.full() || draining.is_some();
+        if paused {
+            // A paused reader hears nothing, pongs included: silence counts only while reading.
+            last_heard = Instant::now();
         }
         let ping = async {
             smol::Timer::at(next_ping).await;
@@ -472,25 +519,35 @@ async fn live(
                 Err(_) => Step::Writer("the bot's connection stopped".into()),
             }
         };
-        let waiting_room = async {
-            let _ = room.recv().await;
-            Step::Room
-        };
         // Past the byte budget, or while draining, nothing is read until written
         // acknowledgements make room; pings go on, and a writer that gives up ends the socket.
-        let step = match budget.full() || draining.is_some() {
+        let step = match paused {
             true => {
-                let drained = async {
-                    smol::Timer::at(draining.unwrap_or(next_ping)).await;
+                let waiting_room = async {
+                    let _ = room.recv().await;
                     Step::Room
                 };
-                waiting_room.or(drained).or(ping).or(writer_ended).await
+                let drained = async {
+                    match draining {
+                        Some(until) => smol::Timer::at(until).await,
+                        None => std::future::pending().await,
+                    };
+                    Step::Room
+                };
+                let retired_too = async {
+                    match draining {
+                        Some(_) => std::future::pending().await,
+                        None => retired.await,
+                    }
+                };
+                waiting_room.or(drained).or(ping).or(writer_ended).or(retired_too).await
             }
+            // The retirement first: a socket full of frames must not keep it from draining.
             false => {
-                async { Step::Read(stream.next().await) }
+                retired
+                    .or(async { Step::Read(stream.next().await) })
                     .or(ping)
                     .or(writer_ended)
-                    .or(retired)
                     .await
             }
         };
@@ -534,7 +591,11 @@ async fn live(
             Frame::Disconnect { reason } if reason == "link_disabled" => return End::Disabled,
             Frame::Disconnect { reason } => {
                 log::debug!("slack: bot {bot}: disconnect ({})", crate::quiet::shown(&reason));
-                let _ = signals.send(Signal::Replace(serial)).await;
+                // Once per socket: a flood of them asks for one new socket.
+                if !replace_asked {
+                    replace_asked = true;
+                    let _ = signals.send(Signal::Replace(serial)).await;
+                }
             }
             Frame::Envelope {
                 envelope_id,
@@ -587,6 +648,10 @@ async fn lane(slack: Weak<Slack>, bot: String, out: smol::channel::Sender<Out>, 
                 Job::CatchUp(_) => None,
             })
             .unzip();
+        // The socket is gone: nothing would be acknowledged, and its replacement catches up.
+        if out.is_closed() {
+            return false;
+        }
         let Some(s) = slack.upgrade() else { return false };
         let b = bot.clone();
         let outcomes = runtime::unblock(move || s.accept(&b, &channel, catch_up, messages)).await;

@@ -210,7 +210,7 @@ pub fn safe_id(id: &str, max: usize) -> bool {
 }
 
 /// At most `max` bytes of `s`, cut at a character boundary.
-fn bounded(s: &str, max: usize) -> String {
+pub fn bounded(s: &str, max: usize) -> String {
     let mut end = s.len().min(max);
     while !s.is_char_boundary(end) {
         end -= 1;

@@ -125,6 +125,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         names: Mutex::default(),
         threads: Mutex::default(),
         behind: Mutex::default(),
+        catching_up: Mutex::default(),
         counts: Counts::default(),
         full_log: Site::new(),
     })))
@@ -149,6 +150,18 @@ pub fn source_of(bot_user: &str, channel: &str) -> Source {
 /// The outbox cursor holding a channel's high-water `ts` (microseconds).
 fn high_water_key(source: &Source) -> String {
     format!("slack_hw:{}", source.key())
+}
+
+/// Whether a `ts` may move a high-water mark: not more than a day ahead of this clock. The mark
+/// only moves forward, so one message stamped years ahead would end every later catch-up.
+fn plausible(ts_micros: u64) -> bool {
+    ts_micros <= crate::ids::now_ms().saturating_add(86_400_000).saturating_mul(1000)
+}
+
+/// Agent text as Slack's message format takes it: `&`, `<` and `>` escaped, so no text can
+/// become a mention (`<!channel>`) or a link.
+fn escaped(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
 /// Counters for `/metrics`.
@@ -176,10 +189,23 @@ pub struct Slack {
     /// Channels whose history may hold messages not stored (the connection was down, a commit
     /// failed): the `ts` their next catch-up reads from, and when one last ran. Their live
     /// messages are stored without moving the high-water mark.
-    behind: Mutex<HashMap<Source, (u64, Option<Instant>)>>,
+    behind: Mutex<HashMap<Source, Behind>>,
+    /// Channels a catch-up is reading now (one at a time per channel, whichever socket asks).
+    catching_up: Mutex<std::collections::HashSet<Source>>,
     counts: Counts,
     /// Messages refused by full caps (`reject_new`), logged once a minute.
     full_log: Site,
+}
+
+/// Where a channel that is behind is read from, and when a catch-up last tried.
+#[derive(Clone, Copy)]
+pub struct Behind {
+    /// Read from the high-water mark or from just before this `ts`, whichever is older.
+    pub from: u64,
+    pub tried: Option<Instant>,
+    /// Bumped whenever the channel falls behind again: a catch-up that began before does not
+    /// clear it.
+    pub generation: u64,
 }
 
 /// The two tokens of one bot.
@@ -245,15 +271,27 @@ impl Slack {
     }
 
     /// A connection of `bot_user` said hello: every bound channel is read from its high-water
-    /// mark before its live messages move it again.
+    /// mark before its live messages move it again. Its bound channels.
     pub fn connected(&self, bot_user: &str) -> Vec<String> {
         let channels = self.channels_of(bot_user);
-        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
         for (source, _) in &channels {
-            let from = behind.get(source).map_or(u64::MAX, |b| b.0);
-            behind.insert(source.clone(), (from, None));
+            self.fell_behind(source, u64::MAX, false);
         }
         channels.into_iter().map(|(_, i)| i.channel).collect()
+    }
+
+    /// `source` may have messages in its history that are not stored, from `from` on (or its
+    /// mark); `throttled`: its next catch-up waits 30 s (a message just failed to store).
+    pub fn fell_behind(&self, source: &Source, from: u64, throttled: bool) {
+        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = behind.entry(source.clone()).or_insert(Behind {
+            from,
+            tried: None,
+            generation: 0,
+        });
+        entry.from = entry.from.min(from);
+        entry.tried = throttled.then(Instant::now);
+        entry.generation = entry.generation.wrapping_add(1);
     }
 
     /// Handles messages of one channel of `bot_user`'s connection, in their order, on a
@@ -264,7 +302,17 @@ impl Slack {
     /// deliver it again (the store failed or the queue is full).
     pub fn accept(&self, bot_user: &str, channel: &str, catch_up: bool, messages: Vec<Message>) -> Vec<bool> {
         let source = source_of(bot_user, channel);
-        let info = match self.channel_info(source.as_str()) {
+        // A binding's row outlives the binding (an unbound channel may be bound again): the
+        // channel registry says whether it is bound now.
+        let binding = self
+            .host
+            .channels
+            .bound_channel(source.as_str())
+            .and_then(|bound| match bound {
+                Some(_) => self.channel_info(source.as_str()),
+                None => Ok(None),
+            });
+        let info = match binding {
             Ok(Some(info)) => info,
             Ok(None) => {
                 self.counts.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
@@ -281,7 +329,8 @@ impl Slack {
             }
         };
         if catch_up || self.catch_up_due(&source) {
-            catchup::run(self, &source, &info);
+            // Not caught up: the channel stays behind, and its live messages move no mark.
+            let _ = catchup::run(self, &source, &info);
         }
         let moves_cursor = !self
             .behind
@@ -300,7 +349,7 @@ impl Slack {
         let behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
         behind
             .get(source)
-            .is_some_and(|(_, last)| last.is_none_or(|t| t.elapsed() > Duration::from_secs(30)))
+            .is_some_and(|b| b.tried.is_none_or(|t| t.elapsed() > Duration::from_secs(30)))
     }
 
     /// One message up to its hand-over to the outbox. `cursor`: its commit moves the channel's
@@ -329,7 +378,8 @@ impl Slack {
             chat_id: Some(info.channel.clone()),
             chat_type: info.chat_type.clone(),
             message_type: message_type.to_string(),
-            text: event::readable(&m.text, name_of),
+            // Names are longer than the IDs they replace: bounded again.
+            text: event::bounded(&event::readable(&m.text, name_of), event::MAX_TEXT_BYTES),
             event_time: Some(ts / 1000),
             files: None,
         };
@@ -342,7 +392,7 @@ impl Slack {
             }),
             inbound,
             reply_ref: true,
-            cursors: match cursor {
+            cursors: match cursor && plausible(ts) {
                 true => vec![Cursor::Forward(high_water_key(source), ts)],
                 false => Vec::new(),
             },
@@ -380,9 +430,7 @@ impl Slack {
         };
         log::debug!("slack: {source}: a message not stored ({refused}); the channel is behind");
         let from = event::ts_micros(&ts).unwrap_or(1).saturating_sub(1);
-        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = behind.entry(source.clone()).or_insert((from, Some(Instant::now())));
-        entry.0 = entry.0.min(from);
+        self.fell_behind(source, from, true);
         false
     }
 
@@ -519,7 +567,8 @@ impl Slack {
         thread: Option<&str>,
         deadline: Instant,
     ) -> Result<String, Failure> {
-        let mut params = vec![("channel", channel), ("text", text)];
+        let text = escaped(text);
+        let mut params = vec![("channel", channel), ("text", text.as_str())];
         if let Some(t) = thread {
             params.push(("thread_ts", t));
         }
@@ -565,8 +614,9 @@ impl Slack {
             ("id", json::s(&file_id)),
             ("title", json::s(&rec.filename)),
         ])]));
+        let comment = comment.filter(|c| !c.is_empty()).map(escaped);
         let mut params = vec![("files", files.as_str()), ("channel_id", channel)];
-        if let Some(c) = comment.filter(|c| !c.is_empty()) {
+        if let Some(c) = comment.as_deref() {
             params.push(("initial_comment", c));
         }
         if let Some(t) = thread {
@@ -750,16 +800,7 @@ impl Slack {
         let flag = |k: &str| matches!(info.get(k), Some(Value::Bool(true)));
         let dm = flag("is_im");
         if !dm && matches!(info.get("is_member"), Some(Value::Bool(false))) {
-            return Err(bind_failure(
-                "channel",
-                &ApiError {
-                    status: 400,
-                    error: "not_in_channel".into(),
-                    needed: None,
-                    retry_after: None,
-                    too_large: false,
-                },
-            ));
+            return Err(bind_failure("channel", &ApiError::refused(400, "not_in_channel")));
         }
         // The catch-up reads the history: check it can, and start from its newest message.
         let newest = self
@@ -804,7 +845,8 @@ impl Slack {
         stored.map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the tokens: {e}")))?;
         // History from before the binding is never read: the mark starts at the channel's
         // newest message (or now, for an empty one), and never moves back.
-        let from = newest.unwrap_or_else(|| crate::ids::now_ms().saturating_mul(1000));
+        let now = crate::ids::now_ms().saturating_mul(1000);
+        let from = newest.filter(|ts| plausible(*ts)).unwrap_or(now);
         self.host
             .outbox
             .move_cursors(&[Cursor::Forward(high_water_key(&source), from)])
@@ -817,6 +859,9 @@ impl Slack {
                 Ok(())
             })
             .map_err(Failure::storage)?;
+        // A socket already up for this bot acknowledged this channel's messages as unbound until
+        // now: its next message starts with a catch-up from the mark.
+        self.fell_behind(&source, u64::MAX, false);
         Ok(source)
     }
 }
