@@ -214,6 +214,18 @@ fn messages_are_acknowledged_after_their_commit_and_replies_go_to_their_thread()
     // messages of unbound channels are acknowledged and not pushed.
     let own = posted.last().unwrap()["ts"].as_str().unwrap().to_string();
     assert!(sim.wait_acked_ts(&own, WAIT), "the bot's own echo is acknowledged");
+    // Agent text is text: it cannot notify the whole channel or become a link.
+    let a = x.tool(
+        &cch,
+        "imgate_message_send",
+        json!({"text": "ping <!channel> & <https://x.io|y>"}),
+        "sl-4",
+    );
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let last = sim.posted(CHAN).last().unwrap().clone();
+    assert_eq!(last["text"], "ping &lt;!channel&gt; &amp; &lt;https://x.io|y&gt;");
+    let own = last["ts"].as_str().unwrap().to_string();
+    assert!(sim.wait_acked_ts(&own, WAIT));
     let edit = sim.edit(CHAN, &ts, "edited");
     assert!(sim.wait_acked_ts(&edit, WAIT));
     sim.add_channel("C0UNBOUND", "random", "channel", &[BOT_USER, ANN]);

@@ -6,6 +6,9 @@
 //! The provider keeps what is its own: reading its events, whether a conversation is bound, how
 //! it answers its IM system (`202`, an answer frame, an offset) once the `Ticket` resolves.
 
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
 use super::inbound::{FileItem, Inbound};
 use super::Host;
 use crate::ids;
@@ -100,5 +103,39 @@ impl Host {
             expires_at,
             cursors: a.cursors,
         }))
+    }
+}
+
+/// Event and message IDs of a provider's recently stored messages: a redelivery (an IM system
+/// that did not hear the answer) is answered at once, without fetching its file again. The
+/// outbox's message-ID dedupe is what makes it a duplicate, also after a restart; this only
+/// saves the work.
+pub struct Recent {
+    ids: Mutex<VecDeque<(String, String)>>,
+    cap: usize,
+}
+
+impl Recent {
+    pub fn new(cap: usize) -> Recent {
+        Recent {
+            ids: Mutex::new(VecDeque::new()),
+            cap,
+        }
+    }
+
+    /// Whether this event (an empty ID names none), or another delivery of its message, was
+    /// stored lately.
+    pub fn seen(&self, event_id: &str, message_id: &str) -> bool {
+        let ids = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+        ids.iter()
+            .any(|(e, m)| m == message_id || (!event_id.is_empty() && e == event_id))
+    }
+
+    pub fn stored(&self, event_id: String, message_id: String) {
+        let mut ids = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+        if ids.len() >= self.cap {
+            ids.pop_front();
+        }
+        ids.push_back((event_id, message_id));
     }
 }

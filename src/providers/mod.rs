@@ -10,6 +10,7 @@
 //! polls) runs on its own threads or on the caller's blocking thread, never on the async
 //! executor; `delivered` must return at once.
 
+pub mod bindings;
 pub mod feishu;
 pub mod inbound;
 pub mod intake;

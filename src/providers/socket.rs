@@ -94,6 +94,22 @@ impl Drop for Held {
     }
 }
 
+/// Counts a connection as up while it lives (`/metrics`' `…_connections_up`).
+pub struct Up(Arc<AtomicUsize>);
+
+impl Up {
+    pub fn new(count: &Arc<AtomicUsize>) -> Up {
+        count.fetch_add(1, Ordering::Relaxed);
+        Up(count.clone())
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A frame for the writer, with the budget share of the event it answers (none for a ping).
 pub type Out = (Message, Option<Held>);
 

@@ -32,7 +32,7 @@ use super::frame::{Frame, MAX_FRAME};
 use super::longconn::{self, ClientConfig, Endpoint, EndpointError, Reassembly, Received};
 use super::Feishu;
 use crate::ids;
-use crate::providers::socket::{self, Budget, Held, Lanes, Out, QUEUE_SLOTS};
+use crate::providers::socket::{self, Budget, Held, Lanes, Out, Up, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
 use crate::quiet::Quiet;
 use crate::runtime;
@@ -87,22 +87,6 @@ impl Connections {
 
     pub fn up(&self) -> usize {
         self.up.load(Ordering::Relaxed)
-    }
-}
-
-/// Counts a connection as up while it lives.
-struct Up(Arc<AtomicUsize>);
-
-impl Up {
-    fn new(n: &Arc<AtomicUsize>) -> Up {
-        n.fetch_add(1, Ordering::Relaxed);
-        Up(n.clone())
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -18,17 +18,17 @@ pub mod event;
 pub mod frame;
 pub mod longconn;
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
 use self::api::{Api, ApiError, AppCreds};
+use super::bindings::Rows;
 use super::inbound::{self, FileItem};
-use super::intake::{Arrival, Fetch, Intake, WhenStale};
+use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::{
     field, multipart, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound,
@@ -43,11 +43,14 @@ use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
 use crate::source::Source;
-use crate::store::{self, StoreError};
+use crate::store::StoreError;
 
 const NAME: &str = "feishu";
-/// source → `ChatInfo` JSON.
-const FS_CHATS: TableDefinition<&str, &str> = TableDefinition::new("feishu_chats");
+/// source → `ChatInfo`.
+const CHATS: Rows = Rows {
+    table: TableDefinition::new("feishu_chats"),
+    what: "feishu chat",
+};
 const FLOW: &str = "feishu_app_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text message is split at this many characters (Feishu takes request bodies up to 150 KB).
@@ -58,9 +61,7 @@ const MAX_IMAGE: u64 = 10 << 20;
 const TOOL_DEADLINE: Duration = Duration::from_secs(20);
 /// A message's file is fetched for at most this long before the message goes on with a note.
 const FETCH_DEADLINE: Duration = Duration::from_secs(20);
-/// Event and message IDs of recently stored events: a redelivery is answered at once, without
-/// fetching its file again. The outbox's message-ID dedupe is what makes it a duplicate, also
-/// after a restart; this only saves the work.
+/// Recently stored events remembered (`Recent`).
 const RECENT: usize = 256;
 
 pub const REGISTRATION: Registration = Registration {
@@ -132,17 +133,14 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
     let Some(settings) = host.config.provider::<FeishuSettings>(NAME).cloned() else {
         return Ok(None);
     };
-    host.db.write(|txn| {
-        txn.open_table(FS_CHATS)?;
-        Ok(())
-    })?;
+    CHATS.create(&host.db)?;
     Ok(Some(Arc::new_cyclic(|me| Feishu {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base),
         settings,
         conns: conn::Connections::default(),
-        recent: Mutex::new(VecDeque::new()),
+        recent: Recent::new(RECENT),
         unbound_events: AtomicU64::new(0),
         unreadable_events: AtomicU64::new(0),
         unreadable_log: Site::new(),
@@ -172,8 +170,7 @@ pub struct Feishu {
     settings: FeishuSettings,
     api: Api,
     conns: conn::Connections,
-    /// (event ID, message ID) of recently stored events.
-    recent: Mutex<VecDeque<(String, String)>>,
+    recent: Recent,
     /// Events from chats no channel is bound to (counted, not stored).
     unbound_events: AtomicU64,
     /// Event payloads that could not be read (answered, so Feishu does not send them again).
@@ -215,13 +212,7 @@ impl Feishu {
     }
 
     fn chat_info(&self, source: &str) -> Result<Option<ChatInfo>, StoreError> {
-        self.host.db.read(|txn| {
-            let Some(v) = txn.open_table(FS_CHATS)?.get(source)? else {
-                return Ok(None);
-            };
-            let info = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("feishu chat"))?;
-            Ok(Some(info))
-        })
+        CHATS.get(&self.host.db, source)
     }
 
     /// The binding of a source and the credentials it sends with.
@@ -249,7 +240,7 @@ impl Feishu {
                 Handled::Answer(done) => done,
                 Handled::Commit(ticket, source, event_id, message_id) => match ticket.wait() {
                     Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                        self.stored(event_id, message_id);
+                        self.recent.stored(event_id, message_id);
                         true
                     }
                     Ok(Enqueued::CapacityExceeded) => {
@@ -290,7 +281,7 @@ impl Feishu {
         };
         let source = source_of(app_id, &message.chat_id);
         let inbound = message.inbound;
-        if self.was_stored(&ev.event_id, &inbound.message_id) {
+        if self.recent.seen(&ev.event_id, &inbound.message_id) {
             return Handled::Answer(true);
         }
         match self.host.channels.bound_channel(source.as_str()) {
@@ -326,22 +317,6 @@ impl Feishu {
             Intake::Stale => Handled::Answer(true),
             Intake::Submitted(ticket) => Handled::Commit(ticket, source, ev.event_id, message_id),
         }
-    }
-
-    /// Whether this event, or another delivery of its message, was stored lately.
-    fn was_stored(&self, event_id: &str, message_id: &str) -> bool {
-        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        recent
-            .iter()
-            .any(|(e, m)| m == message_id || (!event_id.is_empty() && e == event_id))
-    }
-
-    fn stored(&self, event_id: String, message_id: String) {
-        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        if recent.len() >= RECENT {
-            recent.pop_front();
-        }
-        recent.push_back((event_id, message_id));
     }
 
     /// A message's file, through the message-resource API, into the file cache.
@@ -657,13 +632,8 @@ impl Feishu {
             own_secret,
         };
         let source = source_of(app_id, chat_id);
-        self.host
-            .db
-            .write(|txn| {
-                txn.open_table(FS_CHATS)?
-                    .insert(source.as_str(), miniserde::json::to_string(&info).as_str())?;
-                Ok(())
-            })
+        CHATS
+            .put(&self.host.db, source.as_str(), &info)
             .map_err(Failure::storage)?;
         Ok(source)
     }

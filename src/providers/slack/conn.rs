@@ -31,7 +31,7 @@ use super::event::{self, Event, Frame, Message};
 use super::Slack;
 use crate::ids;
 use crate::peer_wait;
-use crate::providers::socket::{self, Budget, Held, Lanes, Out, QUEUE_SLOTS};
+use crate::providers::socket::{self, Budget, Held, Lanes, Out, Up, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
 use crate::providers::Transient;
 use crate::quiet::Quiet;
@@ -51,9 +51,10 @@ const OPEN_TIMEOUT: Duration = Duration::from_secs(15);
 /// A socket that has not said hello this long after its handshake is given up.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The client pings this often...
-const PING_EVERY: Duration = Duration::from_secs(20);
-/// ...and a socket from which nothing came for this long is replaced.
-const SILENT: Duration = Duration::from_secs(50);
+const PING_EVERY: Duration = Duration::from_secs(15);
+/// ...and a socket from which nothing came for this long is replaced: one lost pong is
+/// forgiven, a half-open link is found at the third ping, within a minute.
+const SILENT: Duration = Duration::from_secs(40);
 /// A replaced connection writes what it owes for at most this long, then closes.
 const DRAIN: Duration = Duration::from_secs(5);
 /// A socket is replaced at Slack's request no sooner than this after it opened.
@@ -75,7 +76,7 @@ pub struct Connections {
 #[derive(Default)]
 struct Shared {
     /// Sockets that said hello and are open now.
-    up: AtomicUsize,
+    up: Arc<AtomicUsize>,
     /// Bots whose connection Slack refuses, and why.
     disabled: Mutex<HashMap<String, String>>,
 }
@@ -116,22 +117,6 @@ impl Connections {
     pub fn disabled(&self, bot: &str) -> Option<String> {
         let disabled = self.shared.disabled.lock().unwrap_or_else(|e| e.into_inner());
         disabled.get(bot).cloned()
-    }
-}
-
-/// Counts a socket as up while it lives.
-struct Up(Arc<Shared>);
-
-impl Up {
-    fn new(shared: &Arc<Shared>) -> Up {
-        shared.up.fetch_add(1, Ordering::Relaxed);
-        Up(shared.clone())
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        self.0.up.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -443,7 +428,7 @@ async fn session(
     retire: smol::channel::Receiver<()>,
     shared: Arc<Shared>,
 ) {
-    let _up = Up::new(&shared);
+    let _up = Up::new(&shared.up);
     let end = live(slack, bot, serial, ws, &signals, retire).await;
     let _ = signals.send(Signal::Ended(serial, end)).await;
 }

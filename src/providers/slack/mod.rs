@@ -30,8 +30,9 @@ use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
 use self::event::{Message, SlackFile};
+use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
-use super::intake::{Arrival, Fetch, Intake, WhenStale};
+use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::{
     field, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
@@ -45,11 +46,14 @@ use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
 use crate::source::Source;
-use crate::store::{self, StoreError};
+use crate::store::StoreError;
 
 const NAME: &str = "slack";
-/// source → `ChannelInfo` JSON.
-const SLACK_CHANNELS: TableDefinition<&str, &str> = TableDefinition::new("slack_channels");
+/// source → `ChannelInfo`.
+const CHANNELS: Rows = Rows {
+    table: TableDefinition::new("slack_channels"),
+    what: "slack channel",
+};
 const FLOW: &str = "slack_app_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text is split at this many characters: Slack documents 40,000, but answers `msg_too_long`
@@ -66,8 +70,7 @@ const NAMES: usize = 512;
 const NAME_TTL: Duration = Duration::from_secs(3600);
 /// Users of one message whose names are looked up (its sender and its first mentions).
 const MENTIONS: usize = 8;
-/// Event and message IDs of recently stored messages: a redelivery is acknowledged at once,
-/// without fetching its file again (the outbox's dedupe is what makes it a duplicate).
+/// Recently stored messages remembered (`Recent`).
 const RECENT: usize = 256;
 /// Messages whose thread is known (a reply goes to the thread's parent, never to a reply).
 const THREADS: usize = 1024;
@@ -112,16 +115,13 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
     let Some(settings) = host.config.provider::<SlackSettings>(NAME).cloned() else {
         return Ok(None);
     };
-    host.db.write(|txn| {
-        txn.open_table(SLACK_CHANNELS)?;
-        Ok(())
-    })?;
+    CHANNELS.create(&host.db)?;
     Ok(Some(Arc::new_cyclic(|me| Slack {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base),
         conns: conn::Connections::default(),
-        recent: Mutex::default(),
+        recent: Recent::new(RECENT),
         names: Mutex::default(),
         threads: Mutex::default(),
         behind: Mutex::default(),
@@ -180,8 +180,7 @@ pub struct Slack {
     host: Arc<Host>,
     api: Api,
     conns: conn::Connections,
-    /// (event ID, message ID) of recently stored messages.
-    recent: Mutex<VecDeque<(String, String)>>,
+    recent: Recent,
     /// user ID → (display name, when looked up).
     names: Mutex<HashMap<String, (String, Instant)>>,
     /// message ID → its thread's parent ts, for replies.
@@ -233,13 +232,7 @@ impl Slack {
     }
 
     fn channel_info(&self, source: &str) -> Result<Option<ChannelInfo>, StoreError> {
-        self.host.db.read(|txn| {
-            let Some(v) = txn.open_table(SLACK_CHANNELS)?.get(source)? else {
-                return Ok(None);
-            };
-            let info = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("slack channel"))?;
-            Ok(Some(info))
-        })
+        CHANNELS.get(&self.host.db, source)
     }
 
     /// The binding of a source and its bot token.
@@ -362,7 +355,7 @@ impl Slack {
         }
         let message_id = m.message_id_in(&info.channel);
         self.remember_thread(&message_id, m.thread());
-        if self.was_stored(&m.event_id, &message_id) {
+        if self.recent.seen(&m.event_id, &message_id) {
             return Handled::Answer(true);
         }
         let tokens = self.tokens(&info.bot_user);
@@ -414,7 +407,7 @@ impl Slack {
         };
         let refused = match ticket.wait() {
             Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                self.stored(event_id, message_id);
+                self.recent.stored(event_id, message_id);
                 return true;
             }
             Ok(Enqueued::CapacityExceeded) => {
@@ -432,22 +425,6 @@ impl Slack {
         let from = event::ts_micros(&ts).unwrap_or(1).saturating_sub(1);
         self.fell_behind(source, from, true);
         false
-    }
-
-    /// Whether this event, or another delivery of its message, was stored lately.
-    fn was_stored(&self, event_id: &str, message_id: &str) -> bool {
-        let recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        recent
-            .iter()
-            .any(|(e, m)| m == message_id || (!event_id.is_empty() && e == event_id))
-    }
-
-    fn stored(&self, event_id: String, message_id: String) {
-        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-        if recent.len() >= RECENT {
-            recent.pop_front();
-        }
-        recent.push_back((event_id, message_id));
     }
 
     fn remember_thread(&self, message_id: &str, thread: &str) {
@@ -851,13 +828,8 @@ impl Slack {
             .outbox
             .move_cursors(&[Cursor::Forward(high_water_key(&source), from)])
             .map_err(Failure::storage)?;
-        self.host
-            .db
-            .write(|txn| {
-                txn.open_table(SLACK_CHANNELS)?
-                    .insert(source.as_str(), miniserde::json::to_string(&binding).as_str())?;
-                Ok(())
-            })
+        CHANNELS
+            .put(&self.host.db, source.as_str(), &binding)
             .map_err(Failure::storage)?;
         // A socket already up for this bot acknowledged this channel's messages as unbound until
         // now: its next message starts with a catch-up from the mark.

@@ -18,6 +18,7 @@ use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
+use super::bindings::Rows;
 use super::keyfiles::KeyFiles;
 use super::{
     field, Activity, AuthStep, Declaration, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Input,
@@ -33,8 +34,11 @@ use crate::source::Source;
 use crate::store::{self, StoreError};
 
 const NAME: &str = "telegram";
-/// source → `ChatInfo` JSON.
-const TG_CHATS: TableDefinition<&str, &str> = TableDefinition::new("telegram_chats");
+/// source → `ChatInfo`.
+const CHATS: Rows = Rows {
+    table: TableDefinition::new("telegram_chats"),
+    what: "telegram chat",
+};
 const FLOW: &str = "telegram_bot_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// Telegram's limit for one message's text.
@@ -113,10 +117,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
     let Some(settings) = host.config.provider::<TelegramSettings>(NAME).cloned() else {
         return Ok(None);
     };
-    host.db.write(|txn| {
-        txn.open_table(TG_CHATS)?;
-        Ok(())
-    })?;
+    CHATS.create(&host.db)?;
     let tg = Arc::new_cyclic(|me| Telegram {
         me: me.clone(),
         host: host.clone(),
@@ -216,24 +217,11 @@ impl Telegram {
     }
 
     fn chat_info(&self, source: &str) -> Result<Option<ChatInfo>, StoreError> {
-        self.host.db.read(|txn| {
-            let Some(v) = txn.open_table(TG_CHATS)?.get(source)? else {
-                return Ok(None);
-            };
-            let info = miniserde::json::from_str(v.value()).map_err(|_| store::corrupt("telegram chat"))?;
-            Ok(Some(info))
-        })
+        CHATS.get(&self.host.db, source)
     }
 
     fn save_chat_info(&self, source: &str, info: &ChatInfo) -> Result<(), Failure> {
-        self.host
-            .db
-            .write(|txn| {
-                txn.open_table(TG_CHATS)?
-                    .insert(source, miniserde::json::to_string(info).as_str())?;
-                Ok(())
-            })
-            .map_err(Failure::storage)
+        CHATS.put(&self.host.db, source, info).map_err(Failure::storage)
     }
 
     /// The update offset of a bot: every update before it is confirmed to Telegram.
