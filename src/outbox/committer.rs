@@ -2,98 +2,22 @@
 //! log append, answers every sender, checkpoints when the log asks for one, and writes the
 //! log records held for a sync that did not come (`wal::HOLD`).
 //!
-//! Senders hand their jobs over through `Queue`, a mutex-guarded list the committer drains
-//! whole. A sender wakes the committer only when it is needed: the first job while the
+//! Senders hand their jobs over through `Queue` (`queue.rs`), a mutex-guarded list the
+//! committer drains whole. A sender wakes the committer only when it is needed: the first job while the
 //! committer is idle, or the one that completes the group it waits for, and only once a wait
 //! (the pushes before the committer runs again would each wake it, a syscall apiece). Jobs
 //! that arrive while a group commits just queue up and are taken at once by the next round,
 //! so a burst of senders costs one wake-up per group, not one per sender.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::durable::Shared;
-use super::{enqueue_in, wal, Enqueued, NewMessage};
-use crate::store::Result;
+use super::queue::{Job, MAX_GROUP, MAX_GROUP_BYTES};
+use super::{enqueue_in, Enqueued};
 
-/// Most enqueues folded into one transaction.
-const MAX_GROUP: usize = 256;
-/// A group stops growing at this many payload bytes, so its log record stays well inside the log.
-pub const MAX_GROUP_BYTES: usize = (wal::LOG_BYTES / 8) as usize;
 /// The committer never waits longer than this for a group to fill.
 const LINGER: Duration = Duration::from_millis(4);
-
-pub struct Job {
-    pub message: NewMessage,
-    pub done: smol::channel::Sender<Result<Enqueued>>,
-}
-
-/// What senders hand the committer.
-#[derive(Default)]
-pub struct Queue {
-    waiting: Mutex<Waiting>,
-    ready: Condvar,
-    #[cfg(test)]
-    wakes: AtomicUsize,
-}
-
-#[derive(Default)]
-struct Waiting {
-    jobs: Vec<Job>,
-    bytes: usize,
-    /// How many queued jobs make the committer want to be woken; 0 while it is busy.
-    want: usize,
-    /// The log asks for upkeep (a checkpoint, or held records to write in time).
-    upkeep: bool,
-    /// The outbox is being dropped: commit what is queued, checkpoint and exit.
-    stop: bool,
-}
-
-impl Waiting {
-    fn full(&self) -> bool {
-        self.jobs.len() >= MAX_GROUP || self.bytes >= MAX_GROUP_BYTES
-    }
-}
-
-impl Queue {
-    fn lock(&self) -> MutexGuard<'_, Waiting> {
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Queues a job; false once the committer has stopped.
-    pub fn push(&self, job: Job) -> bool {
-        let mut w = self.lock();
-        if w.stop {
-            return false;
-        }
-        w.bytes += job.message.payload.len();
-        w.jobs.push(job);
-        let wake = w.want > 0 && (w.jobs.len() >= w.want || w.full());
-        if wake {
-            // One wake-up a wait: the pushes until the committer runs would wake it again.
-            w.want = 0;
-        }
-        drop(w);
-        if wake {
-            #[cfg(test)]
-            self.wakes.fetch_add(1, Ordering::Relaxed);
-            self.ready.notify_one();
-        }
-        true
-    }
-
-    /// The log needs upkeep: a checkpoint, or a new deadline for held records.
-    pub fn wake(&self) {
-        self.lock().upkeep = true;
-        self.ready.notify_one();
-    }
-
-    pub fn stop(&self) {
-        self.lock().stop = true;
-        self.ready.notify_one();
-    }
-}
 
 /// How long, and for how many senders, the committer waits before it commits a group.
 ///
@@ -202,47 +126,5 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
                 let _ = job.done.try_send(Err(e.clone()));
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::outbox::NewMessage;
-
-    fn job(id: &str) -> Job {
-        let (done, _) = smol::channel::bounded(1);
-        let message = NewMessage {
-            source: "hook:a".into(),
-            message_id: id.into(),
-            payload: "{}".into(),
-            reply_ref: None,
-            accepted_at: 0,
-            expires_at: 1,
-            cursors: Vec::new(),
-        };
-        Job { message, done }
-    }
-
-    #[test]
-    fn only_the_push_the_committer_waits_for_wakes_it_and_only_once() {
-        let q = Queue::default();
-        let wakes = || q.wakes.load(Ordering::Relaxed);
-        q.lock().want = 3;
-        assert!(q.push(job("1")) && q.push(job("2")));
-        assert_eq!(wakes(), 0, "the group is not complete yet");
-        assert!(q.push(job("3")));
-        assert_eq!(wakes(), 1, "the third completes the group");
-        assert!(q.push(job("4")) && q.push(job("5")));
-        assert_eq!(
-            wakes(),
-            1,
-            "until the committer runs and waits again, nobody wakes it twice"
-        );
-        q.lock().want = 1;
-        assert!(q.push(job("6")));
-        assert_eq!(wakes(), 2, "waiting again, it is woken again");
-        q.stop();
-        assert!(!q.push(job("7")), "a stopped committer takes nothing");
     }
 }

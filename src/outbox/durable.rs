@@ -45,9 +45,9 @@ use std::time::{Duration, Instant};
 
 use redb::{ReadTransaction, WriteTransaction};
 
-use super::committer::Queue;
 use super::index::Index;
 use super::overlay::{Overlay, Which};
+use super::queue::Queue;
 use super::record;
 use super::tx::{Base, Reader, Tx};
 use super::wal::{self, Log, NoRoom};
@@ -57,7 +57,7 @@ use crate::store::{self, Db, Result, StoreError};
 /// `meta` key: the last log record redb's tables contain.
 const APPLIED_KEY: &str = "outbox_log_applied";
 /// A checkpoint is due once the log holds this much. It bounds what a start after a crash
-/// replays (this plus one group, `committer::MAX_GROUP_BYTES`) and the overlay's memory; what it no
+/// replays (this plus one group, `queue::MAX_GROUP_BYTES`) and the overlay's memory; what it no
 /// longer sets is a pace: at an appliance's message a second the log takes many minutes to
 /// fill, and every message delivered meanwhile never reaches redb.
 pub const CHECKPOINT_BYTES: u64 = wal::LOG_BYTES / 4;
@@ -708,7 +708,7 @@ pub(super) fn load_index(read: &Reader) -> Result<Index> {
 
 /// The tables exist before anything reads them.
 pub(super) fn create_tables(txn: &WriteTransaction) -> Result<()> {
-    use super::tx::{COUNTERS, DELIVERED, MESSAGES, REPLY_REFS};
+    use super::tables::{COUNTERS, DELIVERED, MESSAGES, REPLY_REFS};
     txn.open_table(MESSAGES)?;
     txn.open_table(DELIVERED)?;
     txn.open_table(COUNTERS)?;

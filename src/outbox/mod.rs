@@ -31,7 +31,9 @@ mod committer;
 mod durable;
 mod index;
 mod overlay;
+mod queue;
 mod record;
+mod tables;
 mod tx;
 pub mod wal;
 
@@ -42,11 +44,11 @@ use std::time::Duration;
 
 use miniserde::{Deserialize, Serialize};
 
-use self::committer::{Job, Queue};
 pub use self::durable::LogReport;
 use self::durable::Shared;
 use self::index::{Index, Place};
 use self::overlay::Which;
+use self::queue::{Job, Queue};
 pub use self::record::{Header, StoredMessage};
 use self::tx::Tx;
 use crate::config::Overflow;
@@ -1293,7 +1295,7 @@ mod tests {
         let in_redb = db
             .read(|txn| {
                 use redb::ReadableTableMetadata;
-                Ok(txn.open_table(tx::MESSAGES)?.len()?)
+                Ok(txn.open_table(tables::MESSAGES)?.len()?)
             })
             .unwrap();
         assert_eq!(in_redb as usize, live.len());
@@ -1342,7 +1344,7 @@ mod tests {
         let in_redb = db
             .read(|txn| {
                 use redb::ReadableTableMetadata;
-                Ok(txn.open_table(tx::MESSAGES)?.len()?)
+                Ok(txn.open_table(tables::MESSAGES)?.len()?)
             })
             .unwrap();
         assert_eq!(in_redb as usize, live.len());
@@ -1406,7 +1408,7 @@ mod tests {
         let in_redb: Vec<u64> = db
             .read(|txn| {
                 use redb::ReadableTable;
-                let table = txn.open_table(tx::MESSAGES)?;
+                let table = txn.open_table(tables::MESSAGES)?;
                 let seqs = table.iter()?.map(|r| Ok(r?.0.value().1)).collect();
                 seqs
             })

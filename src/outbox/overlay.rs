@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use redb::WriteTransaction;
 
-use super::tx::{COUNTERS, DELIVERED, MESSAGES, REPLY_REFS};
+use super::tables::{COUNTERS, DELIVERED, MESSAGES, REPLY_REFS};
 use crate::store::{self, Result};
 
 /// One key's state in the overlay.

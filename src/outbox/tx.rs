@@ -19,16 +19,8 @@ use std::cell::OnceCell;
 use redb::{ReadOnlyTable, ReadTransaction, ReadableTable, TableDefinition};
 
 use super::overlay::{layered, merge, Overlay, Row, Slot, Undo, Which};
+use super::tables::{COUNTERS, DELIVERED, MESSAGES, REPLY_REFS};
 use crate::store::{self, Result, StoreError};
-
-/// `(source, seq)` → record (`record.rs`). `seq` grows per source: key order is acceptance order.
-pub const MESSAGES: TableDefinition<(&str, u64), &str> = TableDefinition::new("messages");
-/// `(source, seq)` → `"expires_at reply_ref message_id"` of delivered messages, for dedupe.
-pub const DELIVERED: TableDefinition<(&str, u64), &str> = TableDefinition::new("delivered");
-/// source → `Tally` JSON.
-pub const COUNTERS: TableDefinition<&str, &str> = TableDefinition::new("counters");
-/// reply_ref token → `ReplyRef` JSON; a reference leaves with its message or its dedupe entry.
-pub const REPLY_REFS: TableDefinition<&str, &str> = TableDefinition::new("reply_refs");
 
 const T_MESSAGES: u8 = 1;
 const T_DELIVERED: u8 = 2;
