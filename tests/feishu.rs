@@ -291,10 +291,8 @@ fn a_burst_larger_than_the_read_budget_is_stored_whole_and_in_order() {
     let mut frames = vec![sim.push_event(APP, &first, 1)];
     let text = "x".repeat(60 << 10);
     frames.extend((1..60).map(|i| sim.push_event(APP, &text_event(&format!("om_7{i:02}"), &text), 1)));
-    assert!(
-        sim.wait_answered(60, Duration::from_secs(30)),
-        "every event is answered"
-    );
+    // While answers keep coming: a busy machine answers late, not never.
+    assert!(sim.wait_answered(60, QUIET), "every event is answered");
     assert_eq!(sim.answered(500), 0, "none refused");
     for f in &frames {
         assert_eq!(sim.answer(f, WAIT).map(|a| a.0), Some(200));
@@ -564,6 +562,9 @@ fn a_gateway_flooding_events_that_never_reads_the_answers_costs_bounded_memory_a
 #[test]
 fn a_gateway_flooding_pings_that_never_reads_costs_bounded_memory() {
     let (d, sim) = feishu("fs-pingflood", &[]);
+    // Pings every 10 s (the least imgate takes): a link that goes silent after the flood is
+    // found dead within three of them, whatever its socket says.
+    sim.set_ping_interval(10);
     let _x = bound(&d, &sim);
     let before = hwm_kib(d.pid());
     sim.flood_next(APP, Flood::Pings);
@@ -572,11 +573,9 @@ fn a_gateway_flooding_pings_that_never_reads_costs_bounded_memory() {
         sim.wait_connected(APP, 2, Duration::from_secs(60)),
         "the flooding gateway"
     );
-    // Generous: a busy machine reads slowly, but a reader that stopped never gets this far.
-    assert!(
-        sim.wait_floods_ended(1, Duration::from_secs(120)),
-        "the ping flood ended"
-    );
+    // For as long as bursts keep going out: a busy machine reads slowly, but a reader that
+    // stopped writes none for 30 s (the simulator's write timeout), which ends the flood short.
+    assert!(sim.wait_floods_ended(1, QUIET), "the ping flood ended");
     let grew = hwm_kib(d.pid()).saturating_sub(before);
     println!("{} ping frames sent; peak RSS grew {grew} KiB", sim.flood_sent() * 1000);
     assert_eq!(sim.flood_sent(), 200, "imgate went on reading the pings");
@@ -586,8 +585,18 @@ fn a_gateway_flooding_pings_that_never_reads_costs_bounded_memory() {
     // The pings still in the socket's buffers are read first (a debug build beside other tests
     // takes its time), then the reconnect interval after a quick drop, the endpoint and the
     // handshake: on a busy machine, well over `WAIT`.
+    let cpu = |pid: u32| -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+        fields.get(11).and_then(|u| u.parse().ok()).unwrap_or(0)
+    };
+    let connected = sim.wait_connected(APP, 3, Duration::from_secs(180));
+    let busy = cpu(d.pid());
+    std::thread::sleep(Duration::from_secs(1));
+    let busy = cpu(d.pid()) - busy;
     assert!(
-        sim.wait_connected(APP, 3, Duration::from_secs(180)),
-        "the app connects again after the flood"
+        connected,
+        "the app connects again after the flood (imgate used {busy} ticks of CPU in the last second); the log ends:\n{}",
+        d.log().lines().rev().filter(|l| !l.contains("data plane")).take(30).collect::<Vec<_>>().join("\n")
     );
 }

@@ -536,7 +536,9 @@ fn sigkill_between_get_updates_and_commit_neither_skips_nor_accepts_twice() {
     y.hello(&connector_id);
     y.open(Some(&cch));
     let mut texts = std::collections::BTreeSet::new();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    // For as long as they keep coming (a new text pushed, fewer pending): a busy machine is
+    // slower, not red.
+    let mut progress = Progress::new(QUIET);
     loop {
         while let Some(p) = y.next_push(Duration::from_millis(300)) {
             texts.insert(p["payload"]["raw_text"].as_str().unwrap().to_string());
@@ -548,8 +550,8 @@ fn sigkill_between_get_updates_and_commit_neither_skips_nor_accepts_twice() {
             break;
         }
         assert!(
-            std::time::Instant::now() < deadline,
-            "{} of {sent} pushed: {c}",
+            progress.moving((texts.len(), c["pending"].clone())),
+            "{} of {sent} pushed, and none more for {QUIET:?}: {c}",
             texts.len()
         );
     }

@@ -272,6 +272,26 @@ impl FeishuSim {
         true
     }
 
+    /// Waits until `ready` holds for as long as `progress` (a figure that moves with every event)
+    /// keeps changing; false only once it has not changed for `quiet`: a busy machine is slower,
+    /// not stuck.
+    fn wait_moving<P: PartialEq>(
+        &self,
+        quiet: Duration,
+        progress: impl Fn(&State) -> P,
+        ready: impl Fn(&State) -> bool,
+    ) -> bool {
+        let mut moving = super::Progress::new(quiet);
+        let mut s = self.state.0.lock().unwrap();
+        while !ready(&s) {
+            if !moving.moving(progress(&s)) {
+                return false;
+            }
+            s = self.state.1.wait_timeout(s, Duration::from_millis(50)).unwrap().0;
+        }
+        true
+    }
+
     /// A self-built app; `long_conn`: its events go through the long connection.
     pub fn add_app(&self, app_id: &str, secret: &str, long_conn: bool) {
         self.with(|s| {
@@ -311,6 +331,11 @@ impl FeishuSim {
     }
 
     /// Every token issued so far stops working (as after its two hours).
+    /// The `PingInterval` (seconds) the endpoint and pong frames give from now on.
+    pub fn set_ping_interval(&self, secs: u64) {
+        self.with(|s| s.ping_interval = secs);
+    }
+
     pub fn expire_tokens(&self) {
         self.with(|s| s.tokens.values_mut().for_each(|t| t.1 = false));
     }
@@ -356,9 +381,10 @@ impl FeishuSim {
         self.with(|s| s.floods_ended)
     }
 
-    /// Waits until `n` floods ended.
-    pub fn wait_floods_ended(&self, n: usize, timeout: Duration) -> bool {
-        self.wait(timeout, |s| s.floods_ended >= n)
+    /// Waits until `n` floods ended, for as long as their frames keep going out: false only once
+    /// neither a frame was written nor a flood ended for `quiet`.
+    pub fn wait_floods_ended(&self, n: usize, quiet: Duration) -> bool {
+        self.wait_moving(quiet, |s| (s.flood_sent, s.floods_ended), |s| s.floods_ended >= n)
     }
 
     /// Waits for a ping naming `service`.
@@ -444,9 +470,11 @@ impl FeishuSim {
         self.with(|s| s.answers.iter().filter(|a| a.1 == code).count())
     }
 
-    /// Waits until `n` events were answered with 200.
-    pub fn wait_answered(&self, n: usize, timeout: Duration) -> bool {
-        self.wait(timeout, |s| s.answers.iter().filter(|a| a.1 == 200).count() >= n)
+    /// Waits until `n` events were answered with 200, for as long as answers keep coming: false
+    /// only once no new one came for `quiet` (no total deadline over many events).
+    pub fn wait_answered(&self, n: usize, quiet: Duration) -> bool {
+        let ok = |s: &State| s.answers.iter().filter(|a| a.1 == 200).count();
+        self.wait_moving(quiet, ok, |s| ok(s) >= n)
     }
 }
 

@@ -388,6 +388,42 @@ pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+// ---------- waits on many events: progress, not a clock ----------
+
+/// How long a wait on many events (pushes, answers, polls, a backlog draining) goes on with no
+/// new one before it gives up. Such a wait has no total deadline: a busy machine delivers late,
+/// not never, so it is slower there, not red; only a quiet this long means nothing is coming.
+pub const QUIET: Duration = Duration::from_secs(60);
+
+/// The clock of a wait on many events: it starts again whenever the figure it is shown (a
+/// count of pushes, the messages still pending...) changes, and runs out after `quiet` without
+/// a change. The figure must move only with real progress and be bounded (a count of distinct
+/// messages, what is left to drain), or the wait could go on for ever.
+pub struct Progress<P> {
+    quiet: Duration,
+    last: Option<P>,
+    since: Instant,
+}
+
+impl<P: PartialEq> Progress<P> {
+    pub fn new(quiet: Duration) -> Progress<P> {
+        Progress {
+            quiet,
+            last: None,
+            since: Instant::now(),
+        }
+    }
+
+    /// Notes the figure `now`; false once it has not changed for `quiet` (the wait gives up).
+    pub fn moving(&mut self, now: P) -> bool {
+        if self.last.as_ref() != Some(&now) {
+            self.last = Some(now);
+            self.since = Instant::now();
+        }
+        self.since.elapsed() < self.quiet
+    }
+}
+
 /// For each of `file_sizes()`, `send(i, bytes)` has a provider's user send a file of that size
 /// (`i` picks the kind: 0 a photo); the message is pushed and its file downloads whole.
 pub fn every_size_downloads_whole(d: &Daemon, x: &mut Sim, mut send: impl FnMut(usize, &[u8])) {

@@ -269,6 +269,10 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
         let bytes = match step {
             Step::Writer(why) => return why,
             Step::Ping => {
+                log::trace!(
+                    "feishu: app {app}: ping; last heard from the server {:?} ago",
+                    now.duration_since(last_heard)
+                );
                 // The server answers every ping; three intervals of silence is a dead link.
                 if now.duration_since(last_heard) > config.ping_every * 3 {
                     return "no answer to pings".into();
