@@ -21,7 +21,6 @@ use super::event::{self, ts_micros, ts_of, Message};
 use super::{high_water_key, Behind, ChannelInfo, Slack};
 use crate::json::{self, Object, Value};
 use crate::outbox::Cursor;
-use crate::providers::intake::WhenStale;
 use crate::providers::with_retry;
 use crate::source::Source;
 
@@ -113,7 +112,7 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
             // reads the window again, its messages duplicates by their ID).
             let handled: Vec<_> = messages
                 .into_iter()
-                .map(|m| slack.prepare(source, info, m, false, WhenStale::CountExpired))
+                .map(|m| slack.prepare(source, info, &tokens.bot, m, false))
                 .collect();
             let stored = handled.into_iter().map(|h| slack.finish(source, h));
             // Every one is waited for: one not stored leaves the channel behind from it.

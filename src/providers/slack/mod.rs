@@ -325,6 +325,9 @@ impl Slack {
             // Not caught up: the channel stays behind, and its live messages move no mark.
             let _ = catchup::run(self, &source, &info);
         }
+        // Read once a batch: every message's name lookups and file need it.
+        let tokens = self.tokens(&info.bot_user);
+        let bot_token = tokens.as_ref().map_or("", |t| t.bot.as_str());
         let moves_cursor = !self
             .behind
             .lock()
@@ -332,7 +335,7 @@ impl Slack {
             .contains_key(&source);
         let handled: Vec<Handled> = messages
             .into_iter()
-            .map(|m| self.prepare(&source, &info, m, moves_cursor, WhenStale::CountExpired))
+            .map(|m| self.prepare(&source, &info, bot_token, m, moves_cursor))
             .collect();
         handled.into_iter().map(|h| self.finish(&source, h)).collect()
     }
@@ -347,7 +350,7 @@ impl Slack {
 
     /// One message up to its hand-over to the outbox. `cursor`: its commit moves the channel's
     /// high-water mark to it.
-    fn prepare(&self, source: &Source, info: &ChannelInfo, m: Message, cursor: bool, stale: WhenStale) -> Handled {
+    fn prepare(&self, source: &Source, info: &ChannelInfo, bot_token: &str, m: Message, cursor: bool) -> Handled {
         if m.user == info.bot_user || m.bot_id.as_deref() == Some(info.bot_id.as_str()) {
             // The bot's own messages come back as events: never pushed to the agent.
             self.counts.skipped.fetch_add(1, Ordering::Relaxed);
@@ -358,8 +361,6 @@ impl Slack {
         if self.recent.seen(&m.event_id, &message_id) {
             return Handled::Answer(true);
         }
-        let tokens = self.tokens(&info.bot_user);
-        let bot_token = tokens.as_ref().map(|t| t.bot.as_str()).unwrap_or_default();
         let names = self.names_of(bot_token, &m);
         let name_of = |u: &str| names.iter().find(|(id, _)| id == u).map(|(_, n)| n.clone());
         let ts = event::ts_micros(&m.ts).unwrap_or_default();
@@ -389,7 +390,8 @@ impl Slack {
                 true => vec![Cursor::Forward(high_water_key(source), ts)],
                 false => Vec::new(),
             },
-            when_stale: stale,
+            // Older than the TTL (a catch-up after a long outage): counted expired.
+            when_stale: WhenStale::CountExpired,
         };
         match self.host.intake(arrival) {
             // Older than the TTL: counted expired, never pushed.
