@@ -197,8 +197,8 @@ pub enum Flood {
         header_len: usize,
         echoed_len: usize,
     },
-    /// 125-byte WebSocket pings (each would get a pong), 200 bursts of 1,000, each burst
-    /// written within 30 s or the flood ends.
+    /// 125-byte WebSocket pings (each would get a pong), `ping_bursts()` bursts of 1,000, each
+    /// burst written within 30 s or the flood ends.
     Pings,
 }
 
@@ -711,7 +711,9 @@ fn long_connection(state: &Arc<(Mutex<State>, Condvar)>, stream: TcpStream) {
     };
     let Some(app) = app.lock().unwrap().clone() else { return };
     let (tx, rx) = mpsc::channel::<Vec<u8>>();
-    let serial = {
+    // The serial and the flood are decided under one lock: a test that sees connection `n` and
+    // then asks for a flood gets it on the next connection, never on `n`.
+    let (serial, flood) = {
         let mut s = state.0.lock().unwrap();
         s.next_conn += 1;
         let serial = s.next_conn;
@@ -726,9 +728,8 @@ fn long_connection(state: &Arc<(Mutex<State>, Condvar)>, stream: TcpStream) {
         }
         s.conns.insert(app.clone(), (serial, tx));
         state.1.notify_all();
-        serial
+        (serial, s.floods.remove(&app))
     };
-    let flood = state.0.lock().unwrap().floods.remove(&app);
     if let Some(flood) = flood {
         match flood {
             Flood::Events {
@@ -846,16 +847,34 @@ fn flood_events(
     }
 }
 
-/// 200 bursts of 1,000 WebSocket pings of 125 bytes (server frames: unmasked), written
-/// straight to the socket; their pongs, were they all queued, would be 26 MB.
+/// The bytes of one burst of `Flood::Pings`: 1,000 pings of 125 bytes with their headers.
+const PING_BURST: usize = 127 * 1000;
+
+/// Bursts in a ping flood: at least 200 (their pongs, were they all queued, would be 26 MB),
+/// and 100 more than this machine's largest TCP buffers of both ends hold, so that a flood
+/// written whole was read by imgate, not only taken by the kernel (loopback buffers grow to
+/// `tcp_rmem`'s maximum, 32 MiB on some machines).
+pub fn ping_bursts() -> usize {
+    let most = |file: &str| -> usize {
+        let text = std::fs::read_to_string(format!("/proc/sys/net/ipv4/{file}")).unwrap_or_default();
+        text.split_whitespace()
+            .last()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(8 << 20)
+    };
+    ((most("tcp_rmem") + most("tcp_wmem")) / PING_BURST + 100).max(200)
+}
+
+/// `ping_bursts()` bursts of 1,000 WebSocket pings of 125 bytes (server frames: unmasked),
+/// written straight to the socket.
 fn flood_pings(state: &Arc<(Mutex<State>, Condvar)>, ws: &mut tungstenite::WebSocket<TcpStream>) {
     let mut ping = vec![0x89u8, 125];
     ping.extend_from_slice(&[b'p'; 125]);
-    let burst: Vec<u8> = ping.iter().copied().cycle().take(ping.len() * 1000).collect();
+    let burst: Vec<u8> = ping.iter().copied().cycle().take(PING_BURST).collect();
     let socket = ws.get_mut();
     // Generous: a busy machine reads slowly, but a reader that stopped never takes this long.
     let _ = socket.set_write_timeout(Some(Duration::from_secs(30)));
-    for _ in 0..200 {
+    for _ in 0..ping_bursts() {
         if std::io::Write::write_all(socket, &burst).is_err() {
             return;
         }
