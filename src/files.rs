@@ -29,6 +29,7 @@ use redb::{ReadableTable, TableDefinition};
 
 use crate::config;
 use crate::ids;
+use crate::quiet;
 use crate::store::{self, Db, StoreError};
 
 /// file_ref → `FileRecord` JSON.
@@ -114,6 +115,16 @@ pub struct Files {
     limits: config::Files,
 }
 
+/// A file refused for want of room, logged at most once a minute: uploads and downloads come
+/// as fast as peers send them.
+fn cache_full() -> FileError {
+    static CACHE_FULL: quiet::Site = quiet::Site::new();
+    if let Some(more) = CACHE_FULL.admit() {
+        log::warn!("files: cache full ([files] max_bytes_total); a file was refused{more}");
+    }
+    FileError::CacheFull
+}
+
 fn decode(v: &str) -> store::Result<FileRecord> {
     miniserde::json::from_str(v).map_err(|_| store::corrupt("file record"))
 }
@@ -191,8 +202,7 @@ impl Files {
             self.sweep(ids::now_ms());
             total = self.total_bytes().map_err(storage)?;
             if !fits(total) {
-                log::warn!("files: cache full ({max_total} bytes max, {total} used); a file was refused");
-                return Err(FileError::CacheFull);
+                return Err(cache_full());
             }
         }
         let file_ref = ids::token("file_");
@@ -245,7 +255,7 @@ impl Files {
                 return Ok(Err(FileError::TooLarge));
             }
             if sum(&t)? + size > max_total {
-                return Ok(Err(FileError::CacheFull));
+                return Ok(Err(cache_full()));
             }
             t.insert(part.file_ref.as_str(), miniserde::json::to_string(&rec).as_str())?;
             Ok(Ok(()))
@@ -389,7 +399,7 @@ impl FilePart {
             return Err(FileError::TooLarge);
         }
         if total > self.room {
-            return Err(FileError::CacheFull);
+            return Err(cache_full());
         }
         let file = self.file.as_mut().ok_or_else(|| storage("file part already closed"))?;
         file.write_all(bytes).map_err(storage)?;

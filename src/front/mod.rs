@@ -21,7 +21,7 @@ pub mod upgrade;
 pub mod upload;
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -79,18 +79,39 @@ pub const LIMITS: Limits = Limits {
 /// Requests between their head and their answer, over all connections. Shutdown waits for it
 /// to reach zero before it lets go of the plane.
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+/// Set when shutdown begins: a request that starts after it is answered 503 (a kept-alive
+/// connection outlives the listener, and a request on it must not reach an outbox being closed).
+static STOPPING: AtomicBool = AtomicBool::new(false);
 
 pub fn requests_in_flight() -> usize {
     IN_FLIGHT.load(Ordering::SeqCst)
 }
 
+/// Shutdown's first step: no request starts after this returns; those already started are
+/// counted in `requests_in_flight`.
+pub fn stop_accepting() {
+    STOPPING.store(true, Ordering::SeqCst);
+}
+
+fn stopping() -> bool {
+    STOPPING.load(Ordering::SeqCst)
+}
+
 struct InFlight;
 
 impl InFlight {
-    fn start() -> InFlight {
+    /// `None` once shutdown began. Counted first and the flag read after (both `SeqCst`,
+    /// shutdown sets the flag before it reads the count): a request is either seen by the
+    /// shutdown's wait or sees the flag, never neither.
+    fn start() -> Option<InFlight> {
         IN_FLIGHT.fetch_add(1, Ordering::SeqCst);
-        InFlight
+        let counted = InFlight;
+        (!stopping()).then_some(counted)
     }
+}
+
+fn stopping_answer() -> Answer {
+    Answer::error(503, "stopping").closing()
 }
 
 impl Drop for InFlight {
@@ -231,9 +252,12 @@ impl FrontDoor {
                 }
             }
         };
+        let Some(in_flight) = InFlight::start() else {
+            return Plan::Answer(stopping_answer());
+        };
         Plan::Read {
             cap,
-            hold: Box::new(Hold(InFlight::start(), taken)),
+            hold: Box::new(Hold(in_flight, taken)),
         }
     }
 
@@ -241,7 +265,10 @@ impl FrontDoor {
     /// checks the channel and the multipart boundary the head names before it keeps a byte.
     fn upload(&self, head: &Head, client: IpAddr) -> Plan {
         let Some(plane) = self.plane.upgrade() else {
-            return Plan::Answer(Answer::error(503, "stopping").closing());
+            return Plan::Answer(stopping_answer());
+        };
+        let Some(in_flight) = InFlight::start() else {
+            return Plan::Answer(stopping_answer());
         };
         let Some(taken) = self.uploads.take(upload::HELD) else {
             stats::note(Cause::Busy, Some(client), "too many uploads at once");
@@ -249,7 +276,7 @@ impl FrontDoor {
         };
         Plan::Stream {
             cap: self.upload_cap,
-            hold: Box::new(Hold(InFlight::start(), Some(taken))),
+            hold: Box::new(Hold(in_flight, Some(taken))),
             sink: Box::new(Upload::new(
                 plane.app.host.clone(),
                 head.header("X-XAgent-Connector-Channel-ID"),
@@ -372,7 +399,7 @@ impl FrontDoor {
     fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>, client: IpAddr) -> Reply<'a> {
         Box::pin(async move {
             let Some(plane) = self.plane.upgrade() else {
-                return Answer::error(503, "stopping").closing();
+                return stopping_answer();
             };
             let route = self.route(&head.path);
             if let Some(provider) = plane.providers.for_route(&head.method, route).cloned() {
@@ -572,7 +599,7 @@ async fn serve_client<S>(
     };
     // The session owns the socket from here: its end closes it, not this function's.
     drop(life);
-    let Some(plane) = door.plane.upgrade().filter(|a| !a.is_stopping()) else {
+    let Some(plane) = door.plane.upgrade().filter(|a| !a.is_stopping() && !stopping()) else {
         let mut s = stream;
         let _ = s.write_all(&conn::error_bytes(503, "stopping")).await;
         return;
