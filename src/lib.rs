@@ -11,6 +11,7 @@ mod faults;
 mod files;
 mod front;
 pub mod fuzzing;
+mod heap;
 mod http;
 mod hub;
 mod ids;

@@ -2,6 +2,7 @@
 //! sweeps every `cleanup_interval`, the `connector_id` lease when it could run out, and the
 //! database's reopen after an I/O error (each second while one is pending, woken by the store
 //! when one happens). The work runs on a blocking thread; an idle daemon is not woken for it.
+//! Each sweep also gives the heap's free memory back to the system.
 
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -60,6 +61,9 @@ fn work(plane: &Arc<Plane>, sweep: bool) -> (Duration, bool) {
         }
         plane.sweep(now);
         plane.files.sweep(now);
+        // Bursts delivery does not see (uploads, webhooks piling up while xAgent is away)
+        // leave free memory in the heap too; the sweep already woke the daemon for this.
+        crate::heap::give_back();
     }
     (lease_left, plane.outbox.needs_recovery())
 }

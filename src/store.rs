@@ -29,8 +29,12 @@ pub const FORMAT_VERSION: u64 = 1;
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
 const FORMAT_KEY: &str = "format_version";
 
-/// redb's page cache; the backlog lives on disk, so a small cache keeps RSS flat.
-const CACHE_BYTES: usize = 2 << 20;
+/// redb's page cache; the backlog lives on disk, so a small cache keeps RSS flat. It stays full
+/// once a backlog passed through (the allocator can give back only what is free): 2 MiB left a
+/// drained daemon 2.6 MiB over a fresh one's idle, 512 KiB leaves it 1 MiB over, at the same
+/// bytes per message on the disk and a few percent less delivery rate (tests/budgets.rs
+/// `idle_memory_after_backlogs_drain`, tests/bench.rs).
+const CACHE_BYTES: usize = 512 << 10;
 /// A failed reopen is tried again at most this often.
 const REOPEN_EVERY: Duration = Duration::from_secs(1);
 

@@ -1168,3 +1168,203 @@ fn bench_files() {
     }
     println!("(each file 20 MiB = max_file_bytes; VmHWM of a fresh process per phase)");
 }
+
+/// One moment's figures of a board's month: RSS now and at its peak (KiB), the redb file and
+/// the state dir (bytes), open fds.
+struct Board {
+    rss: u64,
+    peak: u64,
+    redb: u64,
+    state: u64,
+    fds: usize,
+}
+
+impl Board {
+    fn of(d: &Daemon, peak: u64) -> Board {
+        let state = d.dir.join("state");
+        let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+        fn du(p: &std::path::Path) -> u64 {
+            std::fs::read_dir(p).map_or(0, |entries| {
+                entries
+                    .flatten()
+                    .map(|e| match e.file_type() {
+                        Ok(t) if t.is_dir() => du(&e.path()),
+                        _ => e.metadata().map_or(0, |m| m.len()),
+                    })
+                    .sum()
+            })
+        }
+        Board {
+            rss: proc_field(d.pid(), "status", "VmRSS:"),
+            peak: peak.max(proc_field(d.pid(), "status", "VmHWM:")),
+            redb: size(&state.join("imgate.redb")),
+            state: du(&state),
+            fds: std::fs::read_dir(format!("/proc/{}/fd", d.pid())).map_or(0, |e| e.count()),
+        }
+    }
+}
+
+/// Each channel's figures from `/status`, summed: (pending, delivered, expired, evicted).
+fn fates(d: &Daemon) -> (u64, u64, u64, u64) {
+    let s = get_json(&d.url("/status"));
+    let mut sum = (0, 0, 0, 0);
+    for c in s["channels"].as_array().into_iter().flatten() {
+        let n = |k: &str| c[k].as_u64().unwrap_or(0);
+        sum.0 += n("pending");
+        sum.1 += n("delivered");
+        sum.2 += n("expired");
+        sum.3 += n("evicted");
+    }
+    sum
+}
+
+/// xAgent for a while: connects, opens the channels and takes what is pushed (ponging each
+/// round) until `until`; gives up quietly when imgate goes away meanwhile.
+fn xagent_visit(port: u16, channels: &[String], until: Instant) {
+    let Ok(ws) = try_connect(port, Some(API_KEY), Some(SUBPROTOCOL)) else {
+        return;
+    };
+    let mut x = Sim::from_ws(ws);
+    x.checked = false;
+    let visit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        x.hello("");
+        for cch in channels {
+            x.open(Some(cch));
+        }
+        while Instant::now() < until {
+            x.recv_within(Duration::from_millis(200));
+        }
+    }));
+    drop(visit);
+}
+
+/// Weeks on a board in `IMGATE_MONTH_SECS` seconds (default 300; the README's figures are of
+/// 1,500): eight webhook channels (TTL 30 s, 200 messages and 1 MiB each, 4 MiB in all) take
+/// messages of 1 to 60 KiB from four senders while xAgent leaves and comes back, so backlogs
+/// pile up, expire, are evicted and drain; every life of the process (about 40 s) ends in
+/// SIGTERM, or SIGKILL one time in three, and a restart. At the end the senders stop, xAgent
+/// takes the rest and stays a minute. Printed side by side, at the start and the end: RSS
+/// (idle and peak), the redb file, the state dir, open fds, the device's bytes per message
+/// (ext4 on a loop device, needs root) and the messages lost (accepted, less delivered,
+/// expired, evicted and still pending).
+#[test]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
+fn bench_month() {
+    const CHANNELS: usize = 8;
+    let secs: u64 = std::env::var("IMGATE_MONTH_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let dir = temp_dir("bench-month");
+    let disk = std::panic::catch_unwind(|| common::ext4::Ext4::mount(&dir.join("disk.img"), &dir.join("state")));
+    let mut extra = String::from(
+        "[queue]\nttl = 30s\nmax_messages_per_channel = 200\nmax_bytes_per_channel = 1MiB\nmax_bytes_total = 4MiB\n",
+    );
+    for c in 1..CHANNELS {
+        extra.push_str(&format!("[webhook.c{c}]\nsecret = {HOOK_SECRET}\n"));
+    }
+    let port = free_port();
+    let mut d = Daemon::start_logging(&dir, &config_text(port, &dir, None, &extra), "warn");
+    let names: Vec<String> = std::iter::once("alerts".to_string())
+        .chain((1..CHANNELS).map(|c| format!("c{c}")))
+        .collect();
+    let channels: Vec<String> = {
+        let mut x = d.xagent();
+        x.hello("");
+        names
+            .iter()
+            .map(|name| {
+                let (cch, _) = x.open(None);
+                x.bind_webhook(&cch, name, HOOK_SECRET);
+                cch
+            })
+            .collect()
+    };
+    std::thread::sleep(Duration::from_secs(5));
+    let start = Board::of(&d, 0);
+    let written0 = disk.as_ref().map_or(0, |fs| disk_written(&d, Some(fs)));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let accepted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let senders: Vec<_> = (0..4)
+        .map(|s| {
+            let (stop, accepted, names) = (stop.clone(), accepted.clone(), names.clone());
+            std::thread::spawn(move || {
+                let agent = load_agent();
+                let mut i = 0usize;
+                while !stop.load(Ordering::SeqCst) {
+                    i += 1;
+                    let name = &names[(i * 7 + s) % names.len()];
+                    let size = 1024 + (i * 7919 + s * 104_729) % (59 * 1024);
+                    let id = format!("s{s}-{i:07}");
+                    let body = json!({"message_id": id, "sender_id": "board", "text": "m".repeat(size)}).to_string();
+                    let sent = agent
+                        .post(&format!("http://127.0.0.1:{port}/hooks/{name}"))
+                        .header("Authorization", &format!("Bearer {HOOK_SECRET}"))
+                        .send(body);
+                    if sent.is_ok_and(|r| r.status().as_u16() == 202) {
+                        accepted.fetch_add(1, Ordering::SeqCst);
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        })
+        .collect();
+    let began = Instant::now();
+    let (mut peak, mut lives, mut kills) = (start.peak, 1, 0);
+    while began.elapsed() < Duration::from_secs(secs) {
+        // Away for 10 to 25 s (a backlog piles up, expires, is evicted), then back for 15 s.
+        std::thread::sleep(Duration::from_secs(10 + (lives * 7) % 16));
+        xagent_visit(port, &channels, Instant::now() + Duration::from_secs(15));
+        peak = peak.max(proc_field(d.pid(), "status", "VmHWM:"));
+        if lives % 3 == 0 {
+            d.kill();
+            kills += 1;
+        } else {
+            d.signal("TERM");
+            d.wait_exit(Duration::from_secs(10)).expect("exits after SIGTERM");
+        }
+        d = d.restart();
+        lives += 1;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for s in senders {
+        s.join().unwrap();
+    }
+    // xAgent takes the rest (or it expires), then stays connected, idle, for a minute.
+    let mut progress = Progress::new(QUIET);
+    while fates(&d).0 > 0 {
+        xagent_visit(port, &channels, Instant::now() + Duration::from_secs(2));
+        assert!(progress.moving(fates(&d).0), "the backlog drains");
+    }
+    let drained = proc_field(d.pid(), "status", "VmRSS:");
+    xagent_visit(port, &channels, Instant::now() + Duration::from_secs(60));
+    let end = Board::of(&d, peak);
+    let accepted = accepted.load(Ordering::SeqCst);
+    let (pending, delivered, expired, evicted) = fates(&d);
+    // A message committed just before a SIGKILL may never have had its 202 written: it counts
+    // in its fate, not in `accepted`.
+    let fated = pending + delivered + expired + evicted;
+    let (lost, unanswered) = (accepted.saturating_sub(fated), fated.saturating_sub(accepted));
+    let per_message = disk
+        .as_ref()
+        .map(|fs| format!("{} B", (disk_written(&d, Some(fs)) - written0) / accepted.max(1)));
+    println!(
+        "{secs} s, {lives} lives ({kills} ended by SIGKILL), {accepted} messages accepted: {delivered} delivered, {expired} expired, {evicted} evicted, {pending} pending ({unanswered} stored whose 202 a kill cut short); lost {lost}"
+    );
+    println!("{:<28} {:>12} {:>12}", "", "start", "end");
+    println!("{:<28} {:>12} {:>12}", "idle RSS (KiB)", start.rss, end.rss);
+    println!("{:<28} {:>12} {:>12}", "RSS at the drain (KiB)", "", drained);
+    println!("{:<28} {:>12} {:>12}", "peak RSS (KiB)", start.peak, end.peak);
+    println!("{:<28} {:>12} {:>12}", "redb file (bytes)", start.redb, end.redb);
+    println!("{:<28} {:>12} {:>12}", "state dir (bytes)", start.state, end.state);
+    println!("{:<28} {:>12} {:>12}", "open fds", start.fds, end.fds);
+    match per_message {
+        Ok(b) => println!("{:<28} {:>12} {:>12}", "device bytes/message", "", b),
+        Err(_) => println!("no ext4 loop device (needs root): device bytes skipped"),
+    }
+    assert_eq!(
+        lost, 0,
+        "every accepted message was delivered, expired, evicted or is pending"
+    );
+}

@@ -534,3 +534,88 @@ fn slack_bot_idle_and_a_catch_up_beside_webhooks() {
         );
     }
 }
+
+/// Memory back to idle after a backlog: eight webhook channels fill a 4 MiB outbox with
+/// messages of up to 60 KiB while xAgent is away, then xAgent comes back and takes them all.
+/// Three such cycles; RSS printed fresh and idle, after each drain (at once and a minute
+/// later) and at its peak.
+#[test]
+#[ignore = "budgets: cross/budgets.sh"]
+fn idle_memory_after_backlogs_drain() {
+    println!("binary under test: {}", bin());
+    const CHANNELS: usize = 8;
+    let dir = temp_dir("budget-drain");
+    let mut extra =
+        String::from("[queue]\nmax_messages_per_channel = 200\nmax_bytes_per_channel = 1MiB\nmax_bytes_total = 4MiB\n");
+    for c in 1..CHANNELS {
+        extra.push_str(&format!("[webhook.c{c}]\nsecret = {HOOK_SECRET}\n"));
+    }
+    let d = Daemon::start_logging(&dir, &config_text(free_port(), &dir, None, &extra), "warn");
+    let names: Vec<String> = std::iter::once("alerts".to_string())
+        .chain((1..CHANNELS).map(|c| format!("c{c}")))
+        .collect();
+    let mut x = d.xagent();
+    x.hello("");
+    let mut channels = Vec::new();
+    for name in &names {
+        let (cch, _) = x.open(None);
+        x.bind_webhook(&cch, name, HOOK_SECRET);
+        channels.push(cch);
+    }
+    x.close();
+    let rss = || proc_field(d.pid(), "status", "VmRSS:");
+    std::thread::sleep(Duration::from_secs(5));
+    let fresh = rss();
+    let mut after = Vec::new();
+    for cycle in 0..3 {
+        // About 3 MiB: 12 messages of 4 to 60 KiB on each channel.
+        let mut accepted = 0;
+        for (i, name) in names.iter().enumerate() {
+            for m in 0..12 {
+                let text = "m".repeat(4096 + ((i * 12 + m) * 8191) % (56 * 1024));
+                let id = format!("c{cycle}-{name}-{m}");
+                let (status, _) = d.post_hook(
+                    name,
+                    &serde_json::json!({"message_id": id, "sender_id": "u", "text": text}),
+                );
+                accepted += usize::from(status == 202);
+            }
+        }
+        let mut x = d.xagent();
+        x.hello("");
+        for cch in &channels {
+            x.open(Some(cch));
+        }
+        let mut pushed = std::collections::HashSet::new();
+        let mut progress = Progress::new(QUIET);
+        while pushed.len() < accepted {
+            if let Some(p) = x.next_push(Duration::from_secs(1)) {
+                pushed.insert(p["payload"]["message_id"].as_str().unwrap_or_default().to_string());
+            }
+            assert!(progress.moving(pushed.len()), "{} of {accepted} pushed", pushed.len());
+        }
+        // The last round's pong, then idle with xAgent still connected.
+        x.recv_within(Duration::from_secs(2));
+        let drained = rss();
+        for _ in 0..60 {
+            x.recv_within(Duration::from_secs(1));
+        }
+        after.push((accepted, drained, rss()));
+        x.close();
+    }
+    let peak = proc_field(d.pid(), "status", "VmHWM:");
+    // The same state in a new process: what idle costs with what the backlogs left (delivered
+    // IDs kept for dedupe, a fuller file), without what the allocator kept.
+    let mut d = d;
+    d.signal("TERM");
+    d.wait_exit(Duration::from_secs(10)).expect("exits after SIGTERM");
+    let d = d.restart();
+    std::thread::sleep(Duration::from_secs(5));
+    let restarted = proc_field(d.pid(), "status", "VmRSS:");
+    println!("fresh idle RSS: {fresh} KiB");
+    for (i, (accepted, drained, later)) in after.iter().enumerate() {
+        println!("backlog {i}: {accepted} messages; RSS at the drain {drained} KiB, a minute later {later} KiB");
+    }
+    println!("peak RSS: {peak} KiB");
+    println!("idle RSS of a new process on the state the backlogs left: {restarted} KiB");
+}

@@ -272,9 +272,16 @@ impl Outbox {
     }
 
     /// Up to `limit` unexpired pending messages of `source`, oldest first.
+    #[cfg(test)]
     pub fn pending(&self, source: &str, limit: usize, now: u64) -> Result<Vec<Pending>> {
+        self.pending_within(source, limit, usize::MAX, now)
+    }
+
+    /// `pending`, stopping once the payloads read come to `max_bytes` (one message at least).
+    pub fn pending_within(&self, source: &str, limit: usize, max_bytes: usize, now: u64) -> Result<Vec<Pending>> {
         self.shared.view(|read, idx| {
             let mut out = Vec::new();
+            let mut bytes = 0usize;
             let si = idx.source(source);
             let mut first = None;
             read.source_messages(source, si.first_seq, |seq, value| {
@@ -283,10 +290,11 @@ impl Outbox {
                 // delivered. An unreadable one is left for `read_pending` to set aside.
                 if let Some(message) = record::decode(value) {
                     if message.header.expires_at > now {
+                        bytes = bytes.saturating_add(message.payload.len());
                         out.push(Pending { seq, message });
                     }
                 }
-                out.len() < limit
+                out.len() < limit && bytes < max_bytes
             })?;
             if let Some(first) = first {
                 si.first_seq = first;
@@ -808,6 +816,24 @@ mod tests {
             assert_eq!((c.pending, c.pending_bytes), (n, b), "counters of {src}");
         }
         assert_eq!(s.total_bytes(), total);
+    }
+
+    #[test]
+    fn a_read_within_a_byte_budget_stops_past_it_and_takes_one_message_at_least() {
+        let s = store();
+        for id in ["m1", "m2", "m3", "m4"] {
+            assert!(accepted(s.enqueue(msg(id, 1000, 60_000))));
+        }
+        // Each payload is `{"message_id":"mN"}`, 19 bytes.
+        let ids = |max: usize| -> Vec<String> {
+            let p = s.pending_within("hook:a", 10, max, 1000).unwrap();
+            p.into_iter().map(|p| p.message.header.message_id).collect()
+        };
+        assert_eq!(ids(1), ["m1"], "one at least");
+        assert_eq!(ids(19), ["m1"]);
+        assert_eq!(ids(20), ["m1", "m2"]);
+        assert_eq!(ids(usize::MAX), ["m1", "m2", "m3", "m4"]);
+        assert_eq!(s.pending_within("hook:a", 3, usize::MAX, 1000).unwrap().len(), 3);
     }
 
     #[test]

@@ -155,6 +155,13 @@ pub struct Packet {
 #[derive(Debug, Clone)]
 pub struct Rendered(String);
 
+impl Rendered {
+    /// Bytes of the serialized payload.
+    pub fn size(&self) -> usize {
+        self.0.len()
+    }
+}
+
 impl From<json::ObjWriter> for Rendered {
     fn from(w: json::ObjWriter) -> Rendered {
         Rendered(w.finish())

@@ -11,7 +11,9 @@
 //! cannot read is never sent; it leaves the queue as `failed` (code `unreadable`), counted in
 //! the channel's figures of `/status`. The read also renders each message's payload and
 //! serializes it, on the pool: the executor, which also answers every webhook, only wraps the
-//! finished payload in its envelope.
+//! finished payload in its envelope. A read takes at most `READ_BYTES` of stored messages over
+//! all its channels, and the first empty read after a large one gives the heap's free memory
+//! back (`heap::give_back`): a drained backlog does not leave the daemon at its peak.
 
 mod v1;
 mod v2;
@@ -216,20 +218,30 @@ impl Shell {
     }
 }
 
-/// The next `limit` pending messages of each channel, read and rendered on the pool. A message
-/// this build cannot read leaves the queue as `failed` here, so neither profile ever sends it.
-async fn read_pending(
-    plane: &Arc<Plane>,
-    channels: Vec<(String, Source)>,
-    limit: usize,
-    render: Render,
-) -> Vec<(String, Source, Result<Vec<Prepared>, ()>)> {
-    blocking(plane, move |plane| {
+/// One channel's part of a read: its messages rendered, or `Err` when the outbox could not be
+/// read.
+type Read = (String, Source, Result<Vec<Prepared>, ()>);
+
+/// Stored bytes one read takes of all its channels together, shared out equally (a channel
+/// gets one message at least, so a read holds at most this or one message per channel, and
+/// its rendering about twice that: a push carries the text as `raw_text` and `text`).
+const READ_BYTES: usize = 512 * 1024;
+
+/// A read that took at least this much leaves the heap larger than idle needs: once the
+/// outbox runs dry the heap gives its free memory back (`heap::give_back`).
+const GREW: usize = 256 * 1024;
+
+/// The next `limit` pending messages of each channel, within `READ_BYTES` in all, read and
+/// rendered on the pool. A message this build cannot read leaves the queue as `failed` here, so
+/// neither profile ever sends it.
+async fn read_pending(plane: &Arc<Plane>, channels: Vec<(String, Source)>, limit: usize, render: Render) -> Vec<Read> {
+    let share = READ_BYTES / channels.len().max(1);
+    let read = blocking(plane, move |plane| {
         let now = ids::now_ms();
         channels
             .into_iter()
             .map(|(cch, source)| {
-                let pending = match plane.outbox.pending(source.as_str(), limit, now) {
+                let pending = match plane.outbox.pending_within(source.as_str(), limit, share, now) {
                     Ok(p) => p,
                     Err(e) => {
                         log::debug!("outbox: cannot read {source}: {e}");
@@ -257,9 +269,29 @@ async fn read_pending(
                 }
                 (cch, source, Ok(prepared))
             })
-            .collect()
+            .collect::<Vec<_>>()
     })
-    .await
+    .await;
+    give_back_after_a_burst(&read);
+    read
+}
+
+/// Remembers a read that made the heap grow and, at the first read after it that finds nothing,
+/// gives the heap's free memory back on the pool: a drained backlog leaves the daemon at its
+/// idle size, not at its peak.
+fn give_back_after_a_burst(read: &[Read]) {
+    static GREWN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let bytes: usize = read
+        .iter()
+        .filter_map(|(_, _, r)| r.as_ref().ok())
+        .flatten()
+        .map(|p| p.payload.size())
+        .sum();
+    if bytes >= GREW {
+        GREWN.store(true, std::sync::atomic::Ordering::Relaxed);
+    } else if bytes == 0 && GREWN.swap(false, std::sync::atomic::Ordering::Relaxed) {
+        crate::runtime::spawn_blocking(crate::heap::give_back);
+    }
 }
 
 /// Takes an unreadable stored message out of delivery, counted as failed.

@@ -16,7 +16,7 @@ use crate::protocol::{Packet, Rendered};
 use crate::providers::inbound::{self, Origin};
 use crate::source::Source;
 
-/// Pushes per channel per delivery round.
+/// Pushes per channel per delivery round, at most (the round is bounded by bytes too: `READ_BYTES`).
 const BATCH: usize = 64;
 /// A `ping` is sent at least this often, pushed or not, to notice dead peers.
 const KEEPALIVE: Duration = Duration::from_secs(30);
