@@ -194,6 +194,7 @@ fn text_and_rich_text_arrive_after_their_commit_and_replies_go_back() {
         "each part is its own message to Feishu"
     );
     assert_no_secret(&serde_json::to_string(&x.seen).unwrap(), &[SECRET, "t-sim"], "a packet");
+    assert_stops_cleanly(d);
 }
 
 #[test]

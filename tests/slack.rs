@@ -248,6 +248,7 @@ fn messages_are_acknowledged_after_their_commit_and_replies_go_to_their_thread()
             .any(|u| u["provider"] == "slack" && u["conversation_id"] == "C0UNBOUND"),
         "{status}"
     );
+    assert_stops_cleanly(d);
 }
 
 #[test]

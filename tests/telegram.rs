@@ -178,6 +178,8 @@ fn messages_arrive_and_replies_go_back_to_the_chat() {
         &[TOKEN],
         "a packet or tool result",
     );
+    // The poller's long poll holds nothing a stop waits for.
+    assert_stops_cleanly(d);
 }
 
 #[test]

@@ -224,6 +224,11 @@ fn the_sync_buffer_survives_a_restart_so_nothing_is_pushed_twice_or_lost() {
         api.wait_sent(1, Duration::from_secs(5))[0]["msg"]["context_token"],
         "ctx-3"
     );
+    // The long poll (35 s at iLink, held here for as long) holds nothing a stop waits for.
+    api.hold(Duration::from_secs(35));
+    let calls = api.getupdates_calls();
+    wait_until("a held getupdates is under way", || api.getupdates_calls() > calls);
+    assert_stops_cleanly(d);
 }
 
 #[test]

@@ -345,6 +345,15 @@ impl Drop for Daemon {
     }
 }
 
+/// SIGTERM: imgate exits 0 and logs that its final checkpoint ran, so nothing (a provider's long
+/// poll, a connection) held the outbox past the stop.
+pub fn assert_stops_cleanly(mut d: Daemon) {
+    d.signal("TERM");
+    let status = d.wait_exit(Duration::from_secs(10)).expect("exits after SIGTERM");
+    assert!(status.success(), "{status:?}");
+    assert!(d.log_shows("stopped cleanly", Duration::from_secs(5)), "{}", d.log());
+}
+
 // ---------- plain HTTP ----------
 
 fn agent() -> ureq::Agent {

@@ -72,6 +72,7 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+#[derive(Clone)]
 pub struct Api {
     http: ureq::Agent,
 }

@@ -42,9 +42,11 @@ pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
             return;
         };
         let body = super::object(obj([("get_updates_buf", s(&buf))]));
+        // The long poll holds no reference to the provider: a stop does not wait for it.
         let polled = match wx.upgrade() {
             Some(w) => {
-                let api = &w.api;
+                let api = w.api.clone();
+                drop(w);
                 api.post(&api_base, "ilink/bot/getupdates", &token, body, LONG_POLL)
             }
             None => return,
