@@ -1312,12 +1312,15 @@ fn bench_month() {
         .collect();
     let began = Instant::now();
     let (mut peak, mut lives, mut kills) = (start.peak, 1, 0);
+    // Starts after a SIGTERM that found records to replay: a clean stop leaves none.
+    let mut replays_after_term = 0;
     while began.elapsed() < Duration::from_secs(secs) {
         // Away for 10 to 25 s (a backlog piles up, expires, is evicted), then back for 15 s.
         std::thread::sleep(Duration::from_secs(10 + (lives * 7) % 16));
         xagent_visit(port, &channels, Instant::now() + Duration::from_secs(15));
         peak = peak.max(proc_field(d.pid(), "status", "VmHWM:"));
-        if lives % 3 == 0 {
+        let killed = lives % 3 == 0;
+        if killed {
             d.kill();
             kills += 1;
         } else {
@@ -1326,6 +1329,12 @@ fn bench_month() {
         }
         d = d.restart();
         lives += 1;
+        let replayed = get_json(&d.url("/status"))["outbox"]["log_replayed"]
+            .as_u64()
+            .unwrap_or(0);
+        if !killed && replayed > 0 {
+            replays_after_term += 1;
+        }
     }
     stop.store(true, Ordering::SeqCst);
     for s in senders {
@@ -1350,7 +1359,7 @@ fn bench_month() {
         .as_ref()
         .map(|fs| format!("{} B", (disk_written(&d, Some(fs)) - written0) / accepted.max(1)));
     println!(
-        "{secs} s, {lives} lives ({kills} ended by SIGKILL), {accepted} messages accepted: {delivered} delivered, {expired} expired, {evicted} evicted, {pending} pending ({unanswered} stored whose 202 a kill cut short); lost {lost}"
+        "{secs} s, {lives} lives ({kills} ended by SIGKILL), {accepted} messages accepted: {delivered} delivered, {expired} expired, {evicted} evicted, {pending} pending ({unanswered} stored whose 202 a kill cut short); lost {lost}; starts after a SIGTERM that replayed the log: {replays_after_term}"
     );
     println!("{:<28} {:>12} {:>12}", "", "start", "end");
     println!("{:<28} {:>12} {:>12}", "idle RSS (KiB)", start.rss, end.rss);
@@ -1367,4 +1376,5 @@ fn bench_month() {
         lost, 0,
         "every accepted message was delivered, expired, evicted or is pending"
     );
+    assert_eq!(replays_after_term, 0, "every SIGTERM ended in a clean stop");
 }
