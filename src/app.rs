@@ -58,6 +58,7 @@ impl App {
             config,
             state_changed: OnceLock::new(),
             unbound: Default::default(),
+            closed: Default::default(),
         });
         let connector_id = host.channels.connector_id()?;
         let hub = Arc::new(Hub::default());

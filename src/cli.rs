@@ -6,6 +6,7 @@ use crate::{app, config, dataplane, front, http, ids, json, maintenance, protoco
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use smol::future::FutureExt;
@@ -300,17 +301,17 @@ fn shutdown(
     why: &str,
     socket: &Path,
 ) -> ExitCode {
+    // Kept-alive connections outlive the listener: a request they bring from now on is refused,
+    // so the wait below sees every request that can still reach the outbox.
+    front::stop_accepting();
     log::info!("{why}: stopping");
     service::notify("STOPPING=1");
     // The outbox lives as long as the layers below the providers: its final checkpoint runs when
-    // the last holder of them lets go, and only then is the stop clean.
-    let below = Arc::downgrade(&app.host);
+    // the last holder of them lets go and the drop has run, and only then is the stop clean.
+    let closed = app.host.closed.watch();
     let deadline = std::time::Instant::now() + SHUTDOWN_GRACE;
     // The executor keeps running while the sessions close and the answers go out.
     runtime::block_on(async {
-        // Kept-alive connections outlive the listener: a request they bring from now on is
-        // refused, so the wait below sees every request that can still reach the outbox.
-        front::stop_accepting();
         drop(dial);
         app.hub.close_all("imgate is stopping");
         runtime::until(deadline, || front::requests_in_flight() == 0).await;
@@ -324,22 +325,20 @@ fn shutdown(
     let _ = std::fs::remove_file(socket);
     let busy = match Arc::try_unwrap(app) {
         Ok(app) => {
+            let below = Arc::downgrade(&app.host);
             drop(app);
             // A provider's request or thread may still hold the layers below (a commit the
-            // disk is slow to sync, a long poll); not all of them send release notices.
-            runtime::block_on(async {
-                while below.strong_count() > 0 && std::time::Instant::now() < deadline {
-                    smol::Timer::after(std::time::Duration::from_millis(10)).await;
-                }
-            });
+            // disk is slow to sync); the last of them drops them, checkpoint included.
+            runtime::block_on(runtime::until(deadline, || closed.load(Ordering::SeqCst)));
             below.strong_count()
         }
         Err(app) => Arc::strong_count(&app) - 1,
     };
-    match busy {
-        0 => log::info!("stopped cleanly"),
-        n => log::warn!(
-            "stopping with {n} task(s) still busy, before the final checkpoint: every accepted message is on disk, and the next start replays the log"
+    match closed.load(Ordering::SeqCst) {
+        true => log::info!("stopped cleanly"),
+        false => log::warn!(
+            "stopping with {} task(s) still busy, before the final checkpoint: every accepted message is on disk, and the next start replays the log",
+            busy.max(1)
         ),
     }
     ExitCode::SUCCESS

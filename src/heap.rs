@@ -43,7 +43,8 @@ mod dl {
 
     impl Heap {
         fn lock(&self) -> MutexGuard<'_, dlmalloc::Dlmalloc> {
-            // Nothing panics while it is held; a poisoned lock still guards a sound heap.
+            // dlmalloc panics only on a layout its caller got wrong (an assertion in `free`);
+            // a poisoned lock still guards the heap as it was.
             self.0.lock().unwrap_or_else(|e| e.into_inner())
         }
     }

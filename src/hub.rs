@@ -39,6 +39,8 @@ struct Inner {
     authenticated: HashSet<SessionId>,
     /// channel ID → the session holding it open and the source bound to it.
     open: HashMap<String, Open>,
+    /// Why every session was ended (shutdown): a session registered after it stops at once.
+    closed: Option<String>,
 }
 
 struct Open {
@@ -56,6 +58,10 @@ impl Hub {
         let mut g = self.lock();
         g.next_id += 1;
         let id = g.next_id;
+        // An upgrade that was under way when shutdown ended every session.
+        if let Some(reason) = &g.closed {
+            link.stop(reason);
+        }
         g.sessions.insert(id, link);
         id
     }
@@ -133,9 +139,12 @@ impl Hub {
             .map(|(c, _)| c.clone())
     }
 
-    /// Ends every session (shutdown): each sends a close frame and stops.
+    /// Ends every session (shutdown), and every one registered after: each sends a close frame
+    /// and stops.
     pub fn close_all(&self, reason: &str) {
-        for link in self.lock().sessions.values() {
+        let mut g = self.lock();
+        g.closed = Some(reason.to_string());
+        for link in g.sessions.values() {
             link.stop(reason);
         }
     }
@@ -186,6 +195,7 @@ mod tests {
     #[derive(Default)]
     struct Counting {
         wakes: AtomicUsize,
+        stops: AtomicUsize,
     }
 
     struct Probe(Arc<Counting>);
@@ -197,7 +207,21 @@ mod tests {
         fn push(&self, _: Packet) -> bool {
             true
         }
-        fn stop(&self, _: &str) {}
+        fn stop(&self, _: &str) {
+            self.0.stops.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn close_all_ends_every_session_and_every_one_registered_after_it() {
+        let hub = Hub::default();
+        let (before, after) = (Arc::new(Counting::default()), Arc::new(Counting::default()));
+        hub.register(Box::new(Probe(before.clone())));
+        hub.close_all("imgate is stopping");
+        // An upgrade that was under way when shutdown began.
+        hub.register(Box::new(Probe(after.clone())));
+        assert_eq!(before.stops.load(Ordering::SeqCst), 1);
+        assert_eq!(after.stops.load(Ordering::SeqCst), 1);
     }
 
     #[test]

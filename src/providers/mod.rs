@@ -25,6 +25,7 @@ pub mod workers;
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -76,6 +77,29 @@ pub struct Host {
     pub state_changed: OnceLock<StateChanged>,
     /// Conversations that wrote to a bound account and have no binding (`unbound_seen`).
     pub unbound: Mutex<VecDeque<Unbound>>,
+    /// Last, so that it drops last (fields drop in order): once it is dropped, the outbox's
+    /// committer has made its final checkpoint and the database is closed.
+    pub closed: Closed,
+}
+
+/// Set when the `Host` that holds it has been dropped whole. The last holder of a `Host` may be
+/// any thread: shutdown waits on this, not on the count of references, which reaches zero
+/// before the drop (and the final checkpoint) has run.
+#[derive(Default)]
+pub struct Closed(Arc<AtomicBool>);
+
+impl Closed {
+    /// Whether the `Host` has been dropped whole, readable after it is gone.
+    pub fn watch(&self) -> Arc<AtomicBool> {
+        self.0.clone()
+    }
+}
+
+impl Drop for Closed {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+        crate::runtime::released();
+    }
 }
 
 /// A conversation that wrote to a bound account without a binding of its own, as `/status`

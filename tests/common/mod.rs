@@ -346,12 +346,15 @@ impl Drop for Daemon {
 }
 
 /// SIGTERM: imgate exits 0 and logs that its final checkpoint ran, so nothing (a provider's long
-/// poll, a connection) held the outbox past the stop.
+/// poll, a connection) held the outbox past the stop; the next start replays nothing.
 pub fn assert_stops_cleanly(mut d: Daemon) {
     d.signal("TERM");
     let status = d.wait_exit(Duration::from_secs(10)).expect("exits after SIGTERM");
     assert!(status.success(), "{status:?}");
     assert!(d.log_shows("stopped cleanly", Duration::from_secs(5)), "{}", d.log());
+    let d = d.restart();
+    let status = get_json(&d.url("/status"));
+    assert_eq!(status["outbox"]["log_replayed"], 0, "{status}");
 }
 
 // ---------- plain HTTP ----------

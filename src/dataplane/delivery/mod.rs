@@ -222,9 +222,10 @@ impl Shell {
 /// read.
 type Read = (String, Source, Result<Vec<Prepared>, ()>);
 
-/// Stored bytes one read takes of all its channels together, shared out equally (a channel
-/// gets one message at least, so a read holds at most this or one message per channel, and
-/// its rendering about twice that: a push carries the text as `raw_text` and `text`).
+/// Stored bytes one read takes of all its channels together, shared out equally. A channel
+/// stops once its share is reached, so it may pass it by one message (and gets one at least):
+/// a read holds at most this plus one message per channel, and its rendering about twice that
+/// (a push carries the text as `raw_text` and `text`).
 const READ_BYTES: usize = 512 * 1024;
 
 /// A read that took at least this much leaves the heap larger than idle needs: once the
