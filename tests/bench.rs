@@ -1199,7 +1199,7 @@ impl Board {
             peak: peak.max(proc_field(d.pid(), "status", "VmHWM:")),
             redb: size(&state.join("imgate.redb")),
             state: du(&state),
-            fds: std::fs::read_dir(format!("/proc/{}/fd", d.pid())).map_or(0, |e| e.count()),
+            fds: fds(d.pid()),
         }
     }
 }

@@ -16,10 +16,6 @@ use serde_json::json;
 
 const SOAK: Duration = Duration::from_secs(60);
 
-fn fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
-}
-
 fn rss_kib(pid: u32) -> u64 {
     proc_field(pid, "status", "VmRSS:")
 }

@@ -531,6 +531,11 @@ pub fn wakeups(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Open file descriptors of `pid`.
+pub fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
 pub fn hwm_kib(pid: u32) -> u64 {
     proc_field(pid, "status", "VmHWM:")
 }
