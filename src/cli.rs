@@ -17,7 +17,7 @@ const USAGE: &str = "usage:
   imgate init [FILE|-]           write the commented default config with a fresh api_key
                                  (mode 0600, never overwrites; `-`: the template, no key)
   imgate status [--config FILE]  show channels and queues of the running daemon
-  imgate --version               name, version, git rev, build time";
+  imgate --version               name, version, git rev, build time, providers built in";
 
 /// Runs the command the arguments name; the process's exit code.
 pub fn main() -> ExitCode {
@@ -31,7 +31,7 @@ pub fn main() -> ExitCode {
     };
     match cmd {
         "--version" | "-V" | "version" => {
-            println!("{}", protocol::card::version_line());
+            println!("{}", version_and_providers());
             ExitCode::SUCCESS
         }
         "--help" | "-h" | "help" => {
@@ -168,7 +168,7 @@ fn run(cfg: config::Config) -> ExitCode {
     } else {
         log::info!("config: {}", cfg.source);
     }
-    log::info!("{}", protocol::card::version_line());
+    log::info!("{}", version_and_providers());
     let state_dir = cfg.server.state_dir.clone();
     if let Some(w) = service::volatile_state_warning(&state_dir) {
         log::warn!("{w}");
@@ -456,4 +456,10 @@ fn render_status(v: &json::Value) -> String {
         ));
     }
     out
+}
+
+/// The version line and the providers this build carries (each is a Cargo feature).
+fn version_and_providers() -> String {
+    let names: Vec<&str> = providers::REGISTRATIONS.iter().map(|r| r.reader.provider).collect();
+    format!("{}; providers: {}", protocol::card::version_line(), names.join(" "))
 }

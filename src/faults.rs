@@ -8,7 +8,8 @@
 
 #[cfg(debug_assertions)]
 mod armed {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use crate::atomic::AtomicU64;
+    use std::sync::atomic::Ordering;
     use std::sync::OnceLock;
 
     fn crash_plan() -> &'static Option<(String, u64)> {

@@ -8,10 +8,14 @@ pub use crate::json::{as_object, parse as parse_json};
 pub use crate::outbox::read_log;
 pub use crate::protocol::Packet;
 pub use crate::providers::readers as config_readers;
+#[cfg(feature = "telegram")]
 pub use crate::providers::telegram::poll::read_update as read_telegram_update;
 pub use crate::providers::webhook::parse_body as parse_webhook_body;
+#[cfg(feature = "wechat")]
 pub use crate::providers::wechat::cdn::Decrypting as WechatDecrypting;
+#[cfg(feature = "wechat")]
 pub use crate::providers::wechat::qr::data_url as qr_data_url;
+#[cfg(feature = "wechat")]
 pub use crate::providers::wechat::update::read_batch as read_wechat_batch;
 
 /// The front door: one connection's request loop and the request-head parser.
@@ -26,6 +30,7 @@ pub mod slack {
 }
 
 /// Feishu/Lark's long connection: its frame, its protocol, its event payload.
+#[cfg(feature = "feishu")]
 pub mod feishu {
     pub use crate::providers::feishu::{event, frame::Frame, longconn};
 }

@@ -15,9 +15,10 @@
 //! - `format_version` is written when the file is created and checked at every open: a file
 //!   written by a newer imgate is refused whole, never half-read.
 
+use crate::atomic::AtomicU64;
 use redb::{Database, Durability, ReadTransaction, ReadableDatabase, ReadableTable, TableDefinition, WriteTransaction};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 

@@ -25,6 +25,11 @@ fn version_names_version_git_rev_and_build_time() {
         "{line}"
     );
     assert!(line.contains("built "));
+    assert!(
+        line.trim_end()
+            .ends_with("; providers: webhook telegram feishu wechat slack"),
+        "the default build carries every provider: {line}"
+    );
 }
 
 #[test]

@@ -9,15 +9,19 @@ mod crash;
 mod dataplane;
 mod deployment;
 mod edge;
+#[cfg(feature = "feishu")]
 mod feishu;
 mod limits;
 mod outbox;
 mod secrets;
 mod service;
+#[cfg(feature = "slack")]
 mod slack;
+#[cfg(feature = "telegram")]
 mod telegram;
 mod tls;
 mod uploads;
 mod v2;
 mod wal;
+#[cfg(feature = "wechat")]
 mod wechat;

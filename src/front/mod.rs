@@ -20,8 +20,9 @@ pub mod stats;
 pub mod upgrade;
 pub mod upload;
 
+use crate::atomic::AtomicU64;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 

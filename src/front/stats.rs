@@ -2,8 +2,9 @@
 //! cause with the count since the last line: a scanner on the LAN must not fill an SD card
 //! with log lines, and the operator still sees that it happened.
 
+use crate::atomic::AtomicU64;
 use crate::quiet::Quiet;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 #[derive(Clone, Copy, Debug, PartialEq)]

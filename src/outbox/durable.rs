@@ -38,7 +38,9 @@
 //!   again: it never accepts a message it could not make durable, and one outage is one outage
 //!   (no accepts between failed checkpoints flapping the store's outage log).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+
+use crate::atomic::AtomicU64;
 use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};

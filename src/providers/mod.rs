@@ -11,6 +11,7 @@
 //! executor; `delivered` must return at once.
 
 pub mod bindings;
+#[cfg(feature = "feishu")]
 pub mod feishu;
 pub mod inbound;
 pub mod intake;
@@ -18,8 +19,10 @@ pub mod keyfiles;
 #[cfg(feature = "slack")]
 pub mod slack;
 pub mod socket;
+#[cfg(feature = "telegram")]
 pub mod telegram;
 pub mod webhook;
+#[cfg(feature = "wechat")]
 pub mod wechat;
 pub mod workers;
 
@@ -43,11 +46,27 @@ use crate::store::{self, Db, StoreError};
 /// Every provider imgate knows, in Card order. Adding a provider: its folder and one line here.
 pub const REGISTRATIONS: &[Registration] = &[
     webhook::REGISTRATION,
+    #[cfg(feature = "telegram")]
     telegram::REGISTRATION,
+    #[cfg(feature = "feishu")]
     feishu::REGISTRATION,
+    #[cfg(feature = "wechat")]
     wechat::REGISTRATION,
     #[cfg(feature = "slack")]
     slack::REGISTRATION,
+];
+
+/// The providers this build left out (their Cargo feature off). Their sections are refused
+/// with a reason that says so, rather than as unknown.
+const LEFT_OUT: &[&str] = &[
+    #[cfg(not(feature = "telegram"))]
+    "telegram",
+    #[cfg(not(feature = "feishu"))]
+    "feishu",
+    #[cfg(not(feature = "wechat"))]
+    "wechat",
+    #[cfg(not(feature = "slack"))]
+    "slack",
 ];
 
 /// One provider's entry: how it reads the config, how it starts.
@@ -62,7 +81,32 @@ pub type StartFn = fn(&Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreErro
 
 /// The config readers of every provider, for `config::load`.
 pub fn readers() -> Vec<config::Reader> {
-    REGISTRATIONS.iter().map(|r| r.reader).collect()
+    let left_out = LEFT_OUT.iter().map(|&name| config::Reader {
+        provider: name,
+        section: name,
+        secrets: &[],
+        read: refuse_left_out,
+    });
+    REGISTRATIONS.iter().map(|r| r.reader).chain(left_out).collect()
+}
+
+/// The reader of a left-out provider's section: an error naming the feature a build needs.
+fn refuse_left_out(
+    _: &Config,
+    sections: &[&config::Section],
+    problems: &mut config::Problems,
+) -> Option<Arc<dyn config::Settings>> {
+    for s in sections {
+        problems.err(
+            s.line,
+            format_args!(
+                "[{0}]: this imgate was built without the {0} provider (Cargo feature `{0}`); \
+                 install a build that has it, or remove the section",
+                s.name
+            ),
+        );
+    }
+    None
 }
 
 /// What a provider may use: the layers below it.
@@ -681,5 +725,28 @@ mod tests {
             "a line break is the preferred cut"
         );
         assert_eq!(split_text("hi", 4096), ["hi"]);
+    }
+
+    #[test]
+    fn a_section_of_a_provider_left_out_of_the_build_names_the_feature_it_needs() {
+        let readers = [config::Reader {
+            provider: "slack",
+            section: "slack",
+            secrets: &[],
+            read: refuse_left_out,
+        }];
+        let text = "[server]\nlisten = 127.0.0.1:8787\n\n[slack]\napi_base = https://x\n";
+        let err = config::parse(text, "t.conf", None, &readers)
+            .err()
+            .map(|e| e.to_string());
+        assert_eq!(
+            err.as_deref(),
+            Some(
+                "t.conf:4: [slack]: this imgate was built without the slack provider (Cargo feature \
+                 `slack`); install a build that has it, or remove the section"
+            )
+        );
+        let fine = config::parse("[server]\nlisten = 127.0.0.1:8787\n", "t.conf", None, &readers);
+        assert!(fine.is_ok(), "no section, no error");
     }
 }

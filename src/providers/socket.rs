@@ -61,7 +61,6 @@ impl Budget {
     }
 
     /// Every answer taken for was written (or dropped).
-    #[cfg_attr(not(feature = "slack"), allow(dead_code))]
     pub fn empty(&self) -> bool {
         self.queued.load(Ordering::Relaxed) == 0
     }

@@ -18,7 +18,9 @@ pub mod event;
 pub mod frame;
 pub mod longconn;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
+
+use crate::atomic::AtomicU64;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 

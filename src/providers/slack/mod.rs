@@ -20,8 +20,9 @@ pub mod catchup;
 pub mod conn;
 pub mod event;
 
+use crate::atomic::AtomicU64;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 

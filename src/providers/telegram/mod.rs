@@ -8,9 +8,10 @@
 pub mod api;
 pub mod poll;
 
+use crate::atomic::AtomicU64;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 

@@ -19,8 +19,9 @@ mod poll;
 pub mod qr;
 pub mod update;
 
+use crate::atomic::AtomicU64;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
