@@ -1,33 +1,52 @@
 #!/usr/bin/env bash
 # Builds stripped release binaries of imgate for edge boards into dist/.
 #
-#   cross/build.sh [--install] [TARGET...]
+#   cross/build.sh [--install] [--features LIST] [TARGET...]
 #
-# Targets (default: the three static ones the packages carry):
+# Targets (default: the seven static ones the packages carry):
 #   aarch64-unknown-linux-musl      Raspberry Pi 3/4/5 with a 64-bit OS, most current routers
-#   armv7-unknown-linux-musleabihf  32-bit Raspberry Pi OS (Pi 2/3/4), ARMv7 OpenWrt routers
+#   armv7-unknown-linux-musleabihf  ARMv7 OpenWrt routers (arm_cortex-a7_neon-vfpv4)
+#   arm-unknown-linux-musleabihf    ARMv6 hard-float: every Pi with 32-bit Raspberry Pi OS,
+#                                   Pi Zero and Pi 1 included (the armhf .deb)
+#   mipsel-unknown-linux-musl       MIPS little-endian routers (ramips/mt7621: mipsel_24kc)
+#   mips-unknown-linux-musl         MIPS big-endian routers (ath79: mips_24kc)
+#   riscv64gc-unknown-linux-musl    RISC-V 64-bit boards
 #   x86_64-unknown-linux-musl       x86 mini PCs, VMs, any x86_64 Linux
-#   armv7-unknown-linux-gnueabihf   the same boards as armv7 musl, linked to glibc >= 2.28
+#   armv7-unknown-linux-gnueabihf   (on request) ARMv7 linked to glibc >= 2.28
 #
+# --features LIST builds only the webhook provider and the ones listed (comma-separated, e.g.
+# telegram,wechat; empty for webhooks alone), into dist/imgate-TARGET+telegram+wechat.
 # Uses cargo-zigbuild with zig from PyPI as the cross linker (no system cross gcc needed).
-# --install adds what is missing: the rustup targets (rust-src for armv7 musl), and
-# ziglang + cargo-zigbuild from PyPI.
+# --install adds what is missing: the rustup targets (rust-src for the targets built from
+# source), and ziglang + cargo-zigbuild from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 install=0
+features=
+minimal=0
 targets=()
-for a in "$@"; do
-  case "$a" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --install) install=1 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) targets+=("$a") ;;
+    --features) minimal=1; features="${2?--features needs a list}"; shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) targets+=("$1") ;;
   esac
+  shift
 done
-[ ${#targets[@]} -gt 0 ] || targets=(aarch64-unknown-linux-musl armv7-unknown-linux-musleabihf x86_64-unknown-linux-musl)
+[ ${#targets[@]} -gt 0 ] || targets=(aarch64-unknown-linux-musl armv7-unknown-linux-musleabihf
+  arm-unknown-linux-musleabihf mipsel-unknown-linux-musl mips-unknown-linux-musl
+  riscv64gc-unknown-linux-musl x86_64-unknown-linux-musl)
 
-# Rust serves no prebuilt standard library for armv7 musl: it is built from rust-src.
-from_source() { [ "$1" = armv7-unknown-linux-musleabihf ]; }
+# Rust serves a prebuilt standard library only for aarch64, x86_64 and the glibc targets here;
+# the others build theirs from rust-src.
+from_source() {
+  case "$1" in
+    armv7-unknown-linux-musleabihf | arm-unknown-linux-musleabihf | mips*-unknown-linux-musl | riscv64gc-unknown-linux-musl) return 0 ;;
+    *) return 1 ;;
+  esac
+}
 
 if [ "$install" = 1 ]; then
   for t in "${targets[@]}"; do
@@ -39,6 +58,14 @@ if [ "$install" = 1 ]; then
 fi
 command -v cargo-zigbuild >/dev/null || { echo "cross: cargo-zigbuild missing; run with --install" >&2; exit 1; }
 
+feature_args=()
+suffix=
+if [ "$minimal" = 1 ]; then
+  feature_args=(--no-default-features --features "$features")
+  suffix=$(printf '%s' "$features" | tr -s ', ' '++' | sed 's/^+*//; s/+*$//')
+  suffix="+${suffix:-webhook}"
+fi
+
 mkdir -p dist
 for t in "${targets[@]}"; do
   case "$t" in
@@ -46,16 +73,22 @@ for t in "${targets[@]}"; do
     *-gnueabihf) zt="$t.2.28" ;;
     *) zt="$t" ;;
   esac
-  echo "== building $t"
+  echo "== building $t ${feature_args[*]}"
   if from_source "$t"; then
+    # zig brings musl's C runtime, which the target's rust-std would otherwise ship. MIPS and
+    # RISC-V default to a static-pie that crashed under qemu on `run`: link plainly static.
+    flags="-C link-self-contained=no"
+    case "$t" in mips* | riscv*) flags="$flags -C target-feature=+crt-static" ;; esac
+    var="CARGO_TARGET_$(printf '%s' "$t" | tr 'a-z-' 'A-Z_')_RUSTFLAGS"
     # -Zbuild-std is unstable: RUSTC_BOOTSTRAP lets this stable toolchain use it for this one
-    # build. zig brings musl's C runtime, which the target's rust-std would otherwise ship.
-    CARGO_TARGET_ARMV7_UNKNOWN_LINUX_MUSLEABIHF_RUSTFLAGS="-C link-self-contained=no" \
-      RUSTC_BOOTSTRAP=1 cargo zigbuild --release --locked --target "$zt" -Zbuild-std=std,panic_abort
+    # build.
+    env "$var=$flags" RUSTC_BOOTSTRAP=1 cargo zigbuild --release --locked --target "$zt" \
+      "${feature_args[@]}" -Zbuild-std=std,panic_abort
   else
-    cargo zigbuild --release --locked --target "$zt"
+    cargo zigbuild --release --locked --target "$zt" "${feature_args[@]}"
   fi
-  cp "target/$t/release/imgate" "dist/imgate-$t"
-  size=$(stat -c %s "dist/imgate-$t")
-  printf '%s: %s bytes (%s KiB)\n' "dist/imgate-$t" "$size" $((size / 1024))
+  out="dist/imgate-$t$suffix"
+  cp "target/$t/release/imgate" "$out"
+  size=$(stat -c %s "$out")
+  printf '%s: %s bytes (%s KiB)\n' "$out" "$size" $((size / 1024))
 done

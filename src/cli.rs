@@ -1,7 +1,9 @@
 //! The command line (`run check init status --version`) and the daemon's wiring: logging, the
 //! app, the data plane, the listener, shutdown.
 
-use crate::{app, config, dataplane, front, http, ids, json, maintenance, protocol, providers, runtime, service, tls};
+use crate::{
+    app, config, dataplane, front, http, ids, json, maintenance, protocol, providers, runtime, service, tls, y2038,
+};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -55,14 +57,23 @@ pub fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            // Before anything reads the time, which aborts a 32-bit build past 2038.
+            let too_late = y2038::refusal();
             match cmd {
                 "check" => {
                     print!("{}", cfg.summary());
                     if let Some(w) = service::volatile_state_warning(&cfg.server.state_dir) {
                         eprintln!("imgate: warning: {w}");
                     }
+                    if let Some(why) = too_late {
+                        eprintln!("imgate: warning: `imgate run` will refuse to start: {why}");
+                    }
                     println!("config is valid");
                     ExitCode::SUCCESS
+                }
+                _ if too_late.is_some() => {
+                    eprintln!("imgate: {}", too_late.unwrap_or_default());
+                    ExitCode::from(1)
                 }
                 "status" => status(&cfg),
                 _ => run(cfg),

@@ -40,3 +40,4 @@ mod testutil;
 mod tls;
 mod upstream;
 mod wsclient;
+mod y2038;
