@@ -5,7 +5,9 @@
 #   cross/package-test.sh [--install]     (after cross/build.sh and cross/package.sh)
 #
 # 1. Every .deb and .ipk: its control fields, its files with their modes and owners, and the
-#    architecture of the binary inside; lintian on every .deb, failing on any error.
+#    architecture of the binary inside (ARMv6 in the armhf .deb); dpkg's reading of each foreign
+#    .deb (--no-act, with --force-architecture); lintian on every .deb, failing on any error; the
+#    .deb's preinst as each Raspberry Pi's CPU answers uname -m.
 # 2. The amd64 .deb through its life on this machine: install (the user, the modes, one API key,
 #    the unit enabled, the service user able to run imgate and answer /health with the key),
 #    reinstall and upgrade with an edited config, remove (config and state kept), purge
@@ -28,14 +30,31 @@ expect() { # what, wanted, got
   [ "$2" = "$3" ] || fail "$1: wanted '$2', got '$3'"
 }
 
-# The ELF machine of a binary: 183 aarch64, 40 arm, 62 x86_64.
-elf_machine() { od -An -tu2 -j18 -N2 "$1" | tr -d ' '; }
+# The ELF machine of a binary and its byte order: 183 aarch64, 40 arm, 8 mips, 243 riscv,
+# 62 x86_64; "le" or "be" (EI_DATA 1 or 2). e_machine is in the file's own byte order.
+elf_machine() {
+  local data lo hi
+  data=$(od -An -tu1 -j5 -N1 "$1" | tr -d ' ')
+  read -r lo hi < <(od -An -tu1 -j18 -N2 "$1")
+  if [ "$data" = 2 ]; then echo "$((lo * 256 + hi)) be"; else echo "$((hi * 256 + lo)) le"; fi
+}
+# What a package architecture's binary must be.
+machine_of() {
+  case "$1" in
+    arm64 | aarch64_*) echo "183 le" ;;
+    armhf | arm_*) echo "40 le" ;;
+    mipsel_*) echo "8 le" ;;
+    mips_*) echo "8 be" ;;
+    riscv64) echo "243 le" ;;
+    amd64 | x86_64) echo "62 le" ;;
+  esac
+}
 
 # `tar -tv` lines as "mode owner/group path" for the files that matter.
 listing() { awk '{ print $1, $2, $NF }'; }
 
 echo "== the .deb packages"
-for arch in arm64 armhf amd64; do
+for arch in arm64 armhf amd64 riscv64; do
   deb="$dist/imgate_${version}_${arch}.deb"
   [ -f "$deb" ] || fail "$deb missing"
   expect "$deb Package" imgate "$(dpkg-deb -f "$deb" Package)"
@@ -55,21 +74,30 @@ for arch in arm64 armhf amd64; do
     grep -qxF -- "$want" "$work/contents" || { cat "$work/contents"; fail "$deb lacks: $want"; }
   done
   rm -rf "$work/x" && mkdir "$work/x" && dpkg-deb -x "$deb" "$work/x"
-  case "$arch" in arm64) m=183 ;; armhf) m=40 ;; amd64) m=62 ;; esac
-  expect "$deb binary's ELF machine" "$m" "$(elf_machine "$work/x/usr/bin/imgate")"
+  expect "$deb binary's ELF machine" "$(machine_of "$arch")" "$(elf_machine "$work/x/usr/bin/imgate")"
+  if [ "$arch" = armhf ]; then
+    # Raspberry Pi OS's armhf runs on ARMv6 (Pi Zero, Pi 1): the binary must not need ARMv7.
+    readelf -A "$work/x/usr/bin/imgate" | grep -q 'Tag_CPU_arch: v6' || fail "$deb: the binary is not built for ARMv6"
+  fi
+  if [ "$arch" != amd64 ]; then
+    # dpkg on this machine reads the package as one of that architecture would, and takes it
+    # with --force-architecture (nothing is written: --no-act).
+    dpkg --no-act -i "$deb" > /dev/null 2>&1 && fail "$deb: dpkg on amd64 took a package for $arch"
+    dpkg --no-act --force-architecture -i "$deb" > /dev/null 2>&1 || fail "$deb: dpkg refused it with --force-architecture"
+  fi
   cmp -s "$work/x/usr/lib/systemd/system/imgate.service" systemd/imgate.service || fail "$deb: the unit differs from systemd/imgate.service"
   printf '%s: %s bytes, fields and files as expected\n' "$deb" "$(stat -c %s "$deb")"
 done
 
 echo "== lintian"
 lintian --version
-for arch in arm64 armhf amd64; do
+for arch in arm64 armhf amd64 riscv64; do
   # Errors fail; warnings are shown.
   lintian --fail-on error --tag-display-limit 0 "$dist/imgate_${version}_${arch}.deb" || fail "lintian found errors in the $arch package"
 done
 
 echo "== the .ipk packages"
-for arch in aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 x86_64; do
+for arch in aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 mipsel_24kc mips_24kc x86_64; do
   ipk="$dist/imgate_${version}_${arch}.ipk"
   [ -f "$ipk" ] || fail "$ipk missing"
   expect "$ipk members" "./debian-binary ./data.tar.gz ./control.tar.gz" "$(tar -tzf "$ipk" | tr '\n' ' ' | sed 's/ $//')"
@@ -92,8 +120,7 @@ for arch in aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 x86_64; 
     grep -qxF -- "$want" "$work/contents" || { cat "$work/contents"; fail "$ipk lacks: $want"; }
   done
   tar -xzf "$work/i/data.tar.gz" -C "$work/i/data"
-  case "$arch" in aarch64_*) m=183 ;; arm_*) m=40 ;; x86_64) m=62 ;; esac
-  expect "$ipk binary's ELF machine" "$m" "$(elf_machine "$work/i/data/usr/bin/imgate")"
+  expect "$ipk binary's ELF machine" "$(machine_of "$arch")" "$(elf_machine "$work/i/data/usr/bin/imgate")"
   grep -qx 'state_dir = /srv/imgate' "$work/i/data/etc/imgate/imgate.conf" || fail "$ipk: state_dir is not on flash"
   printf '%s: %s bytes, fields and files as expected\n' "$ipk" "$(stat -c %s "$ipk")"
 done
@@ -101,6 +128,19 @@ for s in "$work"/i/control/postinst "$work"/i/control/prerm "$work"/i/control/po
   sh -n "$s" || fail "$s: syntax"
 done
 (cd "$dist" && sha256sum --quiet -c SHA256SUMS) || fail "SHA256SUMS does not match"
+
+echo "== the .deb's preinst on the CPUs Raspberry Pi OS armhf runs on"
+# uname -m as each board answers it: Pi 1 and Zero armv6l, Pi 2 armv7l, Pi 3/4/5 (32-bit OS)
+# armv7l or armv8l; a pre-ARMv6 CPU is refused before anything is unpacked.
+mkdir -p "$work/uname"
+for machine in armv6l armv7l armv8l aarch64 armv5tel; do
+  printf '#!/bin/sh\necho %s\n' "$machine" > "$work/uname/uname"
+  chmod 0755 "$work/uname/uname"
+  rc=0
+  PATH="$work/uname:$PATH" sh packaging/deb/preinst install > /dev/null 2>&1 || rc=$?
+  case "$machine" in armv5*) want=1 ;; *) want=0 ;; esac
+  expect "preinst on $machine" "$want" "$rc"
+done
 
 echo "== the amd64 .deb installed on this machine"
 [ "$(id -u)" = 0 ] || fail "the install test needs root"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds imgate's installable packages from the static binaries cross/build.sh left in dist/:
 #
-#   .deb  arm64, armhf, amd64     Raspberry Pi OS, Debian, Ubuntu (systemd)
-#   .ipk  aarch64_cortex-a53, aarch64_generic, arm_cortex-a7_neon-vfpv4, x86_64   OpenWrt (opkg, procd)
+#   .deb  arm64, armhf (ARMv6: every Raspberry Pi), amd64, riscv64
+#         Raspberry Pi OS, Debian, Ubuntu (systemd)
+#   .ipk  aarch64_cortex-a53, aarch64_generic, arm_cortex-a7_neon-vfpv4, mipsel_24kc, mips_24kc,
+#         x86_64   OpenWrt 24.10 and older (opkg, procd)
 #
 # into target/dist/, with SHA256SUMS. Made with dpkg-deb and tar (no cargo-deb: the maintainer
 # scripts are written out in packaging/, and the .ipk is the same few files in OpenWrt's format).
@@ -21,7 +23,7 @@ cargo_list_first() { sed -n "s/^$1 = \\[\"\\([^\"]*\\)\".*/\\1/p" Cargo.toml | h
 
 version=$(cargo_field version)
 only=
-deb_arches=(arm64 armhf amd64)
+deb_arches=(arm64 armhf amd64 riscv64)
 while [ $# -gt 0 ]; do
   case "$1" in
     --version) version="$2"; shift 2 ;;
@@ -49,7 +51,12 @@ mkdir -p "$out"
 rust_target() {
   case "$1" in
     arm64 | aarch64_*) echo aarch64-unknown-linux-musl ;;
-    armhf | arm_cortex-a7_neon-vfpv4) echo armv7-unknown-linux-musleabihf ;;
+    # Raspberry Pi OS's armhf is ARMv6 hard-float (Pi Zero and Pi 1 included): the ARMv6 build.
+    armhf) echo arm-unknown-linux-musleabihf ;;
+    arm_cortex-a7_neon-vfpv4) echo armv7-unknown-linux-musleabihf ;;
+    mipsel_24kc) echo mipsel-unknown-linux-musl ;;
+    mips_24kc) echo mips-unknown-linux-musl ;;
+    riscv64) echo riscv64gc-unknown-linux-musl ;;
     amd64 | x86_64) echo x86_64-unknown-linux-musl ;;
     *) echo "package: no binary for $1" >&2; return 1 ;;
   esac
@@ -89,11 +96,11 @@ description() {
   cat <<'EOF'
 Description: xAgent IM Connector Server for edge devices
  imgate bridges instant-messaging systems (generic webhooks, Telegram,
- Feishu/Lark) into xAgent, an AI-agent server, as an IM Connector Server
- (Connector Protocol 3.0). Every inbound message is committed to disk
- before the sender hears back, redelivered until xAgent has it, expired
- after its TTL and bounded by count and byte caps. One static binary,
- one config file, a few MiB of memory.
+ Feishu/Lark, WeChat, Slack) into xAgent, an AI-agent server, as an IM
+ Connector Server (Connector Protocol 3.0). Every inbound message is
+ committed to disk before the sender hears back, redelivered until xAgent
+ has it, expired after its TTL and bounded by count and byte caps. One
+ static binary, one config file, a few MiB of memory.
 EOF
 }
 
@@ -208,7 +215,7 @@ build_ipk() {
 
 deb_list=() ipk_list=()
 [ "$only" = ipk ] || deb_list=("${deb_arches[@]}")
-[ "$only" = deb ] || ipk_list=(aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 x86_64)
+[ "$only" = deb ] || ipk_list=(aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 mipsel_24kc mips_24kc x86_64)
 # Every binary is looked for before anything is built: a missing one names itself and nothing
 # is written, rather than a package without its binary.
 declare -A looked=()

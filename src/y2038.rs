@@ -5,7 +5,7 @@
 //! call fails with EOVERFLOW and every reading of the time aborts the process, in imgate and in
 //! its dependencies alike (log timestamps, HTTP `Date` headers, certificate checks). Nothing here
 //! can widen that: instead, before anything reads the time, these builds ask the kernel for it
-//! with a 64-bit clock of their own and refuse to start with a reason, rather than abort with a
+//! with musl's own 64-bit clock and refuse to start with a reason, rather than abort with a
 //! panic each time the service manager restarts them. The 64-bit builds are not affected.
 
 /// The last second a signed 32-bit `time_t` holds: 2038-01-19 03:14:07 UTC.
@@ -23,12 +23,41 @@ pub fn refusal() -> Option<String> {
 fn kernel_seconds() -> i64 {
     #[cfg(all(target_env = "musl", target_pointer_width = "32"))]
     {
-        rustix::time::clock_gettime(rustix::time::ClockId::Realtime).tv_sec
+        musl_time64_seconds()
     }
     #[cfg(not(all(target_env = "musl", target_pointer_width = "32")))]
     {
         let since_1970 = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         since_1970.map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+    }
+}
+
+/// musl's own 64-bit clock (since musl 1.2 its `clock_gettime` for programs built against its
+/// headers; std links the older 32-bit symbol). 0 when it fails, which refuses nothing.
+#[cfg(all(target_env = "musl", target_pointer_width = "32"))]
+fn musl_time64_seconds() -> i64 {
+    /// musl's `struct timespec` on 32-bit targets: a 64-bit `tv_sec`, then a 32-bit `tv_nsec`
+    /// and 32 bits of padding in an order that follows the byte order (only `tv_sec` is read).
+    #[repr(C)]
+    struct Timespec64 {
+        tv_sec: i64,
+        nsec_and_padding: [u32; 2],
+    }
+    extern "C" {
+        fn __clock_gettime64(clock: i32, ts: *mut Timespec64) -> i32;
+    }
+    const CLOCK_REALTIME: i32 = 0;
+    let mut ts = Timespec64 {
+        tv_sec: 0,
+        nsec_and_padding: [0; 2],
+    };
+    // SAFETY: musl writes one `Timespec64` (16 bytes, 8-aligned: this struct's size and
+    // alignment) through the pointer, which is valid for the call.
+    let rc = unsafe { __clock_gettime64(CLOCK_REALTIME, &mut ts) };
+    if rc == 0 {
+        ts.tv_sec
+    } else {
+        0
     }
 }
 
