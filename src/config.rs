@@ -32,6 +32,8 @@ pub struct Config {
     pub files: Files,
     /// Each provider's settings by provider name; `None`: the provider is not enabled.
     providers: Vec<(&'static str, Option<Arc<dyn Settings>>)>,
+    /// Providers this build left out (their Cargo feature off), for `check`.
+    left_out: Vec<&'static str>,
 }
 
 #[derive(Clone)]
@@ -166,6 +168,8 @@ pub struct Reader {
     /// Reads its sections (none when the file has none) with the core already read; `None`
     /// leaves the provider disabled.
     pub read: ReadFn,
+    /// A provider this build left out (its Cargo feature off): `check` says so, not "off".
+    pub left_out: bool,
 }
 
 /// A provider's reader of its sections.
@@ -560,7 +564,11 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>, readers: &[Reader]) -> 
     for r in readers {
         let mine: Vec<&Section> = all.iter().filter(|s| r.owns(&s.name)).collect();
         let settings = (r.read)(&cfg, &mine, &mut p);
-        cfg.providers.push((r.provider, settings));
+        if r.left_out {
+            cfg.left_out.push(r.provider);
+        } else {
+            cfg.providers.push((r.provider, settings));
+        }
     }
     if p.errors.is_empty() {
         Ok(cfg)
@@ -843,6 +851,7 @@ impl Config {
                 max_bytes_total: 256 << 20,
             },
             providers: Vec::new(),
+            left_out: Vec::new(),
         }
     }
 
@@ -906,6 +915,9 @@ impl Config {
                 None => out.push_str(&format!("{:<19}off\n", format!("{name}:"))),
             }
         }
+        for name in &self.left_out {
+            out.push_str(&format!("{:<19}not in this build\n", format!("{name}:")));
+        }
         out
     }
 }
@@ -952,12 +964,14 @@ mod tests {
             section: "thing",
             secrets: &["token"],
             read: read_thing,
+            left_out: false,
         },
         Reader {
             provider: "family",
             section: "family.",
             secrets: &[],
             read: read_family,
+            left_out: false,
         },
     ];
 

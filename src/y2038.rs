@@ -11,8 +11,9 @@
 /// The last second a signed 32-bit `time_t` holds: 2038-01-19 03:14:07 UTC.
 const LAST_TIME32_SECOND: i64 = i32::MAX as i64;
 
-/// Whether std keeps a 32-bit `time_t` on this target.
-const TIME32: bool = cfg!(all(target_env = "musl", target_pointer_width = "32"));
+/// Whether std keeps a 32-bit `time_t` on this target: the 32-bit musl targets that predate
+/// musl's 64-bit `time_t` (newer ones, like riscv32, have only that and no `__clock_gettime64`).
+const TIME32: bool = cfg!(all(target_env = "musl", any(target_arch = "arm", target_arch = "mips")));
 
 /// Why this build cannot run at the kernel's current time, if it cannot.
 pub fn refusal() -> Option<String> {
@@ -21,11 +22,11 @@ pub fn refusal() -> Option<String> {
 
 /// The kernel's time in Unix seconds, read without std's clock where that has a 32-bit `time_t`.
 fn kernel_seconds() -> i64 {
-    #[cfg(all(target_env = "musl", target_pointer_width = "32"))]
+    #[cfg(all(target_env = "musl", any(target_arch = "arm", target_arch = "mips")))]
     {
         musl_time64_seconds()
     }
-    #[cfg(not(all(target_env = "musl", target_pointer_width = "32")))]
+    #[cfg(not(all(target_env = "musl", any(target_arch = "arm", target_arch = "mips"))))]
     {
         let since_1970 = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
         since_1970.map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
@@ -34,7 +35,7 @@ fn kernel_seconds() -> i64 {
 
 /// musl's own 64-bit clock (since musl 1.2 its `clock_gettime` for programs built against its
 /// headers; std links the older 32-bit symbol). 0 when it fails, which refuses nothing.
-#[cfg(all(target_env = "musl", target_pointer_width = "32"))]
+#[cfg(all(target_env = "musl", any(target_arch = "arm", target_arch = "mips")))]
 fn musl_time64_seconds() -> i64 {
     /// musl's `struct timespec` on 32-bit targets: a 64-bit `tv_sec`, then a 32-bit `tv_nsec`
     /// and 32 bits of padding in an order that follows the byte order (only `tv_sec` is read).

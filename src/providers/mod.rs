@@ -86,6 +86,7 @@ pub fn readers() -> Vec<config::Reader> {
         section: name,
         secrets: &[],
         read: refuse_left_out,
+        left_out: true,
     });
     REGISTRATIONS.iter().map(|r| r.reader).chain(left_out).collect()
 }
@@ -734,6 +735,7 @@ mod tests {
             section: "slack",
             secrets: &[],
             read: refuse_left_out,
+            left_out: true,
         }];
         let text = "[server]\nlisten = 127.0.0.1:8787\n\n[slack]\napi_base = https://x\n";
         let err = config::parse(text, "t.conf", None, &readers)
@@ -747,6 +749,10 @@ mod tests {
             )
         );
         let fine = config::parse("[server]\nlisten = 127.0.0.1:8787\n", "t.conf", None, &readers);
-        assert!(fine.is_ok(), "no section, no error");
+        let summary = fine.map(|c| c.summary()).unwrap_or_default();
+        assert!(
+            summary.contains("\nslack:             not in this build\n"),
+            "no section, no error; `check` says the provider is not built in: {summary}"
+        );
     }
 }

@@ -47,6 +47,7 @@ pub const REGISTRATION: Registration = Registration {
         section: "webhook.",
         secrets: &["secret"],
         read,
+        left_out: false,
     },
     start,
 };

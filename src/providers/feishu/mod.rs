@@ -72,6 +72,7 @@ pub const REGISTRATION: Registration = Registration {
         section: "feishu",
         secrets: &["app_secret"],
         read,
+        left_out: false,
     },
     start,
 };

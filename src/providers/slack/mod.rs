@@ -82,6 +82,7 @@ pub const REGISTRATION: Registration = Registration {
         section: "slack",
         secrets: &[],
         read,
+        left_out: false,
     },
     start,
 };

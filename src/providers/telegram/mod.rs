@@ -62,6 +62,7 @@ pub const REGISTRATION: Registration = Registration {
         section: "telegram",
         secrets: &["bot_token", "webhook_secret"],
         read,
+        left_out: false,
     },
     start,
 };

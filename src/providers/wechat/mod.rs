@@ -68,6 +68,7 @@ pub const REGISTRATION: Registration = Registration {
         section: "wechat",
         secrets: &[],
         read,
+        left_out: false,
     },
     start,
 };
