@@ -29,6 +29,12 @@ pub mod slack {
     pub use crate::providers::slack::event;
 }
 
+/// Discord's Gateway payloads and messages, and its markup made readable.
+#[cfg(feature = "discord")]
+pub mod discord {
+    pub use crate::providers::discord::event;
+}
+
 /// Feishu/Lark's long connection: its frame, its protocol, its event payload.
 #[cfg(feature = "feishu")]
 pub mod feishu {

@@ -3,7 +3,13 @@
 // A build that leaves providers out (their Cargo features off) also leaves unused some shared
 // code only they call; dead code is a finding of the full build, which CI lints with -D warnings.
 #![cfg_attr(
-    not(all(feature = "telegram", feature = "feishu", feature = "wechat", feature = "slack")),
+    not(all(
+        feature = "telegram",
+        feature = "feishu",
+        feature = "wechat",
+        feature = "slack",
+        feature = "discord"
+    )),
     allow(dead_code, unused_imports)
 )]
 

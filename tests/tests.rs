@@ -8,6 +8,8 @@ mod cli;
 mod crash;
 mod dataplane;
 mod deployment;
+#[cfg(feature = "discord")]
+mod discord;
 mod edge;
 #[cfg(feature = "feishu")]
 mod feishu;

@@ -4,6 +4,7 @@
 
 use redb::TableDefinition;
 
+use crate::source::Source;
 use crate::store::{self, Db, StoreError};
 
 /// One provider's table of binding rows.
@@ -40,5 +41,21 @@ impl Rows {
                 .insert(source, miniserde::json::to_string(row).as_str())?;
             Ok(())
         })
+    }
+
+    /// The rows of the sources in `bound` that are `provider`'s. A row that cannot be read is
+    /// left out, and said.
+    pub fn of_bound<T: miniserde::Deserialize>(&self, db: &Db, bound: &[Source], provider: &str) -> Vec<(Source, T)> {
+        bound
+            .iter()
+            .filter(|s| s.provider() == provider)
+            .filter_map(|s| match self.get(db, s.as_str()) {
+                Ok(row) => row.map(|row| (s.clone(), row)),
+                Err(e) => {
+                    log::error!("{provider}: cannot read the binding of {s}: {e}");
+                    None
+                }
+            })
+            .collect()
     }
 }

@@ -11,11 +11,14 @@
 //! executor; `delivered` must return at once.
 
 pub mod bindings;
+#[cfg(feature = "discord")]
+pub mod discord;
 #[cfg(feature = "feishu")]
 pub mod feishu;
 pub mod inbound;
 pub mod intake;
 pub mod keyfiles;
+pub mod lag;
 #[cfg(feature = "slack")]
 pub mod slack;
 pub mod socket;
@@ -54,6 +57,8 @@ pub const REGISTRATIONS: &[Registration] = &[
     wechat::REGISTRATION,
     #[cfg(feature = "slack")]
     slack::REGISTRATION,
+    #[cfg(feature = "discord")]
+    discord::REGISTRATION,
 ];
 
 /// The providers this build left out (their Cargo feature off). Their sections are refused
@@ -67,6 +72,8 @@ const LEFT_OUT: &[&str] = &[
     "wechat",
     #[cfg(not(feature = "slack"))]
     "slack",
+    #[cfg(not(feature = "discord"))]
+    "discord",
 ];
 
 /// One provider's entry: how it reads the config, how it starts.
@@ -688,6 +695,16 @@ pub fn multipart(fields: &[(&str, &str)], part: &str, filename: &str, mime: &str
 pub fn send_id(idempotency_key: &str, part: usize, bytes: usize) -> String {
     let digest = ring::digest::digest(&ring::digest::SHA256, format!("{idempotency_key}:{part}").as_bytes());
     crate::ids::hex(&digest.as_ref()[..bytes.min(32)])
+}
+
+/// The type a downloaded file is stored as: the server's `Content-Type` when it names one (an
+/// image may be a JPEG, not the PNG its message said), else what the message declared.
+pub fn served_mime(served: Option<&str>, declared: &str) -> String {
+    served
+        .map(|c| c.split(';').next().unwrap_or_default().trim())
+        .filter(|c| c.contains('/') && !c.starts_with("application/octet-stream"))
+        .unwrap_or(declared)
+        .to_string()
 }
 
 /// Splits text into parts of at most `max_chars` characters, preferring line breaks, never

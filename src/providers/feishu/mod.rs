@@ -347,13 +347,8 @@ impl Feishu {
             Ok::<_, ApiError>((part, content_type))
         })
         .map_err(|e| e.to_string())?;
-        // The server's type wins when it names one (an image may be a JPEG, not a PNG).
-        let mime = content_type
-            .as_deref()
-            .map(|c| c.split(';').next().unwrap_or_default().trim())
-            .filter(|c| c.contains('/') && !c.starts_with("application/octet-stream"))
-            .unwrap_or(res.mime_type);
-        let (file_ref, rec) = files.commit(part, &res.filename, mime).map_err(|e| e.to_string())?;
+        let mime = super::served_mime(content_type.as_deref(), res.mime_type);
+        let (file_ref, rec) = files.commit(part, &res.filename, &mime).map_err(|e| e.to_string())?;
         Ok(FileItem::cached(file_ref, rec))
     }
 

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::api::ApiError;
 use super::event::{self, ts_micros, ts_of, Message};
-use super::{high_water_key, Behind, ChannelInfo, Slack};
+use super::{high_water_key, ChannelInfo, Slack};
 use crate::json::{self, Object, Value};
 use crate::outbox::Cursor;
 use crate::providers::with_retry;
@@ -41,26 +41,10 @@ const MAX_PAGES: usize = 200;
 /// caught up (every message after the mark stored or not to be stored). A channel another
 /// catch-up is reading now is left to it.
 pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
-    let Some(_reading) = Reading::start(slack, source) else {
-        // The running one may have read the history before what this one was for: due again,
-        // and not cleared by the running one.
-        slack.fell_behind(source, u64::MAX, false);
+    let Some(reading) = slack.lag.start(source) else {
         return false;
     };
-    let Behind {
-        from: floor,
-        generation,
-        ..
-    } = {
-        let mut behind = slack.behind.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = behind.entry(source.clone()).or_insert(Behind {
-            from: u64::MAX,
-            tried: None,
-            generation: 0,
-        });
-        entry.tried = Some(Instant::now());
-        *entry
-    };
+    let floor = reading.from;
     let key = high_water_key(source);
     let mark = match slack.host.outbox.cursor(&key) {
         Ok(mark) => mark.and_then(|m| m.parse::<u64>().ok()),
@@ -71,7 +55,7 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
     };
     // A binding always sets the mark; without one there is nothing to read from.
     let Some(from) = mark.map(|m| m.min(floor)) else {
-        return caught_up(slack, source, generation);
+        return reading.caught_up();
     };
     let Some(tokens) = slack.tokens(&info.bot_user) else {
         return false;
@@ -130,39 +114,7 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
             rest = &rest[window.len()..];
         }
     }
-    caught_up(slack, source, generation)
-}
-
-/// The channel is no longer behind, unless it fell behind again meanwhile.
-fn caught_up(slack: &Slack, source: &Source, generation: u64) -> bool {
-    let mut behind = slack.behind.lock().unwrap_or_else(|e| e.into_inner());
-    if behind.get(source).is_some_and(|b| b.generation == generation) {
-        behind.remove(source);
-    }
-    true
-}
-
-/// A catch-up of one channel in progress; dropped, the channel is free for the next.
-struct Reading<'a> {
-    slack: &'a Slack,
-    source: Source,
-}
-
-impl<'a> Reading<'a> {
-    fn start(slack: &'a Slack, source: &Source) -> Option<Reading<'a>> {
-        let mut reading = slack.catching_up.lock().unwrap_or_else(|e| e.into_inner());
-        reading.insert(source.clone()).then(|| Reading {
-            slack,
-            source: source.clone(),
-        })
-    }
-}
-
-impl Drop for Reading<'_> {
-    fn drop(&mut self) {
-        let mut reading = self.slack.catching_up.lock().unwrap_or_else(|e| e.into_inner());
-        reading.remove(&self.source);
-    }
+    reading.caught_up()
 }
 
 /// The `ts` of every message after `from` (microseconds), oldest first: at most

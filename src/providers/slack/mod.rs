@@ -35,6 +35,7 @@ use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
 use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
+use super::lag::Lag;
 use super::{
     field, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
     Registration, Transient,
@@ -126,8 +127,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         recent: Recent::new(RECENT),
         names: Mutex::default(),
         threads: Mutex::default(),
-        behind: Mutex::default(),
-        catching_up: Mutex::default(),
+        lag: Lag::default(),
         counts: Counts::default(),
         full_log: Site::new(),
     })))
@@ -188,25 +188,11 @@ pub struct Slack {
     /// message ID → its thread's parent ts, for replies.
     threads: Mutex<VecDeque<(String, String)>>,
     /// Channels whose history may hold messages not stored (the connection was down, a commit
-    /// failed): the `ts` their next catch-up reads from, and when one last ran. Their live
-    /// messages are stored without moving the high-water mark.
-    behind: Mutex<HashMap<Source, Behind>>,
-    /// Channels a catch-up is reading now (one at a time per channel, whichever socket asks).
-    catching_up: Mutex<std::collections::HashSet<Source>>,
+    /// failed), from a `ts` on.
+    lag: Lag,
     counts: Counts,
     /// Messages refused by full caps (`reject_new`), logged once a minute.
     full_log: Site,
-}
-
-/// Where a channel that is behind is read from, and when a catch-up last tried.
-#[derive(Clone, Copy)]
-pub struct Behind {
-    /// Read from the high-water mark or from just before this `ts`, whichever is older.
-    pub from: u64,
-    pub tried: Option<Instant>,
-    /// Bumped whenever the channel falls behind again: a catch-up that began before does not
-    /// clear it.
-    pub generation: u64,
 }
 
 /// The two tokens of one bot.
@@ -251,18 +237,13 @@ impl Slack {
 
     /// The bound channels of bot `bot_user`.
     pub fn channels_of(&self, bot_user: &str) -> Vec<(Source, ChannelInfo)> {
-        match self.host.channels.bound_sources() {
-            Ok(bound) => bound
-                .into_iter()
-                .filter(|s| s.provider() == NAME)
-                .filter_map(|s| self.channel_info(s.as_str()).ok().flatten().map(|i| (s, i)))
-                .filter(|(_, i)| i.bot_user == bot_user)
-                .collect(),
-            Err(e) => {
-                log::error!("slack: cannot read the bindings: {e}");
-                Vec::new()
-            }
-        }
+        let bound = self.host.channels.bound_sources().unwrap_or_else(|e| {
+            log::error!("slack: cannot read the bindings: {e}");
+            Vec::new()
+        });
+        let mut rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, &bound, NAME);
+        rows.retain(|(_, i)| i.bot_user == bot_user);
+        rows
     }
 
     /// A connection of `bot_user` said hello: every bound channel is read from its high-water
@@ -270,23 +251,9 @@ impl Slack {
     pub fn connected(&self, bot_user: &str) -> Vec<String> {
         let channels = self.channels_of(bot_user);
         for (source, _) in &channels {
-            self.fell_behind(source, u64::MAX, false);
+            self.lag.fell_behind(source, u64::MAX, false);
         }
         channels.into_iter().map(|(_, i)| i.channel).collect()
-    }
-
-    /// `source` may have messages in its history that are not stored, from `from` on (or its
-    /// mark); `throttled`: its next catch-up waits 30 s (a message just failed to store).
-    pub fn fell_behind(&self, source: &Source, from: u64, throttled: bool) {
-        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = behind.entry(source.clone()).or_insert(Behind {
-            from,
-            tried: None,
-            generation: 0,
-        });
-        entry.from = entry.from.min(from);
-        entry.tried = throttled.then(Instant::now);
-        entry.generation = entry.generation.wrapping_add(1);
     }
 
     /// Handles messages of one channel of `bot_user`'s connection, in their order, on a
@@ -323,31 +290,19 @@ impl Slack {
                 return vec![false; messages.len()];
             }
         };
-        if catch_up || self.catch_up_due(&source) {
+        if catch_up || self.lag.due(&source) {
             // Not caught up: the channel stays behind, and its live messages move no mark.
             let _ = catchup::run(self, &source, &info);
         }
         // Read once a batch: every message's name lookups and file need it.
         let tokens = self.tokens(&info.bot_user);
         let bot_token = tokens.as_ref().map_or("", |t| t.bot.as_str());
-        let moves_cursor = !self
-            .behind
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&source);
+        let moves_cursor = !self.lag.is_behind(&source);
         let handled: Vec<Handled> = messages
             .into_iter()
             .map(|m| self.prepare(&source, &info, bot_token, m, moves_cursor))
             .collect();
         handled.into_iter().map(|h| self.finish(&source, h)).collect()
-    }
-
-    /// Whether a channel that is behind should be caught up now (at most every 30 s).
-    fn catch_up_due(&self, source: &Source) -> bool {
-        let behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
-        behind
-            .get(source)
-            .is_some_and(|b| b.tried.is_none_or(|t| t.elapsed() > Duration::from_secs(30)))
     }
 
     /// One message up to its hand-over to the outbox. `cursor`: its commit moves the channel's
@@ -427,7 +382,7 @@ impl Slack {
         };
         log::debug!("slack: {source}: a message not stored ({refused}); the channel is behind");
         let from = event::ts_micros(&ts).unwrap_or(1).saturating_sub(1);
-        self.fell_behind(source, from, true);
+        self.lag.fell_behind(source, from, true);
         false
     }
 
@@ -502,11 +457,7 @@ impl Slack {
             Ok::<_, ApiError>((part, content_type))
         })
         .map_err(|e| e.to_string())?;
-        let served = content_type
-            .as_deref()
-            .map(|c| c.split(';').next().unwrap_or_default().trim().to_string())
-            .filter(|c| c.contains('/') && !c.starts_with("application/octet-stream"));
-        let mime = served.unwrap_or_else(|| file.mimetype.clone());
+        let mime = super::served_mime(content_type.as_deref(), &file.mimetype);
         let (file_ref, rec) = files.commit(part, &file.name, &mime).map_err(|e| e.to_string())?;
         Ok(FileItem::cached(file_ref, rec))
     }
@@ -610,19 +561,10 @@ impl Slack {
         Ok(file_id)
     }
 
-    /// The bound bots, and their channels.
+    /// The bound bots.
     fn bound_bots(&self, bound: &[Source]) -> Vec<String> {
-        let mut bots: Vec<String> = bound
-            .iter()
-            .filter(|s| s.provider() == NAME)
-            .filter_map(|s| match self.channel_info(s.as_str()) {
-                Ok(info) => info.map(|i| i.bot_user),
-                Err(e) => {
-                    log::error!("slack: cannot read the binding of {s}: {e}");
-                    None
-                }
-            })
-            .collect();
+        let rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, bound, NAME);
+        let mut bots: Vec<String> = rows.into_iter().map(|(_, i)| i.bot_user).collect();
         bots.sort();
         bots.dedup();
         bots
@@ -837,7 +779,7 @@ impl Slack {
             .map_err(Failure::storage)?;
         // A socket already up for this bot acknowledged this channel's messages as unbound until
         // now: its next message starts with a catch-up from the mark.
-        self.fell_behind(&source, u64::MAX, false);
+        self.lag.fell_behind(&source, u64::MAX, false);
         Ok(source)
     }
 }
@@ -935,8 +877,7 @@ impl Provider for Slack {
         }
         self.token_files(".bot").forget_unused(&bots, "slack: bot token of");
         self.token_files(".app").forget_unused(&bots, "slack: app token of");
-        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
-        behind.retain(|s, _| bound.contains(s));
+        self.lag.retain(bound);
     }
 
     fn metrics(&self, out: &mut String) {

@@ -1,0 +1,347 @@
+//! A small Discord REST client (https://discord.com/developers/docs/reference) over `upstream`.
+//!
+//! Every call carries `Authorization: Bot TOKEN` (a header, never a URL, so no error text can
+//! hold it) and the `User-Agent` Discord asks bots for. Answers are JSON (objects, or arrays
+//! for a history); a refusal is `{code, message}` with its status, a rate limit `429` with
+//! `retry_after` in (fractional) seconds. A route whose bucket answered `X-RateLimit-Remaining:
+//! 0` waits its `X-RateLimit-Reset-After` before the next call, so a burst of sends meets no
+//! 429 (each 401, 403 and 429 counts toward Discord's ban of an address that makes too many).
+//! Attachments download from the CDN with no token: their signed URL is the credential.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::files::{FileError, FilePart};
+use crate::json::{self, Value};
+use crate::upstream::{self, Streamed};
+
+/// An answer larger than this is refused unread: a history page of 100 messages at their
+/// 4,000 characters, embeds included, stays well below it.
+pub const MAX_ANSWER: u64 = 2 << 20;
+/// Characters of Discord's error message kept (it reaches logs and tool results).
+const MAX_ERROR: usize = 120;
+/// Routes whose bucket wait is remembered (a bucket per channel and method).
+const MAX_BUCKETS: usize = 256;
+/// The longest bucket wait honoured before a call (a peer's figure, clamped).
+const MAX_BUCKET_WAIT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// The HTTP status, or 0 when the server could not be reached.
+    pub status: u16,
+    /// Discord's JSON error code (10003 unknown channel, 50001 missing access...), 0 if none.
+    pub code: u64,
+    /// Its message, or what went wrong.
+    pub message: String,
+    pub retry_after: Option<Duration>,
+    /// The answer passed `MAX_ANSWER` and was not read.
+    pub too_large: bool,
+}
+
+impl ApiError {
+    fn unreachable(e: upstream::Error) -> ApiError {
+        ApiError {
+            status: 0,
+            code: 0,
+            too_large: matches!(e, upstream::Error::TooLarge { .. }),
+            message: e.to_string(),
+            retry_after: None,
+        }
+    }
+
+    /// A refusal that is not Discord's JSON (a status, a page, the file cache).
+    pub fn refused(status: u16, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code: 0,
+            message: message.into(),
+            retry_after: None,
+            too_large: false,
+        }
+    }
+
+    /// The file cache refused the bytes: not temporary, its caps or its disk are not Discord's.
+    pub fn cache(e: FileError) -> ApiError {
+        ApiError::refused(413, e.to_string())
+    }
+}
+
+impl crate::providers::Transient for ApiError {
+    fn unreachable(&self) -> bool {
+        self.status == 0
+    }
+
+    fn temporary(&self) -> bool {
+        (self.status == 0 || self.status == 429 || self.status >= 500) && !self.too_large
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        // Bounded where it is used (`peer_wait::retry_after`).
+        self.retry_after
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.status, self.code) {
+            (0, _) => write!(f, "Discord unreachable: {}", self.message),
+            (status, 0) => write!(f, "Discord answered {status}: {}", self.message),
+            (status, code) => write!(f, "Discord answered {status} ({code}: {})", self.message),
+        }
+    }
+}
+
+/// A file to upload with a message: its name, type, size and bytes on disk.
+pub struct Upload<'a> {
+    pub filename: &'a str,
+    pub mime: &'a str,
+    pub size: u64,
+    pub path: &'a std::path::Path,
+}
+
+pub struct Api {
+    base: String,
+    http: ureq::Agent,
+    /// Downloads and uploads: a slow link's 20 MiB in one call.
+    files: ureq::Agent,
+    /// Route → when its bucket has room again.
+    buckets: Mutex<HashMap<String, Instant>>,
+}
+
+impl Api {
+    pub fn new(base: &str) -> Api {
+        Api {
+            base: base.trim_end_matches('/').to_string(),
+            http: upstream::agent(Duration::from_secs(15)),
+            files: upstream::agent(super::FETCH_DEADLINE),
+            buckets: Mutex::default(),
+        }
+    }
+
+    /// `GET {base}{path}` within `timeout`: the JSON answer.
+    pub fn get(&self, token: &str, path: &str, timeout: Duration) -> Result<Value, ApiError> {
+        self.call("GET", token, path, None, timeout)
+    }
+
+    /// `POST {base}{path}` with a JSON body (or none) within `timeout`: the JSON answer (`Null`
+    /// for a 204).
+    pub fn post(&self, token: &str, path: &str, body: Option<&str>, timeout: Duration) -> Result<Value, ApiError> {
+        self.call("POST", token, path, body, timeout)
+    }
+
+    fn call(
+        &self,
+        method: &str,
+        token: &str,
+        path: &str,
+        body: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Value, ApiError> {
+        let route = format!("{method} {}", path.split('?').next().unwrap_or(path));
+        let deadline = Instant::now() + timeout;
+        self.wait_for_bucket(&route, deadline)?;
+        let url = format!("{}{path}", self.base);
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        let auth = format!("Bot {token}");
+        let sent = match body {
+            None if method == "GET" => {
+                authorized(upstream::within(&self.http, self.http.get(&url), left), &auth).call()
+            }
+            None => authorized(upstream::within(&self.http, self.http.post(&url), left), &auth).send_empty(),
+            Some(b) => authorized(upstream::within(&self.http, self.http.post(&url), left), &auth)
+                .header("Content-Type", "application/json")
+                .send(b),
+        };
+        let mut resp = sent.map_err(|e| ApiError::unreachable(e.into()))?;
+        self.answer(&route, &mut resp)
+    }
+
+    /// Creates a message with one file: `payload_json` and `files[0]`, streamed from disk.
+    pub fn post_file(
+        &self,
+        token: &str,
+        path: &str,
+        payload: &str,
+        file: &Upload,
+        timeout: Duration,
+    ) -> Result<Value, ApiError> {
+        let route = format!("POST {path}");
+        let deadline = Instant::now() + timeout;
+        self.wait_for_bucket(&route, deadline)?;
+        let boundary = format!("imgate{}", crate::ids::random_hex(12));
+        // A quote or a line break would end the header's value: never in a name we send.
+        let filename = file.filename.replace(['"', '\r', '\n', '\\'], "_");
+        let head = format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"payload_json\"\r\nContent-Type: application/json\r\n\r\n{payload}\r\n\
+             --{boundary}\r\nContent-Disposition: form-data; name=\"files[0]\"; filename=\"{filename}\"\r\nContent-Type: {}\r\n\r\n",
+            file.mime
+        );
+        let tail = format!("\r\n--{boundary}--\r\n");
+        let bytes = std::fs::File::open(file.path).map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
+        let length = (head.len() as u64)
+            .saturating_add(file.size)
+            .saturating_add(tail.len() as u64);
+        let mut body = head.as_bytes().chain(bytes.take(file.size)).chain(tail.as_bytes());
+        let url = format!("{}{path}", self.base);
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        let mut resp = authorized(
+            upstream::within(&self.files, self.files.post(&url), left),
+            &format!("Bot {token}"),
+        )
+        .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
+        .header("Content-Length", &length.to_string())
+        .send(ureq::SendBody::from_reader(&mut body))
+        .map_err(|e| ApiError::unreachable(e.into()))?;
+        self.answer(&route, &mut resp)
+    }
+
+    /// Reads an answer: the JSON when it is a success, else Discord's refusal.
+    fn answer(&self, route: &str, resp: &mut upstream::Response) -> Result<Value, ApiError> {
+        let status = resp.status().as_u16();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| v.trim().to_string())
+        };
+        let seconds = |v: Option<String>| v.and_then(|v| v.parse::<f64>().ok()).and_then(seconds_of);
+        if header("X-RateLimit-Remaining").as_deref() == Some("0") {
+            if let Some(wait) = seconds(header("X-RateLimit-Reset-After")) {
+                self.bucket_empty(route, wait);
+            }
+        }
+        let retry_header = seconds(header("Retry-After"));
+        let body = upstream::read_body(resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+        if status == 204 {
+            return Ok(Value::Null);
+        }
+        let value = String::from_utf8(body).ok().and_then(|t| json::parse(&t).ok());
+        if (200..300).contains(&status) {
+            return value.ok_or_else(|| ApiError::refused(status, "the answer is not JSON"));
+        }
+        let refusal = value.as_ref().and_then(json::as_object);
+        let retry_body = refusal
+            .and_then(|o| match json::get(o, "retry_after") {
+                Some(Value::Number(n)) => number(n),
+                _ => None,
+            })
+            .and_then(seconds_of);
+        Err(ApiError {
+            status,
+            code: refusal.and_then(|o| json::get_u64(o, "code")).unwrap_or(0),
+            message: refusal
+                .and_then(|o| json::get_str(o, "message"))
+                .map(shown)
+                .unwrap_or_else(|| "an error it did not describe".into()),
+            retry_after: retry_body.or(retry_header),
+            too_large: false,
+        })
+    }
+
+    /// Waits until the route's bucket has room, unless that passes `deadline` (then a 429
+    /// without asking: the caller's retry knows when).
+    fn wait_for_bucket(&self, route: &str, deadline: Instant) -> Result<(), ApiError> {
+        let until = {
+            let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+            buckets.get(route).copied()
+        };
+        let Some(until) = until else { return Ok(()) };
+        let wait = until.saturating_duration_since(Instant::now());
+        if wait.is_zero() {
+            return Ok(());
+        }
+        if crate::peer_wait::passes(deadline, wait) {
+            let mut e = ApiError::refused(429, "the route's rate limit has no room before the deadline");
+            e.retry_after = Some(wait);
+            return Err(e);
+        }
+        std::thread::sleep(wait);
+        Ok(())
+    }
+
+    fn bucket_empty(&self, route: &str, wait: Duration) {
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if buckets.len() >= MAX_BUCKETS {
+            buckets.retain(|_, until| *until > now);
+            if buckets.len() >= MAX_BUCKETS {
+                buckets.clear();
+            }
+        }
+        buckets.insert(route.to_string(), now + wait.min(MAX_BUCKET_WAIT));
+    }
+
+    /// Downloads an attachment into `part` from its signed CDN URL (no token: the CDN needs
+    /// none, and the token must not travel to another host), within `timeout`; the server's
+    /// content type.
+    pub fn download(&self, url: &str, part: &mut FilePart, timeout: Duration) -> Result<Option<String>, ApiError> {
+        let mut resp = upstream::within(&self.files, self.files.get(url), timeout)
+            .call()
+            .map_err(|e| ApiError::unreachable(upstream::Error::from(e).hiding(url, "the attachment's URL")))?;
+        let status = resp.status().as_u16();
+        let content_type = resp
+            .headers()
+            .get("Content-Type")
+            .and_then(|v| v.to_str().ok())
+            .map(|c| c.chars().take(128).collect::<String>());
+        if status != 200 {
+            // A signed URL past its `ex` answers 404: the message's URL expired.
+            return Err(ApiError::refused(status, "the attachment's download was refused"));
+        }
+        match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
+            Ok(()) => Ok(content_type),
+            Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
+            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+        }
+    }
+}
+
+fn authorized<B>(req: ureq::RequestBuilder<B>, auth: &str) -> ureq::RequestBuilder<B> {
+    req.header("Authorization", auth).header(
+        "User-Agent",
+        &format!(
+            "DiscordBot (https://github.com/imgate/imgate, {})",
+            crate::protocol::card::VERSION
+        ),
+    )
+}
+
+/// A JSON number as `f64`.
+fn number(n: &miniserde::json::Number) -> Option<f64> {
+    match *n {
+        miniserde::json::Number::U64(u) => Some(u as f64),
+        miniserde::json::Number::I64(i) => Some(i as f64),
+        miniserde::json::Number::F64(f) => Some(f),
+    }
+}
+
+/// Seconds a peer named as a `Duration`: finite, not negative, at most a day (callers clamp
+/// further); `None` otherwise.
+fn seconds_of(s: f64) -> Option<Duration> {
+    (s.is_finite() && s >= 0.0).then(|| Duration::from_secs_f64(s.min(86_400.0)))
+}
+
+/// An error message from Discord, as a log line or a tool result may show it.
+fn shown(message: &str) -> String {
+    crate::quiet::shown(&message.chars().take(MAX_ERROR).collect::<String>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_a_peer_names_are_finite_and_bounded() {
+        assert_eq!(seconds_of(0.25), Some(Duration::from_millis(250)));
+        assert_eq!(seconds_of(1e300), Some(Duration::from_secs(86_400)));
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            assert_eq!(seconds_of(bad), None);
+        }
+    }
+}

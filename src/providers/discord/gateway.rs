@@ -1,0 +1,798 @@
+//! One Gateway session per bot, shared by every channel bound through it: it starts with the
+//! bot's first binding and stops with its last (`Sessions::sync`). It runs on the executor (no
+//! thread of its own); each channel's messages go to the outbox in the channel's lane, on the
+//! pool (`Discord::accept`).
+//!
+//! A connection (gateway-events.mdx, gateway.mdx): HELLO names the heartbeat interval; the
+//! first heartbeat goes after a random part of it, each carries the last sequence number, and a
+//! heartbeat not acknowledged (op 11) by the next one means a zombie connection: closed with a
+//! code other than 1000/1001 (which would end the session) and resumed. RESUME first, on the
+//! session's `resume_gateway_url`, so Discord replays what was missed; IDENTIFY only when there
+//! is no session to resume (at start, after op 9 `false`, 4007, 4009). After every READY (a new
+//! session: nothing replayed) each bound channel is caught up from its cursor.
+//!
+//! IDENTIFY is rationed: Discord allows 1,000 a day per bot and then resets its token. So
+//! IDENTIFYs are at least `IDENTIFY_MIN` apart, the gap doubles (to `IDENTIFY_MAX`) whenever a
+//! new session ends within `SHORT_LIVED` or never becomes ready, and none is sent while
+//! `session_start_limit.remaining` is 0. A close that says the configuration is wrong (4004 bad
+//! token, 4010–4013, 4014 the Message Content intent) stops the bot: its channels'
+//! Descriptors and `/status` say why, and nothing is tried until it is bound again.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use async_tungstenite::tungstenite::protocol::CloseFrame;
+use async_tungstenite::tungstenite::Message as WsMessage;
+use smol::future::FutureExt;
+use smol::stream::StreamExt;
+
+use super::event::{self, Event, Frame, Message};
+use super::Discord;
+use crate::atomic::AtomicU64;
+use crate::ids;
+use crate::json;
+use crate::peer_wait;
+use crate::providers::socket::{self, Budget, Held, Out, Up, QUEUE_SLOTS};
+use crate::providers::workers::{Worker, Workers};
+use crate::providers::Transient;
+use crate::quiet::Quiet;
+use crate::runtime;
+use crate::wsclient;
+
+/// GUILD_MESSAGES, DIRECT_MESSAGES, MESSAGE_CONTENT (gateway.mdx "List of Intents").
+const INTENTS: u64 = (1 << 9) | (1 << 12) | (1 << 15);
+/// A frame larger than this ends the connection. With the intents above the Gateway sends
+/// messages, READY and small events; a message with embeds is a few KiB.
+const MAX_FRAME: usize = 1 << 20;
+/// Bytes of messages read and not yet handed to the outbox: past this the reader stops reading
+/// (Discord holds what it has not sent).
+const QUEUED_BYTES: usize = 1 << 20;
+/// A message counts as at least this many bytes against `QUEUED_BYTES`.
+const MIN_EVENT_COST: usize = 1024;
+/// `GET /gateway/bot` gives up after this long.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(15);
+/// HELLO must come this soon after the handshake.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// The heartbeat interval HELLO may name, clamped to this range (Discord's is about 41 s).
+const BEAT_MIN: Duration = Duration::from_millis(500);
+const BEAT_MAX: Duration = Duration::from_secs(120);
+/// IDENTIFYs are at least this far apart (`max_concurrency` 1: one per 5 s)...
+const IDENTIFY_MIN: Duration = Duration::from_secs(6);
+/// ...and, while sessions keep failing, at most this far (under 150 a day).
+const IDENTIFY_MAX: Duration = Duration::from_secs(600);
+/// A session or connection that ends sooner than this counts as failed: its backoff grows.
+const SHORT_LIVED: Duration = Duration::from_secs(60);
+const MIN_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(60);
+/// A resume URL that cannot be reached this many times in a row is given up for IDENTIFY.
+const RESUME_TRIES: u32 = 3;
+/// The longest wait for the daily session budget honoured at once (Discord names when it
+/// resets; asked again after this).
+const BUDGET_WAIT_MAX: Duration = Duration::from_secs(3600);
+/// A close frame is written within this long, or the connection is dropped.
+const CLOSE_WAIT: Duration = Duration::from_secs(2);
+
+/// The running sessions, by bot user ID.
+pub struct Sessions {
+    running: Workers<String>,
+    shared: Arc<Shared>,
+}
+
+/// What the sessions tell the provider.
+#[derive(Default)]
+struct Shared {
+    /// Connections that are ready (READY or RESUMED) and open now.
+    up: Arc<AtomicUsize>,
+    /// Bots Discord refuses, and why.
+    refused: Mutex<HashMap<String, String>>,
+    identifies: AtomicU64,
+}
+
+impl Default for Sessions {
+    fn default() -> Sessions {
+        Sessions {
+            running: Workers::new("discord: bot", "Gateway session"),
+            shared: Arc::default(),
+        }
+    }
+}
+
+impl Sessions {
+    /// Starts a session for every bot in `wanted` and stops the others.
+    pub fn sync(&self, discord: &Arc<Discord>, wanted: &[String]) {
+        self.running.sync(wanted, |bot| {
+            let task = runtime::spawn(run(Arc::downgrade(discord), bot.clone(), self.shared.clone()));
+            Some(Worker::Task(task))
+        });
+        let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused.retain(|bot, _| wanted.contains(bot));
+    }
+
+    /// Stops the session of `bot` (a refused one, bound again): the next `sync` starts anew.
+    pub fn forget(&self, bot: &str) {
+        self.running.forget(&bot.to_string());
+        let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused.remove(bot);
+    }
+
+    pub fn stop_all(&self) {
+        self.running.stop_all();
+    }
+
+    pub fn count(&self) -> usize {
+        self.running.count()
+    }
+
+    pub fn up(&self) -> usize {
+        self.shared.up.load(Ordering::Relaxed)
+    }
+
+    pub fn identifies(&self) -> u64 {
+        self.shared.identifies.load(Ordering::Relaxed)
+    }
+
+    /// Why Discord refuses `bot`, if it does.
+    pub fn refused(&self, bot: &str) -> Option<String> {
+        let refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused.get(bot).cloned()
+    }
+}
+
+/// Logs a bot's session state when it changes.
+struct State {
+    bot: String,
+    last: String,
+}
+
+impl State {
+    fn set(&mut self, now: String, warn: bool) {
+        if now != self.last {
+            match warn {
+                true => log::warn!("discord: bot {}: {now}", self.bot),
+                false => log::info!("discord: bot {}: {now}", self.bot),
+            }
+            self.last = now;
+        }
+    }
+}
+
+/// The bot's channels' Descriptors changed (it was refused, or is taken again): xAgent is told.
+async fn tell(discord: &Weak<Discord>, bot: &str) {
+    let (d, b) = (discord.clone(), bot.to_string());
+    runtime::unblock(move || {
+        if let Some(d) = d.upgrade() {
+            for (source, _) in d.channels_of(&b) {
+                d.host.binding_state_changed(&source);
+            }
+        }
+    })
+    .await;
+}
+
+/// A session that can be resumed.
+#[derive(Clone)]
+struct Resume {
+    session_id: String,
+    url: String,
+    seq: Option<u64>,
+}
+
+/// How a connection ended, and what comes next.
+enum End {
+    /// Reconnect and RESUME.
+    Resume(String),
+    /// The session is gone: IDENTIFY anew (after a short wait when Discord asked for one).
+    Identify(String, bool),
+    /// Discord refuses the bot for a reason only its owner can fix.
+    Refused(String),
+}
+
+/// The session loop of one bot: forever, until its task is dropped.
+async fn run(discord: Weak<Discord>, bot: String, shared: Arc<Shared>) {
+    let mut state = State {
+        bot: bot.clone(),
+        last: String::new(),
+    };
+    let mut resume: Option<Resume> = None;
+    let mut resume_failures = 0u32;
+    let mut backoff = MIN_BACKOFF;
+    let mut identify_gap = IDENTIFY_MIN;
+    let mut next_identify = Instant::now();
+    loop {
+        let Some(token) = token_of(&discord, &bot).await else {
+            return;
+        };
+        let identify = resume.is_none();
+        let url = match &resume {
+            Some(r) => r.url.clone(),
+            None => {
+                smol::Timer::at(next_identify).await;
+                match gateway_url(&discord, &token).await {
+                    Ok(url) => url,
+                    Err(Open::Refused(why)) => {
+                        refuse(&discord, &bot, &shared, &mut state, why).await;
+                        return std::future::pending().await;
+                    }
+                    Err(Open::Wait(why, wait)) => {
+                        state.set(why, true);
+                        smol::Timer::after(wait).await;
+                        continue;
+                    }
+                    Err(Open::Failed(why, retry_after)) => {
+                        state.set(format!("cannot reach the Gateway: {why}; retrying"), true);
+                        smol::Timer::after(peer_wait::retry_after(retry_after, jittered(backoff))).await;
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                        continue;
+                    }
+                }
+            }
+        };
+        let ws = match connect(&url).await {
+            Ok(ws) => ws,
+            Err(why) => {
+                state.set(format!("cannot connect to the Gateway: {why}; retrying"), true);
+                if !identify {
+                    resume_failures += 1;
+                    if resume_failures >= RESUME_TRIES {
+                        resume = None;
+                    }
+                }
+                smol::Timer::after(jittered(backoff)).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        resume_failures = 0;
+        if identify {
+            shared.identifies.fetch_add(1, Ordering::Relaxed);
+            next_identify = Instant::now() + identify_gap;
+        }
+        let started = Instant::now();
+        let mut ready = false;
+        let end = live(&discord, &bot, ws, &token, &mut resume, &mut ready, &shared, &mut state).await;
+        let lived = started.elapsed();
+        if lived >= SHORT_LIVED {
+            backoff = MIN_BACKOFF;
+        }
+        if identify {
+            identify_gap = next_gap(identify_gap, ready && lived >= SHORT_LIVED);
+            if identify_gap == IDENTIFY_MAX {
+                state.set(
+                    format!(
+                        "new sessions keep failing; one is tried every {} to spare the daily budget",
+                        crate::config::fmt_duration(IDENTIFY_MAX)
+                    ),
+                    true,
+                );
+            }
+        }
+        match end {
+            End::Refused(why) => {
+                refuse(&discord, &bot, &shared, &mut state, why).await;
+                return std::future::pending().await;
+            }
+            End::Resume(why) => {
+                state.set(format!("Gateway connection down ({why}); resuming"), false);
+                let wait = if lived >= SHORT_LIVED { MIN_BACKOFF } else { backoff };
+                smol::Timer::after(jittered(wait)).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+            End::Identify(why, pause) => {
+                state.set(format!("Gateway session ended ({why}); starting a new one"), true);
+                resume = None;
+                if pause {
+                    // Op 9: "wait a random amount of time between 1 and 5 seconds".
+                    smol::Timer::after(Duration::from_millis(1000 + ids::below(4000))).await;
+                }
+            }
+        }
+    }
+}
+
+/// The gap before the next IDENTIFY: back to the least after a session that held, doubled
+/// (to at most `IDENTIFY_MAX`) after one that failed.
+fn next_gap(gap: Duration, held: bool) -> Duration {
+    match held {
+        true => IDENTIFY_MIN,
+        false => gap.saturating_mul(2).clamp(IDENTIFY_MIN, IDENTIFY_MAX),
+    }
+}
+
+/// Discord refuses the bot: said once, and its channels' Descriptors changed.
+async fn refuse(discord: &Weak<Discord>, bot: &str, shared: &Shared, state: &mut State, why: String) {
+    let changed = {
+        let mut refused = shared.refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused.insert(bot.to_string(), why.clone()).as_ref() != Some(&why)
+    };
+    state.set(format!("{why}; not connecting until the channel is bound again"), true);
+    if changed {
+        tell(discord, bot).await;
+    }
+}
+
+/// Discord took the bot again after refusing it.
+async fn accepted(discord: &Weak<Discord>, bot: &str, shared: &Shared) {
+    let was = {
+        let mut refused = shared.refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused.remove(bot).is_some()
+    };
+    if was {
+        tell(discord, bot).await;
+    }
+}
+
+/// `wait` plus up to half of it again, at random, so bots do not reconnect in step.
+fn jittered(wait: Duration) -> Duration {
+    let extra = ids::below(wait.as_millis() as u64 / 2 + 1);
+    wait.saturating_add(Duration::from_millis(extra))
+}
+
+async fn token_of(discord: &Weak<Discord>, bot: &str) -> Option<String> {
+    let (d, b) = (discord.upgrade()?, bot.to_string());
+    // A token file read is disk I/O: on the pool.
+    runtime::unblock(move || d.token(&b)).await
+}
+
+enum Open {
+    /// Discord refuses the token.
+    Refused(String),
+    /// The daily session budget is used up: why, and how long to wait.
+    Wait(String, Duration),
+    /// Could not ask now; the wait Discord asked for, if it did.
+    Failed(String, Option<Duration>),
+}
+
+/// `GET /gateway/bot` on the pool: the Gateway's URL, once the session budget allows one more.
+async fn gateway_url(discord: &Weak<Discord>, token: &str) -> Result<String, Open> {
+    let Some(d) = discord.upgrade() else {
+        return Err(Open::Failed("stopping".into(), None));
+    };
+    let t = token.to_string();
+    let answer = runtime::unblock(move || d.api.get(&t, "/gateway/bot", OPEN_TIMEOUT)).await;
+    let answer = match answer {
+        Ok(a) => a,
+        Err(e) if e.status == 401 => {
+            return Err(Open::Refused(
+                "Discord rejected the bot token (401): bind the channel again with a new token".into(),
+            ))
+        }
+        Err(e) => return Err(Open::Failed(e.to_string(), e.retry_after())),
+    };
+    let o = json::as_object(&answer).cloned().unwrap_or_default();
+    let limit = json::get_obj(&o, "session_start_limit");
+    let remaining = limit.and_then(|l| json::get_u64(l, "remaining"));
+    if remaining == Some(0) {
+        let reset = limit
+            .and_then(|l| json::get_u64(l, "reset_after"))
+            .map_or(BUDGET_WAIT_MAX, Duration::from_millis)
+            .min(BUDGET_WAIT_MAX);
+        return Err(Open::Wait(
+            format!(
+                "Discord's daily budget of new sessions is used up; waiting {}",
+                crate::config::fmt_duration(reset)
+            ),
+            reset,
+        ));
+    }
+    match json::get_str(&o, "url") {
+        Some(url) if url.len() <= 2048 && (url.starts_with("wss://") || url.starts_with("ws://")) => {
+            Ok(url.to_string())
+        }
+        _ => Err(Open::Failed("no usable Gateway URL".into(), None)),
+    }
+}
+
+/// The Gateway URL with the version and encoding imgate speaks (no compression).
+fn versioned(url: &str) -> String {
+    match url.contains('?') {
+        true => format!("{url}&v=10&encoding=json"),
+        false => format!("{}/?v=10&encoding=json", url.trim_end_matches('/')),
+    }
+}
+
+async fn connect(url: &str) -> Result<wsclient::Ws, String> {
+    let url = versioned(url);
+    let target = wsclient::parse_url(&url)?;
+    let request = wsclient::request(&url)?;
+    wsclient::connect(&target, request, None, wsclient::bounded_config(MAX_FRAME)).await
+}
+
+fn text(v: json::Value) -> WsMessage {
+    WsMessage::Text(json::to_string(&v).into())
+}
+
+fn identify_payload(token: &str) -> WsMessage {
+    let properties = json::obj([
+        ("os", json::s("linux")),
+        ("browser", json::s("imgate")),
+        ("device", json::s("imgate")),
+    ]);
+    let d = json::obj([
+        ("token", json::s(token)),
+        ("intents", json::n(INTENTS)),
+        ("properties", properties),
+    ]);
+    text(json::obj([("op", json::n(2)), ("d", d)]))
+}
+
+fn resume_payload(token: &str, r: &Resume) -> WsMessage {
+    let d = json::obj([
+        ("token", json::s(token)),
+        ("session_id", json::s(&r.session_id)),
+        // READY carries the first sequence number, so a session always has one.
+        ("seq", json::n(r.seq.unwrap_or(0))),
+    ]);
+    text(json::obj([("op", json::n(6)), ("d", d)]))
+}
+
+/// Op 1 with the last sequence number, `null` before the first (written out: `json::obj`
+/// leaves nulls out, and `d` must be there).
+fn heartbeat(seq: Option<u64>) -> WsMessage {
+    let d = seq.map_or_else(|| "null".to_string(), |s| s.to_string());
+    WsMessage::Text(format!("{{\"op\":1,\"d\":{d}}}").into())
+}
+
+/// A close that keeps the session resumable (any code but 1000 and 1001).
+fn resumable_close() -> WsMessage {
+    WsMessage::Close(Some(CloseFrame {
+        code: CloseCode::from(4000u16),
+        reason: "resuming".into(),
+    }))
+}
+
+/// What a close code from Discord means (opcodes-and-status-codes.mdx, "Gateway Close Event
+/// Codes").
+fn closed_with(code: u16) -> End {
+    match code {
+        4004 => End::Refused("Discord rejected the bot token (4004): bind the channel again with a new token".into()),
+        4014 => End::Refused(
+            "the bot's Message Content Intent is off (4014): turn it on (Developer Portal, Bot, Privileged Gateway Intents), then bind again"
+                .into(),
+        ),
+        4010..=4013 => End::Refused(format!(
+            "Discord refused the session ({code}): this imgate cannot connect this bot"
+        )),
+        4007 | 4009 => End::Identify(format!("closed by Discord ({code})"), false),
+        _ => End::Resume(format!("closed by Discord ({code})")),
+    }
+}
+
+/// One job of a channel's lane.
+enum Job {
+    /// Read the channel's history from its cursor first.
+    CatchUp(String),
+    /// A message, with its share of the budget until it is handed to the outbox.
+    Message(Box<Message>, Held),
+}
+
+impl Job {
+    fn channel(&self) -> &str {
+        match self {
+            Job::CatchUp(c) => c,
+            Job::Message(m, _) => &m.channel,
+        }
+    }
+}
+
+/// One connection, until it ends. `resume` is kept current (READY's session, each sequence
+/// number); `ready` is set once the session is ready.
+#[allow(clippy::too_many_arguments)]
+async fn live(
+    discord: &Weak<Discord>,
+    bot: &str,
+    ws: wsclient::Ws,
+    token: &str,
+    resume: &mut Option<Resume>,
+    ready: &mut bool,
+    shared: &Shared,
+    state: &mut State,
+) -> End {
+    let (sink, mut stream) = ws.split();
+    let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
+    let mut writer = socket::writer(sink, out_rx);
+    let (budget, room) = Budget::new(QUEUED_BYTES);
+    let (d, b) = (discord.clone(), bot.to_string());
+    let mut lanes = socket::Lanes::new(move |batch: Vec<Job>| lane(d.clone(), b.clone(), batch));
+    let close = |out: &smol::channel::Sender<Out>| {
+        let _ = out.try_send((resumable_close(), None));
+    };
+    // HELLO first.
+    let hello = async {
+        match stream.next().await {
+            Some(Ok(WsMessage::Text(t))) => match event::read_frame(t.as_str()) {
+                Frame::Hello { heartbeat_interval } => Ok(heartbeat_interval),
+                _ => Err("the first frame is not HELLO".to_string()),
+            },
+            Some(Ok(WsMessage::Close(f))) => Err(format!("closed before HELLO ({:?})", f.map(|f| u16::from(f.code)))),
+            Some(Ok(_)) => Err("the first frame is not HELLO".to_string()),
+            Some(Err(e)) => Err(e.to_string()),
+            None => Err("closed before HELLO".to_string()),
+        }
+    };
+    let late = async {
+        smol::Timer::after(HELLO_TIMEOUT).await;
+        Err(format!("no HELLO within {HELLO_TIMEOUT:?}"))
+    };
+    let interval = match hello.or(late).await {
+        Ok(ms) => Duration::from_millis(ms).clamp(BEAT_MIN, BEAT_MAX),
+        Err(why) => return End::Resume(crate::quiet::shown(&why)),
+    };
+    let first = match resume.as_ref() {
+        Some(r) => resume_payload(token, r),
+        None => identify_payload(token),
+    };
+    if out_tx.send((first, None)).await.is_err() {
+        return End::Resume("the writer stopped".into());
+    }
+    let mut up_while_ready: Option<Up> = None;
+    let mut unreadable = Quiet::new();
+    let mut acked = true;
+    // The first beat after `interval * jitter` (gateway.mdx "Sending Heartbeats").
+    let mut next_beat = Instant::now() + interval.mul_f64(ids::below(1000) as f64 / 1000.0);
+    let mut fair = runtime::Fair::default();
+    loop {
+        fair.turn().await;
+        enum Step {
+            Read(Option<Result<WsMessage, async_tungstenite::tungstenite::Error>>),
+            Beat,
+            Room,
+            Writer(String),
+        }
+        let beat = async {
+            smol::Timer::at(next_beat).await;
+            Step::Beat
+        };
+        let writer_ended = async { Step::Writer((&mut writer).await) };
+        // Past the byte budget nothing is read until the lanes hand messages over; heartbeats
+        // go on.
+        let step = match budget.full() {
+            true => {
+                let waiting_room = async {
+                    let _ = room.recv().await;
+                    Step::Room
+                };
+                waiting_room.or(beat).or(writer_ended).await
+            }
+            false => {
+                async { Step::Read(stream.next().await) }
+                    .or(beat)
+                    .or(writer_ended)
+                    .await
+            }
+        };
+        let text = match step {
+            Step::Writer(why) => return End::Resume(why),
+            Step::Room => continue,
+            Step::Beat => {
+                if !acked {
+                    close(&out_tx);
+                    let _ = (&mut writer)
+                        .or(async {
+                            smol::Timer::after(CLOSE_WAIT).await;
+                            String::new()
+                        })
+                        .await;
+                    return End::Resume("no heartbeat acknowledged: a zombie connection".into());
+                }
+                let seq = resume.as_ref().and_then(|r| r.seq);
+                if let Err(smol::channel::TrySendError::Closed(_)) = out_tx.try_send((heartbeat(seq), None)) {
+                    return End::Resume("the writer stopped".into());
+                }
+                acked = false;
+                next_beat = Instant::now() + interval;
+                // A channel whose catch-up failed is tried again at a heartbeat.
+                if let Some(d) = discord.upgrade() {
+                    for channel in d.due(bot) {
+                        lanes.route(channel.clone(), Job::CatchUp(channel));
+                    }
+                }
+                continue;
+            }
+            Step::Read(None) => return End::Resume("the connection closed".into()),
+            Step::Read(Some(Ok(WsMessage::Close(frame)))) => {
+                return match frame {
+                    Some(f) => closed_with(u16::from(f.code)),
+                    None => End::Resume("closed by Discord".into()),
+                }
+            }
+            // A frame past `MAX_FRAME` would come again in a RESUME's replay: a new session
+            // skips it (the catch-up reads the channels' histories instead).
+            Step::Read(Some(Err(async_tungstenite::tungstenite::Error::Capacity(e)))) => {
+                return End::Identify(format!("a frame too large ({e})"), false)
+            }
+            Step::Read(Some(Err(e))) => return End::Resume(crate::quiet::shown(&e.to_string())),
+            Step::Read(Some(Ok(WsMessage::Text(t)))) => t,
+            Step::Read(Some(Ok(_))) => continue,
+        };
+        let cost = text.len().max(MIN_EVENT_COST);
+        let frame = match text.len() <= json::INLINE_PARSE {
+            true => event::read_frame(text.as_str()),
+            // Parsing a large frame is work for the pool, not the executor.
+            false => runtime::unblock(move || event::read_frame(text.as_str())).await,
+        };
+        match frame {
+            Frame::Hello { .. } => {}
+            Frame::HeartbeatAck => acked = true,
+            Frame::Heartbeat => {
+                let seq = resume.as_ref().and_then(|r| r.seq);
+                let _ = out_tx.try_send((heartbeat(seq), None));
+            }
+            Frame::Reconnect => {
+                close(&out_tx);
+                return End::Resume("Discord asked for a reconnect".into());
+            }
+            Frame::InvalidSession { resumable: true } => {
+                close(&out_tx);
+                return End::Resume("Discord invalidated the connection".into());
+            }
+            Frame::InvalidSession { resumable: false } => {
+                close(&out_tx);
+                return End::Identify("Discord invalidated the session".into(), true);
+            }
+            Frame::Dispatch { seq, event } => {
+                if let (Some(s), Some(r)) = (seq, resume.as_mut()) {
+                    r.seq = Some(r.seq.map_or(s, |old| old.max(s)));
+                }
+                match event {
+                    Event::Ready {
+                        session_id,
+                        resume_url,
+                        user_id,
+                    } => {
+                        if user_id != bot {
+                            return End::Refused("the token now belongs to another bot: bind the channel again".into());
+                        }
+                        *resume = Some(Resume {
+                            session_id,
+                            url: resume_url,
+                            seq,
+                        });
+                        *ready = true;
+                        up_while_ready = Some(Up::new(&shared.up));
+                        state.set("Gateway session ready".into(), false);
+                        accepted(discord, bot, shared).await;
+                        // A new session replays nothing: every channel reads its history first.
+                        let (d, b) = (discord.clone(), bot.to_string());
+                        let channels =
+                            runtime::unblock(move || d.upgrade().map(|d| d.session_started(&b)).unwrap_or_default())
+                                .await;
+                        for channel in channels {
+                            lanes.route(channel.clone(), Job::CatchUp(channel));
+                        }
+                    }
+                    Event::Resumed => {
+                        *ready = true;
+                        up_while_ready.get_or_insert_with(|| Up::new(&shared.up));
+                        state.set("Gateway session resumed".into(), false);
+                    }
+                    Event::Message(m) => {
+                        let held = budget.take(cost);
+                        lanes.route(m.channel.clone(), Job::Message(m, held));
+                    }
+                    Event::Unreadable(why) => {
+                        if let Some(more) = unreadable.admit() {
+                            log::warn!("discord: bot {bot}: an event was not read: {why}{more}");
+                        }
+                    }
+                    Event::Other => {}
+                }
+            }
+            Frame::Other(what) => {
+                if let Some(more) = unreadable.admit() {
+                    log::warn!(
+                        "discord: bot {bot}: a frame was not read: {}{more}",
+                        crate::quiet::shown(&what)
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A batch of one lane's jobs, in order: each channel's run of jobs handed to
+/// `Discord::accept` on the pool. The lane goes on after its connection ended: what was read is
+/// stored.
+async fn lane(discord: Weak<Discord>, bot: String, batch: Vec<Job>) -> bool {
+    let mut jobs = batch.into_iter().peekable();
+    while let Some(first) = jobs.next() {
+        // Past the lane cap, channels share a lane: one `accept` per run of one channel.
+        let channel = first.channel().to_string();
+        let mut run = vec![first];
+        while let Some(next) = jobs.next_if(|j| j.channel() == channel) {
+            run.push(next);
+        }
+        let catch_up = run.iter().any(|j| matches!(j, Job::CatchUp(_)));
+        let (messages, held): (Vec<Message>, Vec<Held>) = run
+            .into_iter()
+            .filter_map(|j| match j {
+                Job::Message(m, held) => Some((*m, held)),
+                Job::CatchUp(_) => None,
+            })
+            .unzip();
+        let Some(d) = discord.upgrade() else { return false };
+        let b = bot.clone();
+        runtime::unblock(move || d.accept(&b, &channel, catch_up, messages)).await;
+        drop(held);
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn close_codes_that_only_the_owner_can_fix_stop_the_bot() {
+        for code in [4004, 4010, 4011, 4012, 4013, 4014] {
+            assert!(matches!(closed_with(code), End::Refused(_)), "{code}");
+        }
+        for code in [4007, 4009] {
+            assert!(matches!(closed_with(code), End::Identify(_, false)), "{code}");
+        }
+        for code in [1000, 1001, 1006, 4000, 4001, 4002, 4003, 4005, 4008] {
+            assert!(matches!(closed_with(code), End::Resume(_)), "{code}");
+        }
+    }
+
+    #[test]
+    fn identifies_that_keep_failing_are_spaced_out_to_ten_minutes_and_a_session_that_held_resets_them() {
+        let mut gap = IDENTIFY_MIN;
+        let mut per_day = 0;
+        let mut t = Duration::ZERO;
+        while t < Duration::from_secs(86_400) {
+            per_day += 1;
+            t += gap;
+            gap = next_gap(gap, false);
+        }
+        assert_eq!(gap, IDENTIFY_MAX);
+        assert!(
+            per_day < 160,
+            "{per_day} IDENTIFYs a day when every session fails at once"
+        );
+        assert_eq!(next_gap(IDENTIFY_MAX, true), IDENTIFY_MIN);
+        assert_eq!(next_gap(Duration::MAX, false), IDENTIFY_MAX);
+    }
+
+    #[test]
+    fn gateway_urls_get_the_version_and_encoding() {
+        assert_eq!(
+            versioned("wss://gateway.discord.gg"),
+            "wss://gateway.discord.gg/?v=10&encoding=json"
+        );
+        assert_eq!(versioned("ws://127.0.0.1:9/"), "ws://127.0.0.1:9/?v=10&encoding=json");
+        assert_eq!(
+            versioned("wss://g.example/?x=1"),
+            "wss://g.example/?x=1&v=10&encoding=json"
+        );
+    }
+
+    #[test]
+    fn identify_and_resume_carry_the_token_bare_and_the_intents() {
+        let WsMessage::Text(t) = identify_payload("a.b.c") else {
+            panic!()
+        };
+        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        assert_eq!(v["op"], 2);
+        assert_eq!(v["d"]["token"], "a.b.c");
+        assert_eq!(v["d"]["intents"], 37376);
+        let r = Resume {
+            session_id: "s1".into(),
+            url: String::new(),
+            seq: Some(7),
+        };
+        let WsMessage::Text(t) = resume_payload("a.b.c", &r) else {
+            panic!()
+        };
+        let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap();
+        assert_eq!((v["op"].clone(), v["d"]["seq"].clone()), (6.into(), 7.into()));
+        let WsMessage::Text(t) = heartbeat(None) else { panic!() };
+        assert_eq!(t.as_str(), "{\"op\":1,\"d\":null}");
+        let WsMessage::Text(t) = heartbeat(Some(42)) else {
+            panic!()
+        };
+        assert_eq!(t.as_str(), "{\"op\":1,\"d\":42}");
+    }
+}

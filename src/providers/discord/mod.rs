@@ -1,0 +1,853 @@
+//! Discord: a bot in a server's text channel or in a DM. Messages come over the Gateway, a
+//! WebSocket the bot opens itself (`gateway`), so imgate works behind NAT with no public URL.
+//! The Gateway has no acknowledgements: a dropped connection is resumed (Discord replays what
+//! was missed), and whenever a session is new (nothing replayed: after a refused RESUME, at
+//! start) every bound channel's history is read from its cursor (`catchup`). The tools answer
+//! through the REST API (`api`).
+//!
+//! Source key: `{bot_user_id}:{channel_id}` (one Gateway session per bot, shared by its
+//! channels). A binding stores what it knows of the channel in its own table
+//! (`discord_channels`); the bot token is kept in `state_dir/discord/{bot_user_id}.token` (mode
+//! 0600), never in the database, a packet or a log line, and forgotten with the bot's last
+//! binding.
+//!
+//! Each channel's cursor is the snowflake of the last message stored: a `Cursor` moved in the
+//! commit of the messages it covers. A RESUME's replay and a catch-up that overlap are
+//! harmless: the snowflake is the `message_id`, and the outbox dedupes by it.
+
+pub mod api;
+pub mod catchup;
+pub mod event;
+pub mod gateway;
+
+use crate::atomic::AtomicU64;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use miniserde::{Deserialize, Serialize};
+use redb::TableDefinition;
+
+use self::api::{Api, ApiError, Upload};
+use self::event::{Attachment, Message};
+use super::bindings::Rows;
+use super::inbound::{self, FileItem, Inbound};
+use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
+use super::keyfiles::KeyFiles;
+use super::lag::Lag;
+use super::{
+    field, send_id, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound,
+    Provider, Registration, Transient,
+};
+use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::json::{self, Object, Value};
+use crate::outbox::{Cursor, Enqueued, Ticket};
+use crate::protocol::code;
+use crate::protocol::descriptor::{Target, ToolState};
+use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
+use crate::quiet::Site;
+use crate::source::Source;
+use crate::store::StoreError;
+
+const NAME: &str = "discord";
+/// source → `ChannelInfo`.
+const CHANNELS: Rows = Rows {
+    table: TableDefinition::new("discord_channels"),
+    what: "discord channel",
+};
+const FLOW: &str = "discord_bot_binding";
+const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
+/// A message's content is at most this many characters (message.mdx, Create Message).
+const MAX_TEXT: usize = 2_000;
+/// A tool call retries rate limits and 5xx answers for at most this long.
+const TOOL_DEADLINE: Duration = Duration::from_secs(20);
+/// A message's attachment is fetched for at most this long before the message goes on with a
+/// note.
+pub const FETCH_DEADLINE: Duration = Duration::from_secs(30);
+/// Recently stored messages remembered (`Recent`).
+const RECENT: usize = 256;
+/// A channel shows typing at most this often (Discord shows it for about 10 s).
+const TYPING_EVERY: Duration = Duration::from_secs(8);
+/// `GET /applications/@me` `flags`: the Message Content intent, on (verified apps) or limited
+/// (unverified ones under 100 servers); application.mdx "Application Flags".
+const MESSAGE_CONTENT_FLAGS: u64 = (1 << 18) | (1 << 19);
+/// Channel types whose messages a bot reads (channel.mdx "Channel Types"): text, DM, voice
+/// text, announcement, and the three thread types.
+const TEXT_CHANNELS: [u64; 7] = [0, 1, 2, 5, 10, 11, 12];
+
+pub const REGISTRATION: Registration = Registration {
+    reader: Reader {
+        provider: NAME,
+        section: "discord",
+        secrets: &[],
+        read,
+        left_out: false,
+    },
+    start,
+};
+
+/// `[discord]`.
+#[derive(Clone)]
+pub struct DiscordSettings {
+    pub api_base: String,
+    /// Messages of other bots and of webhooks are stored too (off: only people's).
+    pub accept_bots: bool,
+}
+
+impl Settings for DiscordSettings {
+    fn summary(&self) -> String {
+        format!(
+            "discord:           api_base {}, accept_bots {}\n",
+            self.api_base, self.accept_bots
+        )
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
+    let section = sections.first()?;
+    let mut f = Fields::new(section, p, &[]);
+    let settings = DiscordSettings {
+        api_base: f
+            .url("api_base")
+            .unwrap_or_else(|| "https://discord.com/api/v10".into()),
+        accept_bots: f.bool("accept_bots").unwrap_or(false),
+    };
+    f.finish();
+    Some(Arc::new(settings))
+}
+
+fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
+    let Some(settings) = host.config.provider::<DiscordSettings>(NAME).cloned() else {
+        return Ok(None);
+    };
+    CHANNELS.create(&host.db)?;
+    Ok(Some(Arc::new_cyclic(|me| Discord {
+        me: me.clone(),
+        host: host.clone(),
+        api: Api::new(&settings.api_base),
+        accept_bots: settings.accept_bots,
+        sessions: gateway::Sessions::default(),
+        recent: Recent::new(RECENT),
+        lag: Lag::default(),
+        typing: Mutex::default(),
+        counts: Counts::default(),
+        full_log: Site::new(),
+    })))
+}
+
+/// What a binding knows about its bot and channel.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct ChannelInfo {
+    /// The bot's user ID: the account, and how its own messages are told apart.
+    pub bot_user: String,
+    pub channel: String,
+    /// `#general`, or `DM with ann`.
+    pub channel_name: String,
+    /// `p2p` (a DM) or `group`.
+    pub chat_type: String,
+    /// The snowflake the binding started the cursor at. Stored with the binding (a durable
+    /// commit), while the cursor moves with messages and reaches the disk with their next sync:
+    /// a catch-up after a power cut right after the binding reads from here.
+    pub from: u64,
+}
+
+pub fn source_of(bot_user: &str, channel: &str) -> Source {
+    Source::new(NAME, &format!("{bot_user}:{channel}"))
+}
+
+/// The outbox cursor holding the snowflake of a channel's last stored message.
+fn cursor_key(source: &Source) -> String {
+    format!("discord_last:{}", source.key())
+}
+
+/// Whether a snowflake may move a cursor: minted not more than a day ahead of this clock. A
+/// cursor only moves forward, so one message stamped years ahead would end every later
+/// catch-up.
+fn plausible(snowflake: u64) -> bool {
+    event::created_ms(snowflake) <= crate::ids::now_ms().saturating_add(86_400_000)
+}
+
+/// Counters for `/metrics`.
+#[derive(Default)]
+struct Counts {
+    /// Messages from channels no channel is bound to (counted, not stored).
+    unbound: AtomicU64,
+    /// The bot's own messages, other bots' (unless accepted), notices: not stored.
+    skipped: AtomicU64,
+    /// Messages stored by a catch-up (not by the Gateway).
+    caught_up: AtomicU64,
+}
+
+pub struct Discord {
+    me: Weak<Discord>,
+    host: Arc<Host>,
+    api: Api,
+    accept_bots: bool,
+    sessions: gateway::Sessions,
+    recent: Recent,
+    /// Channels whose history may hold messages not stored (a new session, a failed commit),
+    /// after a snowflake.
+    lag: Lag,
+    /// Channel → when it last showed typing.
+    typing: Mutex<HashMap<String, Instant>>,
+    counts: Counts,
+    /// Messages refused by full caps (`reject_new`), logged once a minute.
+    full_log: Site,
+}
+
+impl Discord {
+    fn token_files(&self) -> KeyFiles {
+        KeyFiles {
+            dir: self.host.config.server.state_dir.join("discord"),
+            prefix: "",
+            suffix: ".token",
+        }
+    }
+
+    /// The token of bot `bot_user`, while a binding keeps it.
+    pub fn token(&self, bot_user: &str) -> Option<String> {
+        self.token_files().read(bot_user)
+    }
+
+    fn channel_info(&self, source: &str) -> Result<Option<ChannelInfo>, StoreError> {
+        CHANNELS.get(&self.host.db, source)
+    }
+
+    /// The binding of a source and its bot token.
+    fn route(&self, source: &Source) -> Result<(ChannelInfo, String), Failure> {
+        let info = self
+            .channel_info(source.as_str())
+            .map_err(Failure::storage)?
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the Discord binding is gone"))?;
+        let token = self
+            .token(&info.bot_user)
+            .ok_or_else(|| Failure::new(code::CHANNEL_UNAVAILABLE, "the bot's token is no longer available"))?;
+        Ok((info, token))
+    }
+
+    /// The bound channels of bot `bot_user`.
+    pub fn channels_of(&self, bot_user: &str) -> Vec<(Source, ChannelInfo)> {
+        let bound = self.host.channels.bound_sources().unwrap_or_else(|e| {
+            log::error!("discord: cannot read the bindings: {e}");
+            Vec::new()
+        });
+        let mut rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, &bound, NAME);
+        rows.retain(|(_, i)| i.bot_user == bot_user);
+        rows
+    }
+
+    /// A new Gateway session of `bot_user` is ready (nothing was replayed): every bound
+    /// channel is read from its cursor before its live messages move it again. Its bound
+    /// channels.
+    pub fn session_started(&self, bot_user: &str) -> Vec<String> {
+        let channels = self.channels_of(bot_user);
+        for (source, _) in &channels {
+            self.lag.fell_behind(source, u64::MAX, false);
+        }
+        channels.into_iter().map(|(_, i)| i.channel).collect()
+    }
+
+    /// The channels of `bot_user` that are behind and due for another catch-up.
+    pub fn due(&self, bot_user: &str) -> Vec<String> {
+        self.lag.due_under(&format!("{bot_user}:"))
+    }
+
+    /// Handles messages of one channel of `bot_user`'s session, in their order, on a blocking
+    /// thread: a catch-up first when the channel is behind and due (`catch_up`: run it even if
+    /// one ran lately), then each message handed to the outbox without waiting, then every
+    /// commit awaited, so a burst shares its commits. A message not stored leaves the channel
+    /// behind: the next catch-up reads it from the history.
+    pub fn accept(&self, bot_user: &str, channel: &str, catch_up: bool, messages: Vec<Message>) {
+        let source = source_of(bot_user, channel);
+        // A binding's row outlives the binding (an unbound channel may be bound again): the
+        // channel registry says whether it is bound now.
+        let binding = self
+            .host
+            .channels
+            .bound_channel(source.as_str())
+            .and_then(|bound| match bound {
+                Some(_) => self.channel_info(source.as_str()),
+                None => Ok(None),
+            });
+        let info = match binding {
+            Ok(Some(info)) => info,
+            Ok(None) => {
+                self.counts.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                if let Some(m) = messages.iter().find(|m| m.author_id != bot_user) {
+                    let kind = if m.guild.is_none() { "dm" } else { "channel" };
+                    self.host.unbound_seen(NAME, channel, kind);
+                    log::debug!("discord: bot {bot_user}: a message from a channel no channel is bound to");
+                }
+                return;
+            }
+            Err(e) => {
+                log::debug!("discord: {source}: cannot read the binding: {e}");
+                if let Some(first) = messages.iter().map(|m| m.id).min() {
+                    self.lag.fell_behind(&source, first.saturating_sub(1), true);
+                }
+                return;
+            }
+        };
+        if catch_up || self.lag.due(&source) {
+            // Not caught up: the channel stays behind, and its live messages move no cursor.
+            let _ = catchup::run(self, &source, &info);
+        }
+        let moves_cursor = !self.lag.is_behind(&source);
+        let handled: Vec<Handled> = messages
+            .into_iter()
+            .map(|m| self.prepare(&source, &info, m, moves_cursor))
+            .collect();
+        for h in handled {
+            self.finish(&source, h);
+        }
+    }
+
+    /// Whether a message is one imgate stores: not the bot's own, a post and not a notice, a
+    /// person's unless other bots are accepted.
+    fn wanted(&self, info: &ChannelInfo, m: &Message) -> bool {
+        m.author_id != info.bot_user && m.is_post() && (self.accept_bots || !(m.author_bot || m.webhook))
+    }
+
+    /// One message up to its hand-over to the outbox. `cursor`: its commit moves the channel's
+    /// cursor to it.
+    fn prepare(&self, source: &Source, info: &ChannelInfo, m: Message, cursor: bool) -> Handled {
+        if !self.wanted(info, &m) {
+            self.counts.skipped.fetch_add(1, Ordering::Relaxed);
+            return Handled::Done;
+        }
+        let message_id = m.id.to_string();
+        if self.recent.seen("", &message_id) {
+            return Handled::Done;
+        }
+        let message_type = m
+            .attachment
+            .as_ref()
+            .map_or("text", |a| crate::files::kind_of(&a.content_type));
+        let inbound = Inbound {
+            message_id: message_id.clone(),
+            sender_id: m.author_id.clone(),
+            sender_name: Some(m.author_name.clone()).filter(|n| !n.is_empty()),
+            chat_id: Some(info.channel.clone()),
+            chat_type: info.chat_type.clone(),
+            message_type: message_type.to_string(),
+            // Names are longer than the IDs they replace: bounded again.
+            text: event::bounded(&event::readable(&m.content, &m.mentions), event::MAX_TEXT_BYTES),
+            event_time: Some(m.created_ms()),
+            files: None,
+        };
+        let arrival = Arrival {
+            source: source.clone(),
+            file: m.attachment.clone().map(|a| Fetch {
+                kind: crate::files::kind_of(&a.content_type).to_string(),
+                // The attachment's URL is signed and expires: fetched now, into our cache.
+                fetch: Box::new(move || self.fetch(&a, source)),
+            }),
+            inbound,
+            reply_ref: true,
+            cursors: match cursor && plausible(m.id) {
+                true => vec![Cursor::Forward(cursor_key(source), m.id)],
+                false => Vec::new(),
+            },
+            // Older than the TTL (a catch-up after a long outage): counted expired.
+            when_stale: WhenStale::CountExpired,
+        };
+        match self.host.intake(arrival) {
+            Intake::Stale => Handled::Done,
+            Intake::Submitted(ticket) => Handled::Commit(ticket, m.id),
+        }
+    }
+
+    /// Waits for a prepared message's commit: whether it is stored (or a duplicate, or not to
+    /// be stored). A message not stored leaves its channel behind, from just before it.
+    fn finish(&self, source: &Source, h: Handled) -> bool {
+        let (ticket, id) = match h {
+            Handled::Done => return true,
+            Handled::Commit(ticket, id) => (ticket, id),
+        };
+        let refused = match ticket.wait() {
+            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
+                self.recent.stored(String::new(), id.to_string());
+                return true;
+            }
+            Ok(Enqueued::CapacityExceeded) => {
+                if let Some(more) = self.full_log.admit() {
+                    log::warn!("discord: {source}: queue full; the message is read again from the history later{more}");
+                }
+                "queue full"
+            }
+            Err(e) => {
+                log::debug!("discord: {source}: cannot store a message: {e}");
+                "store failed"
+            }
+        };
+        log::debug!("discord: {source}: a message not stored ({refused}); the channel is behind");
+        self.lag.fell_behind(source, id.saturating_sub(1), true);
+        false
+    }
+
+    /// A message's attachment, from its signed URL, into the file cache.
+    fn fetch(&self, a: &Attachment, source: &Source) -> Result<FileItem, String> {
+        let files = &self.host.files;
+        let deadline = Instant::now() + FETCH_DEADLINE;
+        // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
+        let (part, content_type) = with_retry("discord: attachment download", deadline, |left| {
+            let mut part = files.begin(source.as_str(), "in").map_err(ApiError::cache)?;
+            let content_type = self.api.download(&a.url, &mut part, left)?;
+            Ok::<_, ApiError>((part, content_type))
+        })
+        .map_err(|e| e.to_string())?;
+        let mime = super::served_mime(content_type.as_deref(), &a.content_type);
+        let (file_ref, rec) = files.commit(part, &a.filename, &mime).map_err(|e| e.to_string())?;
+        Ok(FileItem::cached(file_ref, rec))
+    }
+
+    /// One message created: `content`, the reply's reference, a nonce that makes a retried
+    /// call one message; its ID.
+    fn post(
+        &self,
+        token: &str,
+        channel: &str,
+        payload: &str,
+        file: Option<&Upload>,
+        deadline: Instant,
+    ) -> Result<String, Failure> {
+        let path = format!("/channels/{channel}/messages");
+        let sent = with_retry("discord: send", deadline, |left| match file {
+            None => self.api.post(token, &path, Some(payload), left),
+            Some(f) => self.api.post_file(token, &path, payload, f, left),
+        })
+        .map_err(|e| refusal(&e))?;
+        Ok(json::as_object(&sent)
+            .and_then(|o| json::get_str(o, "id"))
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// The bound bots.
+    fn bound_bots(&self, bound: &[Source]) -> Vec<String> {
+        let rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, bound, NAME);
+        let mut bots: Vec<String> = rows.into_iter().map(|(_, i)| i.bot_user).collect();
+        bots.sort();
+        bots.dedup();
+        bots
+    }
+}
+
+/// One message after `prepare`: nothing to wait for, or the commit to wait for first (with its
+/// snowflake).
+enum Handled {
+    Done,
+    Commit(Ticket, u64),
+}
+
+/// The JSON of one message to create: its content, a nonce Discord checks for uniqueness (a
+/// retried call returns the first message), no mention pinging anyone, the reply's reference
+/// (a message deleted meanwhile makes it a plain message).
+fn message_payload(content: &str, nonce: &str, reply_to: Option<&str>) -> String {
+    let mut fields = vec![
+        ("content", json::s(content)),
+        ("nonce", json::s(nonce)),
+        ("enforce_nonce", json::b(true)),
+        ("allowed_mentions", json::obj([("parse", json::arr([]))])),
+    ];
+    if let Some(id) = reply_to {
+        fields.push((
+            "message_reference",
+            json::obj([("message_id", json::s(id)), ("fail_if_not_exists", json::b(false))]),
+        ));
+    }
+    json::to_string(&json::obj(fields))
+}
+
+/// A REST refusal as a tool's failure, with what the owner can do about it.
+fn refusal(e: &ApiError) -> Failure {
+    let refused = |why: &str| Failure::new(code::UPSTREAM_REJECTED, why.to_string());
+    match (e.status, e.code) {
+        (401, _) => Failure::new(
+            code::CONNECTION_NOT_AUTHENTICATED,
+            "Discord refused the bot token: bind the channel again with a new token",
+        ),
+        (_, 10003) => refused("Discord does not know this channel any more"),
+        (403, _) | (_, 50001 | 50013) => {
+            refused("the bot lacks a permission in this channel (View Channel, Send Messages, Attach Files)")
+        }
+        (413, _) | (_, 40005) => refused("the file is larger than Discord takes from this bot"),
+        _ => Failure::upstream(e),
+    }
+}
+
+/// What a binding check met, as the reason the form shows.
+fn bind_failure(what: &str, e: &ApiError) -> Failure {
+    let refused = |why: String| Failure::new(code::CONNECTION_NOT_AUTHENTICATED, why);
+    if e.temporary() {
+        return Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the {what}: {e}"));
+    }
+    match (e.status, e.code) {
+        (401, _) => refused("Discord rejected the bot token (copy it again from the Developer Portal, Bot page)".into()),
+        (_, 10003) | (404, _) => refused("Discord does not know this channel (copy its ID with Developer Mode on)".into()),
+        (_, 50001) | (403, _) => refused(format!(
+            "the bot cannot see this channel: invite it to the server and give it View Channel and Read Message History ({e})"
+        )),
+        _ => refused(format!("Discord refused the {what} check ({e})")),
+    }
+}
+
+const DECLARATION: Declaration = Declaration {
+    name: NAME,
+    label: "Discord",
+    description: "A Discord bot in a server's text channel or a DM, over the Gateway.",
+    flow_ids: &[FLOW],
+    tools: TOOLS,
+};
+
+fn flow() -> Value {
+    let fields = vec![
+        field(
+            "bot_token",
+            "Bot token",
+            Input::Secret,
+            true,
+            None,
+            "The bot's token (Developer Portal, your application, Bot, Reset Token); turn on the Message Content Intent there.",
+        ),
+        field(
+            "channel_id",
+            "Channel ID",
+            Input::Text,
+            true,
+            Some("1098765432109876543"),
+            "Invite the bot to the server; with Developer Mode on, right-click the channel and Copy Channel ID.",
+        ),
+    ];
+    let description = "Bind this channel to one Discord text channel or DM of a bot; messages arrive over the Gateway.";
+    super::flow(FLOW, "form", "Bind a Discord channel", description, fields)
+}
+
+/// A token as Discord issues them: three base64url parts joined by dots.
+fn token_shaped(token: &str) -> bool {
+    (30..=200).contains(&token.len())
+        && token.split('.').count() == 3
+        && token
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+impl Discord {
+    /// Its form flow: the source the filled-in form names, checked.
+    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+        let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
+        let token = given("bot_token");
+        let token = token.strip_prefix("Bot ").unwrap_or(token).trim();
+        let channel = given("channel_id");
+        let invalid = |why: &str| Err(Failure::new(code::INVALID_ARGUMENTS, why.to_string()));
+        if !token_shaped(token) {
+            return invalid("bot_token must be a Discord bot token (three parts joined by dots)");
+        }
+        if event::snowflake(channel).is_none() {
+            return invalid("channel_id must be a channel's ID: digits only, like 1098765432109876543");
+        }
+        let deadline = || TOOL_DEADLINE;
+        let me = self
+            .api
+            .get(token, "/users/@me", deadline())
+            .map_err(|e| bind_failure("bot token", &e))?;
+        let me = json::as_object(&me).cloned().unwrap_or_default();
+        let Some(bot_user) = json::get_str(&me, "id").filter(|id| event::snowflake(id).is_some()) else {
+            return invalid("Discord's answer names no user for this token");
+        };
+        if !matches!(me.get("bot"), Some(Value::Bool(true))) {
+            return invalid("this is not a bot's token: use the token of the application's bot");
+        }
+        let bot_user = bot_user.to_string();
+        // Without the Message Content intent a bot's messages arrive empty (and the Gateway
+        // closes with 4014 when it is asked for): said now, not after the binding.
+        match self.api.get(token, "/applications/@me", deadline()) {
+            Ok(app) => {
+                let flags = json::as_object(&app)
+                    .and_then(|a| json::get_u64(a, "flags"))
+                    .unwrap_or(0);
+                if flags & MESSAGE_CONTENT_FLAGS == 0 {
+                    return Err(Failure::new(
+                        code::CONNECTION_NOT_AUTHENTICATED,
+                        "the bot's Message Content Intent is off: turn it on (Developer Portal, Bot, Privileged Gateway Intents), then bind again",
+                    ));
+                }
+            }
+            Err(e) if e.temporary() => return Err(bind_failure("application", &e)),
+            // The Gateway's 4014 still tells, later.
+            Err(e) => log::debug!("discord: the application's intents cannot be read: {e}"),
+        }
+        let found = self
+            .api
+            .get(token, &format!("/channels/{channel}"), deadline())
+            .map_err(|e| bind_failure("channel", &e))?;
+        let found = json::as_object(&found).cloned().unwrap_or_default();
+        let kind = json::get_u64(&found, "type").unwrap_or(u64::MAX);
+        if !TEXT_CHANNELS.contains(&kind) {
+            return invalid(
+                "this channel holds no messages a bot reads (a category, a forum or a stage): bind a text channel",
+            );
+        }
+        let dm = kind == 1;
+        // The catch-up reads the history: check it can, and start from its newest message.
+        let newest = self
+            .api
+            .get(token, &format!("/channels/{channel}/messages?limit=1"), deadline())
+            .map_err(|e| bind_failure("channel history", &e))?;
+        let newest = match newest {
+            Value::Array(list) => list
+                .iter()
+                .filter_map(json::as_object)
+                .filter_map(|m| json::get_str(m, "id").and_then(event::snowflake))
+                .max(),
+            _ => None,
+        };
+        let channel_name = if dm {
+            let with = match json::get(&found, "recipients") {
+                Some(Value::Array(r)) => r
+                    .iter()
+                    .filter_map(json::as_object)
+                    .find_map(|u| json::get_str(u, "global_name").or_else(|| json::get_str(u, "username")))
+                    .map(|n| n.chars().filter(|c| !c.is_control()).take(80).collect::<String>()),
+                _ => None,
+            };
+            with.map_or_else(|| "Discord DM".into(), |n| format!("DM with {n}"))
+        } else {
+            match json::get_str(&found, "name").filter(|n| !n.is_empty()) {
+                Some(n) => format!(
+                    "#{}",
+                    n.chars().filter(|c| !c.is_control()).take(80).collect::<String>()
+                ),
+                None => inbound::redact(channel),
+            }
+        };
+        let source = source_of(&bot_user, channel);
+        // History from before the binding is never read: the cursor starts at the channel's
+        // newest message (or now, for an empty one), and never moves back.
+        let from = newest
+            .filter(|id| plausible(*id))
+            .unwrap_or_else(|| event::snowflake_at(crate::ids::now_ms()));
+        let binding = ChannelInfo {
+            bot_user: bot_user.clone(),
+            channel: channel.to_string(),
+            channel_name,
+            chat_type: if dm { "p2p" } else { "group" }.into(),
+            from,
+        };
+        self.token_files()
+            .store(&bot_user, token)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the token: {e}")))?;
+        self.host
+            .outbox
+            .move_cursors(&[Cursor::Forward(cursor_key(&source), from)])
+            .map_err(Failure::storage)?;
+        CHANNELS
+            .put(&self.host.db, source.as_str(), &binding)
+            .map_err(Failure::storage)?;
+        // A session up for this bot took this channel's messages as unbound until now: its next
+        // message starts with a catch-up from the cursor.
+        self.lag.fell_behind(&source, u64::MAX, false);
+        // A bot Discord refused (a token, the intent) is tried again now that it is bound again.
+        if self.sessions.refused(&bot_user).is_some() {
+            self.sessions.forget(&bot_user);
+        }
+        Ok(source)
+    }
+}
+
+impl Provider for Discord {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
+    fn auth_flows(&self) -> Vec<Value> {
+        vec![flow()]
+    }
+
+    /// `discord_bot_binding`: checks the token (`/users/@me`), the Message Content intent
+    /// (`/applications/@me`), the channel and its history.
+    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
+        self.bind_form(input).map(AuthStep::Bound)
+    }
+
+    fn describe(&self, source: &Source) -> Result<Description, StoreError> {
+        let target = |display_name: String, account_hint| Target {
+            provider: NAME.into(),
+            label: DECLARATION.label.into(),
+            display_name,
+            account_hint,
+        };
+        let info = self.channel_info(source.as_str())?;
+        let unusable = |display: String, why: &str| Description {
+            status: "error",
+            target: target(display, None),
+            tools: TOOLS.iter().map(|t| (*t, ToolState::unavailable(why))).collect(),
+        };
+        Ok(match info {
+            Some(info) if self.token(&info.bot_user).is_none() => unusable(
+                "Discord (binding lost: bind again)".into(),
+                "the bot's token is no longer available",
+            ),
+            Some(info) => match self.sessions.refused(&info.bot_user) {
+                Some(why) => unusable(info.channel_name.clone(), &why),
+                None => Description {
+                    status: "connected",
+                    target: target(info.channel_name.clone(), Some(inbound::redact(&info.channel))),
+                    tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
+                },
+            },
+            None => unusable(
+                "Discord (binding lost: bind again)".into(),
+                "the Discord binding is gone",
+            ),
+        })
+    }
+
+    fn label(&self, _source: &Source) -> String {
+        DECLARATION.label.into()
+    }
+
+    /// Text (split at 2,000 characters) and files, the first part as a reply to the message
+    /// answered. With one file and a short text, the text is the file's message.
+    fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
+        let (info, token) = self.route(source)?;
+        let deadline = Instant::now() + TOOL_DEADLINE;
+        let reply_to = match out.reply_to {
+            Some(id) if event::snowflake(id).is_none() => {
+                return Err(Failure::new(
+                    code::REPLY_REF_INVALID,
+                    "the message answered is not Discord's",
+                ))
+            }
+            other => other,
+        };
+        let parts = split_text(out.text, MAX_TEXT);
+        // The text goes with the first file when it fits in one message.
+        let caption = !out.files.is_empty() && parts.len() == 1;
+        let mut last = String::new();
+        let mut part = 0;
+        let mut reply = reply_to;
+        if !caption && !out.text.is_empty() {
+            for text in &parts {
+                let payload = message_payload(text, &send_id(out.idempotency_key, part, 12), reply.take());
+                last = self.post(&token, &info.channel, &payload, None, deadline)?;
+                part += 1;
+            }
+        }
+        for (i, (rec, path)) in out.files.iter().enumerate() {
+            let text = if caption && i == 0 { out.text } else { "" };
+            let payload = message_payload(text, &send_id(out.idempotency_key, part, 12), reply.take());
+            let upload = Upload {
+                filename: &rec.filename,
+                mime: &rec.mime_type,
+                size: rec.byte_size,
+                path,
+            };
+            last = self.post(&token, &info.channel, &payload, Some(&upload), deadline)?;
+            part += 1;
+        }
+        Ok(last)
+    }
+
+    /// One Gateway session per bot with a binding; tokens no binding uses are forgotten.
+    fn bindings_changed(&self, bound: &[Source]) {
+        let bots = self.bound_bots(bound);
+        if let Some(me) = self.me.upgrade() {
+            self.sessions.sync(&me, &bots);
+        }
+        self.token_files().forget_unused(&bots, "discord: bot token of");
+        self.lag.retain(bound);
+    }
+
+    /// Messages were delivered: the channel shows the bot typing (best effort, at most every
+    /// `TYPING_EVERY`).
+    fn delivered(&self, source: &Source) {
+        let Some(me) = self.me.upgrade() else { return };
+        let source = source.clone();
+        crate::runtime::spawn_blocking(move || {
+            let Ok((info, token)) = me.route(&source) else { return };
+            {
+                let mut typing = me.typing.lock().unwrap_or_else(|e| e.into_inner());
+                if typing.get(&info.channel).is_some_and(|t| t.elapsed() < TYPING_EVERY) {
+                    return;
+                }
+                if typing.len() >= 1024 {
+                    typing.retain(|_, t| t.elapsed() < TYPING_EVERY);
+                }
+                typing.insert(info.channel.clone(), Instant::now());
+            }
+            let path = format!("/channels/{}/typing", info.channel);
+            if let Err(e) = me.api.post(&token, &path, None, Duration::from_secs(5)) {
+                log::debug!("discord: {source}: typing not shown: {e}");
+            }
+        });
+    }
+
+    fn metrics(&self, out: &mut String) {
+        let lines = [
+            ("imgate_discord_sessions", "gauge", self.sessions.count() as u64),
+            ("imgate_discord_sessions_up", "gauge", self.sessions.up() as u64),
+            ("imgate_discord_identifies_total", "counter", self.sessions.identifies()),
+            (
+                "imgate_discord_unbound_messages_total",
+                "counter",
+                self.counts.unbound.load(Ordering::Relaxed),
+            ),
+            (
+                "imgate_discord_skipped_messages_total",
+                "counter",
+                self.counts.skipped.load(Ordering::Relaxed),
+            ),
+            (
+                "imgate_discord_caught_up_messages_total",
+                "counter",
+                self.counts.caught_up.load(Ordering::Relaxed),
+            ),
+        ];
+        for (name, kind, value) in lines {
+            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
+        }
+    }
+
+    fn stop(&self) {
+        self.sessions.stop_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_payload_pings_nobody_and_names_its_nonce_and_reply() {
+        let p = message_payload("hi @everyone", "abc", Some("123"));
+        let v: serde_json::Value = serde_json::from_str(&p).unwrap();
+        assert_eq!(v["content"], "hi @everyone");
+        assert_eq!(v["nonce"], "abc");
+        assert_eq!(v["enforce_nonce"], true);
+        assert_eq!(v["allowed_mentions"]["parse"], serde_json::json!([]));
+        assert_eq!(v["message_reference"]["message_id"], "123");
+        assert_eq!(v["message_reference"]["fail_if_not_exists"], false);
+        let p: serde_json::Value = serde_json::from_str(&message_payload("x", "n", None)).unwrap();
+        assert!(p.get("message_reference").is_none());
+    }
+
+    #[test]
+    fn tokens_are_checked_for_their_shape_only() {
+        assert!(token_shaped(
+            "MTA5ODc2NTQzMjEwOTg3NjU0.GsimTk.discord-simulator-bot-token-000"
+        ));
+        assert!(!token_shaped("short.a.b"));
+        assert!(!token_shaped(
+            "MTA5ODc2NTQzMjEwOTg3NjU0GsimTkdiscord-simulator-bot-token"
+        ));
+        assert!(!token_shaped(
+            "MTA5ODc2NTQzMjEwOTg3NjU0.GsimTk.discord simulator bot token"
+        ));
+    }
+}
