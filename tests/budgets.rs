@@ -430,43 +430,119 @@ fn wechat_bot_idle_beside_a_webhook() {
     }
 }
 
-/// Idle cost of one bound Slack bot (its Socket Mode socket to the simulator) beside a bound
-/// webhook channel, and the peak RSS while a catch-up of 1,000 messages (posted while imgate was
-/// stopped) runs beside webhook load, side by side with the webhook alone under the same load.
+/// A bot of a provider with a long connection (Slack's Socket Mode, Discord's Gateway) beside
+/// the webhook channel, against its simulator.
+enum Bot {
+    None,
+    Slack(common::slack::SlackSim),
+    Discord(common::discord::DiscordSim, String, common::discord::User),
+}
+
+impl Bot {
+    const SLACK_CHANNEL: &str = "C0BUDGET1";
+
+    fn start(kind: &str) -> Bot {
+        match kind {
+            "slack" => {
+                let sim = common::slack::SlackSim::start();
+                sim.add_app("xoxb-budget", "xapp-budget", "U0BUDGET1", "B0BUDGET1");
+                sim.add_user("U0PEOPLE1", "Ann");
+                sim.add_channel(Self::SLACK_CHANNEL, "budget", "channel", &["U0BUDGET1", "U0PEOPLE1"]);
+                Bot::Slack(sim)
+            }
+            "discord" => {
+                let sim = common::discord::DiscordSim::start();
+                // Discord's own interval (gateway.mdx's example).
+                sim.knobs(|k| k.heartbeat_interval = Duration::from_millis(41_250));
+                let guild = sim.add_guild("Budget");
+                let channel = sim.add_text_channel(&guild, "budget");
+                let ann = sim.add_user("ann", false);
+                Bot::Discord(sim, channel, ann)
+            }
+            _ => Bot::None,
+        }
+    }
+
+    fn section(&self) -> String {
+        match self {
+            Bot::None => String::new(),
+            Bot::Slack(sim) => format!("[slack]\napi_base = {}\n", sim.base),
+            Bot::Discord(sim, ..) => format!("[discord]\napi_base = {}\n", sim.base),
+        }
+    }
+
+    /// Binds the bot's channel to a new channel of `x`; its ID.
+    fn bind(&self, x: &mut Sim) -> Option<String> {
+        let (flow, input) = match self {
+            Bot::None => return None,
+            Bot::Slack(_) => (
+                "slack_app_binding",
+                serde_json::json!({"bot_token": "xoxb-budget", "app_token": "xapp-budget", "channel_id": Self::SLACK_CHANNEL}),
+            ),
+            Bot::Discord(_, channel, _) => (
+                "discord_bot_binding",
+                serde_json::json!({"bot_token": common::discord::BOT_TOKEN, "channel_id": channel}),
+            ),
+        };
+        let (cch, _) = x.open(None);
+        let a = x.request(
+            "auth.start",
+            Some(&cch),
+            serde_json::json!({"flow_id": flow, "input": input}),
+        );
+        assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+        let up = match self {
+            Bot::Slack(sim) => sim.wait_connected("xapp-budget", 1, Duration::from_secs(10)),
+            Bot::Discord(sim, ..) => sim.wait_until(Duration::from_secs(10), |r| r.ready >= 1),
+            Bot::None => true,
+        };
+        assert!(up, "the bot is connected");
+        Some(cch)
+    }
+
+    /// Its keepalives so far (Slack's pings, Discord's heartbeats).
+    fn keepalives(&self) -> u64 {
+        match self {
+            Bot::None => 0,
+            Bot::Slack(sim) => sim.pings("xapp-budget") as u64,
+            Bot::Discord(sim, ..) => sim.records(|r| r.heartbeats),
+        }
+    }
+
+    fn post(&self, text: &str) {
+        match self {
+            Bot::None => {}
+            Bot::Slack(sim) => {
+                sim.post(Self::SLACK_CHANNEL, "U0PEOPLE1", text, None);
+            }
+            Bot::Discord(sim, channel, ann) => {
+                sim.post(channel, common::discord::UserMsg::text(ann, text));
+            }
+        }
+    }
+}
+
+/// Idle cost of one bound bot of each long-connection provider (its connection to the
+/// simulator) beside a bound webhook channel, and the peak RSS while a catch-up of 1,000
+/// messages (posted while imgate was stopped) runs beside webhook load, side by side with the
+/// webhook alone under the same load.
 #[test]
 #[ignore = "budgets: cross/budgets.sh"]
-fn slack_bot_idle_and_a_catch_up_beside_webhooks() {
-    use common::slack::SlackSim;
+fn a_bot_idle_and_a_catch_up_beside_webhooks() {
     const N: usize = 1000;
-    const CHAN: &str = "C0BUDGET1";
     let text = "a message of a busy channel, about two hundred bytes long, as people write them: ".repeat(2);
     let mut rows = Vec::new();
-    for kind in ["webhook", "slack"] {
-        let sim = SlackSim::start();
-        sim.add_app("xoxb-budget", "xapp-budget", "U0BUDGET1", "B0BUDGET1");
-        sim.add_user("U0PEOPLE1", "Ann");
-        sim.add_channel(CHAN, "budget", "channel", &["U0BUDGET1", "U0PEOPLE1"]);
-        let dir = temp_dir(&format!("budgets-sl-{kind}"));
-        let extra = format!("[slack]\napi_base = {}\n", sim.base);
-        let conf = config_text(free_port(), &dir, None, &extra).replace("log_level = debug", "log_level = info");
+    for kind in ["webhook", "slack", "discord"] {
+        let bot = Bot::start(kind);
+        let dir = temp_dir(&format!("budgets-bot-{kind}"));
+        let conf =
+            config_text(free_port(), &dir, None, &bot.section()).replace("log_level = debug", "log_level = info");
         let mut d = Daemon::start_env(&dir, &conf, "warn", &[]);
         let mut x = d.xagent();
         x.hello("");
         let (hook, _) = x.open(None);
         x.bind_webhook(&hook, "alerts", HOOK_SECRET);
-        let mut channels = vec![hook];
-        if kind == "slack" {
-            let (cch, _) = x.open(None);
-            let input = serde_json::json!({"bot_token": "xoxb-budget", "app_token": "xapp-budget", "channel_id": CHAN});
-            let a = x.request(
-                "auth.start",
-                Some(&cch),
-                serde_json::json!({"flow_id": "slack_app_binding", "input": input}),
-            );
-            assert_eq!(a["payload"]["status"], "authenticated", "{a}");
-            assert!(sim.wait_connected("xapp-budget", 1, Duration::from_secs(10)));
-            channels.push(cch);
-        }
+        let channels: Vec<String> = std::iter::once(hook).chain(bot.bind(&mut x)).collect();
         let settle = Instant::now();
         while settle.elapsed() < Duration::from_secs(10) {
             x.recv_within(Duration::from_millis(500));
@@ -476,30 +552,28 @@ fn slack_bot_idle_and_a_catch_up_beside_webhooks() {
             x.recv_within(Duration::from_millis(500));
         }
         let wakes = (wakeups(d.pid()) - before) as f64 / from.elapsed().as_secs_f64();
-        // Between two keepalive pings (every 15 s): what the bot costs beyond its keepalive.
-        let pinged = sim.pings("xapp-budget");
-        while kind == "slack" && sim.pings("xapp-budget") == pinged {
+        // Right after a keepalive: what the bot costs beyond it.
+        let kept = bot.keepalives();
+        while kind != "webhook" && bot.keepalives() == kept {
             x.recv_within(Duration::from_millis(100));
         }
         let settle = Instant::now();
         while settle.elapsed() < Duration::from_secs(1) {
             x.recv_within(Duration::from_millis(100));
         }
-        let (before, from, pinged) = (wakeups(d.pid()), Instant::now(), sim.pings("xapp-budget"));
+        let (before, from, kept) = (wakeups(d.pid()), Instant::now(), bot.keepalives());
         while from.elapsed() < Duration::from_secs(12) {
             x.recv_within(Duration::from_millis(500));
         }
-        assert_eq!(sim.pings("xapp-budget"), pinged, "a window without a keepalive");
+        assert_eq!(bot.keepalives(), kept, "a window without a keepalive");
         let between = (wakeups(d.pid()) - before) as f64 / from.elapsed().as_secs_f64();
         let threads = proc_field(d.pid(), "status", "Threads:");
         let connector = d.connector_id();
         x.close();
         d.signal("TERM");
         assert!(d.wait_exit(Duration::from_secs(20)).is_some());
-        if kind == "slack" {
-            for i in 0..N {
-                sim.post(CHAN, "U0PEOPLE1", &format!("{i} {text}"), None);
-            }
+        for i in 0..N {
+            bot.post(&format!("{i} {text}"));
         }
         let d = d.restart();
         let mut x = d.xagent();
@@ -508,7 +582,7 @@ fn slack_bot_idle_and_a_catch_up_beside_webhooks() {
             x.open(Some(cch));
         }
         let started = Instant::now();
-        let want = if kind == "slack" { 2 * N } else { N };
+        let want = N * channels.len();
         std::thread::scope(|scope| {
             // One webhook sender beside the catch-up, while xAgent takes every push.
             scope.spawn(|| post_load(&d, 1, N, &text, "load"));

@@ -20,6 +20,11 @@ struct World {
 }
 
 fn discord(tag: &str, env: &[(&str, &str)]) -> (Daemon, World) {
+    discord_with(tag, env, "")
+}
+
+/// `discord` with more config (`extra`, after the `[discord]` section).
+fn discord_with(tag: &str, env: &[(&str, &str)], extra: &str) -> (Daemon, World) {
     let sim = DiscordSim::start();
     // Short heartbeats, so zombie connections show within seconds.
     sim.knobs(|k| k.heartbeat_interval = Duration::from_millis(1500));
@@ -27,7 +32,7 @@ fn discord(tag: &str, env: &[(&str, &str)]) -> (Daemon, World) {
     let channel = sim.add_text_channel(&guild, "ops");
     let ann = sim.add_user("ann", false);
     let dir = temp_dir(tag);
-    let conf = format!("[discord]\napi_base = {}\n", sim.base);
+    let conf = format!("[discord]\napi_base = {}\n{extra}", sim.base);
     let d = Daemon::start_env(&dir, &config_text(free_port(), &dir, None, &conf), "trace", env);
     (d, World { sim, channel, ann })
 }
@@ -125,7 +130,10 @@ fn binding_checks_the_token_the_intent_and_the_channel_and_keeps_the_token_priva
     let descriptor = &ok["payload"]["connection_descriptor"];
     assert_descriptor(descriptor);
     assert_eq!(descriptor["target"]["provider"], "discord");
-    assert_eq!(descriptor["target"]["display_name"], "#ops");
+    assert_eq!(
+        descriptor["target"]["display_name"], "#ops (Home Lab)",
+        "the channel and its server"
+    );
     assert!(w.sim.wait_until(WAIT, |r| r.ready >= 1));
     let identify = w.sim.records(|r| r.identifies[0].clone());
     assert_eq!(identify["token"], BOT_TOKEN, "IDENTIFY carries the bare token");
@@ -188,6 +196,12 @@ fn messages_arrive_once_with_names_and_replies_split_and_ping_nobody() {
     assert_eq!(last.reply_to.as_deref(), Some(id.as_str()), "a reply to the message");
     assert_eq!(last.payload["allowed_mentions"]["parse"], json!([]), "pings nobody");
     assert!(last.nonce.is_some() && last.payload["enforce_nonce"] == true);
+    // The push was delivered (its pong came while the tool call was read).
+    assert!(
+        w.sim
+            .wait_until(WAIT, |r| r.typing.get(&w.channel).is_some_and(|n| *n >= 1)),
+        "after the delivery the bot is shown typing"
+    );
 
     // Long text is split at Discord's 2,000 characters.
     let a = x.tool(&cch, "imgate_message_send", json!({"text": "z".repeat(4500)}), "dc-2");
@@ -248,6 +262,12 @@ fn a_dropped_connection_is_resumed_and_the_replayed_events_are_stored_once() {
     assert!(w.sim.wait_until(WAIT, |r| r.resumed() >= 2));
     let after = w.sim.post(&w.channel, UserMsg::text(&w.ann, "after the reconnect"));
     assert_eq!(next_ids(&mut x, 1), [after], "each message once");
+    // An INVALID_SESSION that may be resumed is resumed too.
+    assert!(w.sim.gateway(Gw::InvalidSession(true)));
+    assert!(w.sim.wait_until(WAIT, |r| r.resumed() >= 3));
+    let last = w.sim.post(&w.channel, UserMsg::text(&w.ann, "after op 9"));
+    assert_eq!(next_ids(&mut x, 1), [last]);
+    assert_eq!(w.sim.records(|r| r.identifies.len()), 1, "one session throughout");
     assert_stops_cleanly(d);
 }
 
@@ -319,9 +339,11 @@ fn a_zombie_connection_is_closed_and_resumed() {
     assert!(w.sim.wait_until(WAIT, |r| r.resumed() >= 1), "and resumes");
     let id = w.sim.post(&w.channel, UserMsg::text(&w.ann, "after the zombie"));
     assert_eq!(next_ids(&mut x, 1), [id]);
+    let (_, last_s) = w.sim.current_session().expect("a session");
     assert!(
-        w.sim.records(|r| r.heartbeat_seqs.iter().any(|s| s.is_u64())),
-        "heartbeats carry the sequence"
+        w.sim
+            .wait_until(WAIT, |r| r.heartbeat_seqs.last() == Some(&json!(last_s))),
+        "the next heartbeat carries the last sequence number, {last_s}"
     );
     assert_stops_cleanly(d);
 }
@@ -343,7 +365,11 @@ fn a_refusal_only_the_owner_can_fix_stops_the_bot_and_says_why() {
     assert_eq!(page["channels"][0]["status"], "error", "{page}");
     let identifies = w.sim.records(|r| r.identifies.len());
     assert_eq!(identifies, 2, "one IDENTIFY met the refusal");
-    // Bound again once the intent is on: connected again.
+    // Posted while the bot is refused, then bound again once the intent is on: connected
+    // again, and what was posted meanwhile is read from the history.
+    let meanwhile: Vec<String> = (0..3)
+        .map(|i| w.sim.post(&w.channel, UserMsg::text(&w.ann, &format!("meanwhile {i}"))))
+        .collect();
     w.sim.knobs(|k| k.app_intents = MESSAGE_CONTENT);
     let a = bind(&mut x, &cch, BOT_TOKEN, &w.channel);
     assert_eq!(a["payload"]["status"], "authenticated", "{a}");
@@ -356,6 +382,7 @@ fn a_refusal_only_the_owner_can_fix_stops_the_bot_and_says_why() {
         1,
         "said once"
     );
+    assert_eq!(next_ids(&mut x, 3), meanwhile, "nothing posted meanwhile is lost");
     let id = w.sim.post(&w.channel, UserMsg::text(&w.ann, "back"));
     assert_eq!(next_ids(&mut x, 1), [id]);
 }
@@ -363,18 +390,29 @@ fn a_refusal_only_the_owner_can_fix_stops_the_bot_and_says_why() {
 #[test]
 fn no_session_is_started_while_the_daily_budget_is_used_up() {
     let (d, w) = discord("dc-budget", &[]);
-    w.sim.knobs(|k| k.session_start_remaining = 0);
+    w.sim.knobs(|k| {
+        k.session_start_remaining = 0;
+        k.session_start_reset_after = 1000;
+    });
     let mut x = d.xagent();
     x.hello("");
     let (cch, _) = x.open(None);
     let a = bind(&mut x, &cch, BOT_TOKEN, &w.channel);
     assert_eq!(a["payload"]["status"], "authenticated", "{a}");
     assert!(d.log_shows("daily budget of new sessions is used up", WAIT));
-    assert!(!w.sim.calls("/gateway/bot").is_empty());
+    assert!(
+        w.sim.wait_until(WAIT, |r| r.calls_to("/gateway/bot").count() >= 2),
+        "asked again after the reset Discord named (at least the IDENTIFY gap)"
+    );
     assert_eq!(
         w.sim.records(|r| r.identifies.len()),
         0,
         "no IDENTIFY while the budget is 0"
+    );
+    w.sim.knobs(|k| k.session_start_remaining = 1000);
+    assert!(
+        w.sim.wait_until(WAIT, |r| r.ready >= 1),
+        "a session once the budget is back"
     );
     assert_stops_cleanly(d);
 }
@@ -431,5 +469,33 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
         "one refused, one sent"
     );
     assert_eq!(w.sim.posted(&w.channel).len(), sent_before + 1, "sent once");
+    assert_stops_cleanly(d);
+}
+
+#[test]
+fn messages_a_full_queue_refused_are_read_again_from_the_history() {
+    let queue = "[queue]\nmax_messages_per_channel = 3\noverflow = reject_new\n";
+    let (d, w) = discord_with("dc-full", &[], queue);
+    let (x, cch) = bound(&d, &w);
+    // xAgent away: the queue fills at three, and the Gateway brings two more.
+    drop(x);
+    let ids: Vec<String> = (0..5)
+        .map(|i| w.sim.post(&w.channel, UserMsg::text(&w.ann, &format!("busy {i}"))))
+        .collect();
+    assert!(d.log_shows("queue full", WAIT));
+    let mut x = d.xagent();
+    x.hello(&d.connector_id());
+    x.open(Some(&cch));
+    // The first three now; the two refused once a catch-up (at a heartbeat 30 s after the
+    // refusal) reads them from the history.
+    let mut got = next_ids(&mut x, 3);
+    let late = x
+        .next_push(Duration::from_secs(60))
+        .expect("the refused messages come back");
+    got.push(late["payload"]["message_id"].as_str().unwrap().to_string());
+    got.extend(next_ids(&mut x, 1));
+    assert_eq!(got, ids, "all five, in order, once");
+    let after = w.sim.post(&w.channel, UserMsg::text(&w.ann, "after"));
+    assert_eq!(next_ids(&mut x, 1), [after]);
     assert_stops_cleanly(d);
 }

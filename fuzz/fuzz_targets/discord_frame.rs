@@ -21,7 +21,8 @@ fuzz_target!(|data: &[u8]| {
                 assert!(m.content.len() <= MAX_TEXT_BYTES);
                 assert!(m.mentions.len() <= MAX_MENTIONS && m.mentions.iter().all(|(id, _)| snowflake(id)));
                 let shown = event::readable(&m.content, &m.mentions);
-                assert!(shown.len() <= m.content.len() * 8 + 16);
+                // A mention of 4 bytes becomes `@` and a name of at most 80 characters.
+                assert!(shown.len() <= m.content.len().saturating_mul(81) + 16);
                 let _ = m.created_ms();
             }
             Event::Ready { session_id, resume_url, user_id } => {

@@ -1609,6 +1609,7 @@ fn api(
         ("GET", ["v10" | "v9", "gateway", "bot"]) => ("/gateway/bot", ""),
         ("GET", ["v10" | "v9", "users", "@me"]) => ("/users/@me", ""),
         ("GET", ["v10" | "v9", "applications", "@me"]) => ("/applications/@me", ""),
+        ("GET", ["v10" | "v9", "guilds", id]) => ("/guilds/{id}", *id),
         ("GET", ["v10" | "v9", "channels", id]) => ("/channels/{id}", *id),
         ("GET" | "POST", ["v10" | "v9", "channels", id, "messages"]) => ("/channels/{id}/messages", *id),
         ("POST", ["v10" | "v9", "channels", id, "typing"]) => ("/channels/{id}/typing", *id),
@@ -1631,6 +1632,14 @@ fn api(
             ),
             (_, "/users/@me") => json_answer(200, &s.bot),
             (_, "/applications/@me") => json_answer(200, &application_json(s)),
+            // guild.mdx "Get Guild": the guild object (a few of its fields), or 404 10004.
+            (_, "/guilds/{id}") => match s.guilds.iter().find(|(g, _)| g == id) {
+                Some((g, name)) => json_answer(
+                    200,
+                    &json!({"id": g, "name": name, "icon": null, "owner_id": s.bot_id, "features": [], "roles": []}),
+                ),
+                None => err_json(404, 10004, "Unknown Guild"),
+            },
             (_, "/channels/{id}") => match visible(s, id) {
                 Ok(ch) => json_answer(200, &channel_json(ch)),
                 Err(a) => a,

@@ -120,6 +120,11 @@ impl Api {
         }
     }
 
+    /// The REST base (`https://discord.com/api/v10`).
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
     /// `GET {base}{path}` within `timeout`: the JSON answer.
     pub fn get(&self, token: &str, path: &str, timeout: Duration) -> Result<Value, ApiError> {
         self.call("GET", token, path, None, timeout)

@@ -7,8 +7,10 @@
 //! arrive once (the snowflake dedupes what the Gateway brings too) and in order.
 //!
 //! Bounds: one answer (at most `api::MAX_ANSWER`, a page asked for in halves while larger);
-//! `MAX_PAGES` pages (10,000 messages) per run, the rest in the next run; and nothing older
-//! than the TTL is read (it would only be counted expired).
+//! `MAX_PAGES` pages (10,000 messages) per run, the rest in the next run (at a heartbeat 30 s
+//! or more later); chunks of `CHUNK` messages handed to the outbox at once, each stored before
+//! the next (a full queue costs one chunk's attachments, not a page's); and nothing older than
+//! the TTL is read (it would only be counted expired).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -17,12 +19,13 @@ use super::api::ApiError;
 use super::event::{self, Message};
 use super::{cursor_key, ChannelInfo, Discord};
 use crate::json::{self, Value};
-use crate::outbox::Cursor;
 use crate::providers::with_retry;
 use crate::source::Source;
 
 /// Messages asked for in one call (Discord's maximum).
 const PAGE: usize = 100;
+/// Messages of a page handed to the outbox at once.
+const CHUNK: usize = 20;
 /// Pages read in one run: 10,000 messages. More are read by the next run (30 s later).
 const MAX_PAGES: usize = 100;
 /// One history call, its rate-limit waits included, gives up after this long; the channel stays
@@ -63,7 +66,9 @@ pub fn run(discord: &Discord, source: &Source, info: &ChannelInfo) -> bool {
                 continue;
             }
             Err(e) => {
-                log::warn!("discord: {source}: cannot read the channel's history: {e}; trying again later");
+                if let Some(more) = discord.history_log.admit() {
+                    log::warn!("discord: {source}: cannot read the channel's history: {e}; trying again later{more}");
+                }
                 return false;
             }
         };
@@ -74,33 +79,25 @@ pub fn run(discord: &Discord, source: &Source, info: &ChannelInfo) -> bool {
             }
             return reading.caught_up();
         };
-        // The messages move no cursor themselves: one not stored must not be passed by a later
-        // one that was. The page's newest moves it once all are in (a crash before reads the
-        // page again, its messages duplicates by their ID).
-        let handled: Vec<_> = page
-            .into_iter()
-            .map(|m| discord.prepare(source, info, m, false))
-            .collect();
-        let stored = handled.into_iter().map(|h| discord.finish(source, h));
-        // Every one is waited for: one not stored leaves the channel behind from it.
-        if !stored.fold(true, |all, ok| all & ok) {
-            return false;
+        // In chunks, each stored before the next is read from the page: a full queue refuses
+        // the first chunk, and the others' attachments are not fetched for nothing. The page's
+        // newest moves the cursor once all are in (a crash before reads the page again, its
+        // messages duplicates by their ID).
+        let mut rest = page;
+        while !rest.is_empty() {
+            let tail = rest.split_off(rest.len().min(CHUNK));
+            let chunk = std::mem::replace(&mut rest, tail);
+            if !discord.store_in_order(source, info, chunk).1 {
+                return false;
+            }
         }
         total += got as u64;
         discord.counts.caught_up.fetch_add(got as u64, Ordering::Relaxed);
-        if super::plausible(newest) {
-            if let Err(e) = discord
-                .host
-                .outbox
-                .move_cursors(&[Cursor::Forward(key.clone(), newest)])
-            {
-                log::debug!("discord: {source}: cannot move the cursor: {e}");
-            }
-        }
+        discord.move_cursor(source, newest);
         after = newest;
     }
     log::info!(
-        "discord: {source}: caught up {total} message(s); more are read in {}",
+        "discord: {source}: caught up {total} message(s); the rest at a heartbeat {} or more from now",
         crate::config::fmt_duration(crate::providers::lag::AGAIN)
     );
     false

@@ -190,11 +190,75 @@ enum End {
     Refused(String),
 }
 
+/// What one bot's connections share, kept across reconnects: messages a lane is still storing
+/// from an ended connection count against the same budget, and a channel keeps one lane, so
+/// its messages stay in order whichever connection read them.
+struct Bot<H> {
+    discord: Weak<Discord>,
+    id: String,
+    shared: Arc<Shared>,
+    state: State,
+    budget: Budget,
+    room: smol::channel::Receiver<()>,
+    lanes: socket::Lanes<Job, H>,
+    /// Gateway URLs may be `ws://` only when the REST base is `http://` (a test server): the
+    /// token travels in IDENTIFY and RESUME.
+    plain_ok: bool,
+    /// The URL of the connection up now.
+    url: String,
+}
+
+impl<H> Bot<H> {
+    /// Discord refuses the bot: said once, and its channels' Descriptors changed.
+    async fn refuse(&mut self, why: String) {
+        let changed = {
+            let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
+            refused.insert(self.id.clone(), why.clone()).as_ref() != Some(&why)
+        };
+        self.state
+            .set(format!("{why}; not connecting until the channel is bound again"), true);
+        if changed {
+            tell(&self.discord, &self.id).await;
+        }
+    }
+
+    /// Discord took the bot again after refusing it.
+    async fn accepted(&self) {
+        let was = {
+            let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
+            refused.remove(&self.id).is_some()
+        };
+        if was {
+            tell(&self.discord, &self.id).await;
+        }
+    }
+
+    /// A Gateway URL imgate may send the token to.
+    fn usable(&self, url: &str) -> bool {
+        url.len() <= 2048 && (url.starts_with("wss://") || (self.plain_ok && url.starts_with("ws://")))
+    }
+}
+
 /// The session loop of one bot: forever, until its task is dropped.
-async fn run(discord: Weak<Discord>, bot: String, shared: Arc<Shared>) {
-    let mut state = State {
-        bot: bot.clone(),
-        last: String::new(),
+async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
+    let Some(plain_ok) = discord.upgrade().map(|d| d.api.base().starts_with("http://")) else {
+        return;
+    };
+    let (budget, room) = Budget::new(QUEUED_BYTES);
+    let (d, b) = (discord.clone(), id.clone());
+    let mut bot = Bot {
+        state: State {
+            bot: id.clone(),
+            last: String::new(),
+        },
+        lanes: socket::Lanes::new(move |batch: Vec<Job>| lane(d.clone(), b.clone(), batch)),
+        discord,
+        id,
+        shared,
+        budget,
+        room,
+        plain_ok,
+        url: String::new(),
     };
     let mut resume: Option<Resume> = None;
     let mut resume_failures = 0u32;
@@ -202,7 +266,7 @@ async fn run(discord: Weak<Discord>, bot: String, shared: Arc<Shared>) {
     let mut identify_gap = IDENTIFY_MIN;
     let mut next_identify = Instant::now();
     loop {
-        let Some(token) = token_of(&discord, &bot).await else {
+        let Some(token) = token_of(&bot.discord, &bot.id).await else {
             return;
         };
         let identify = resume.is_none();
@@ -210,19 +274,21 @@ async fn run(discord: Weak<Discord>, bot: String, shared: Arc<Shared>) {
             Some(r) => r.url.clone(),
             None => {
                 smol::Timer::at(next_identify).await;
-                match gateway_url(&discord, &token).await {
+                match gateway_url(&bot, &token).await {
                     Ok(url) => url,
                     Err(Open::Refused(why)) => {
-                        refuse(&discord, &bot, &shared, &mut state, why).await;
+                        bot.refuse(why).await;
                         return std::future::pending().await;
                     }
                     Err(Open::Wait(why, wait)) => {
-                        state.set(why, true);
-                        smol::Timer::after(wait).await;
+                        bot.state.set(why, true);
+                        // At least the IDENTIFY gap: a peer's 0 must not make a loop.
+                        smol::Timer::after(wait.max(IDENTIFY_MIN)).await;
                         continue;
                     }
                     Err(Open::Failed(why, retry_after)) => {
-                        state.set(format!("cannot reach the Gateway: {why}; retrying"), true);
+                        bot.state
+                            .set(format!("cannot reach the Gateway: {why}; retrying"), true);
                         smol::Timer::after(peer_wait::retry_after(retry_after, jittered(backoff))).await;
                         backoff = (backoff * 2).min(MAX_BACKOFF);
                         continue;
@@ -233,7 +299,8 @@ async fn run(discord: Weak<Discord>, bot: String, shared: Arc<Shared>) {
         let ws = match connect(&url).await {
             Ok(ws) => ws,
             Err(why) => {
-                state.set(format!("cannot connect to the Gateway: {why}; retrying"), true);
+                bot.state
+                    .set(format!("cannot connect to the Gateway: {why}; retrying"), true);
                 if !identify {
                     resume_failures += 1;
                     if resume_failures >= RESUME_TRIES {
@@ -246,42 +313,44 @@ async fn run(discord: Weak<Discord>, bot: String, shared: Arc<Shared>) {
             }
         };
         resume_failures = 0;
+        bot.url = url;
         if identify {
-            shared.identifies.fetch_add(1, Ordering::Relaxed);
+            bot.shared.identifies.fetch_add(1, Ordering::Relaxed);
             next_identify = Instant::now() + identify_gap;
         }
         let started = Instant::now();
         let mut ready = false;
-        let end = live(&discord, &bot, ws, &token, &mut resume, &mut ready, &shared, &mut state).await;
+        let end = live(&mut bot, ws, &token, &mut resume, &mut ready).await;
         let lived = started.elapsed();
         if lived >= SHORT_LIVED {
             backoff = MIN_BACKOFF;
         }
         if identify {
+            let before = identify_gap;
             identify_gap = next_gap(identify_gap, ready && lived >= SHORT_LIVED);
-            if identify_gap == IDENTIFY_MAX {
-                state.set(
-                    format!(
-                        "new sessions keep failing; one is tried every {} to spare the daily budget",
-                        crate::config::fmt_duration(IDENTIFY_MAX)
-                    ),
-                    true,
+            if identify_gap == IDENTIFY_MAX && before < IDENTIFY_MAX {
+                log::warn!(
+                    "discord: bot {}: new sessions keep failing; one is tried every {} to spare the daily budget",
+                    bot.id,
+                    crate::config::fmt_duration(IDENTIFY_MAX)
                 );
             }
         }
         match end {
             End::Refused(why) => {
-                refuse(&discord, &bot, &shared, &mut state, why).await;
+                bot.refuse(why).await;
                 return std::future::pending().await;
             }
             End::Resume(why) => {
-                state.set(format!("Gateway connection down ({why}); resuming"), false);
+                bot.state
+                    .set(format!("Gateway connection down ({why}); resuming"), false);
                 let wait = if lived >= SHORT_LIVED { MIN_BACKOFF } else { backoff };
                 smol::Timer::after(jittered(wait)).await;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }
             End::Identify(why, pause) => {
-                state.set(format!("Gateway session ended ({why}); starting a new one"), true);
+                bot.state
+                    .set(format!("Gateway session ended ({why}); starting a new one"), true);
                 resume = None;
                 if pause {
                     // Op 9: "wait a random amount of time between 1 and 5 seconds".
@@ -298,29 +367,6 @@ fn next_gap(gap: Duration, held: bool) -> Duration {
     match held {
         true => IDENTIFY_MIN,
         false => gap.saturating_mul(2).clamp(IDENTIFY_MIN, IDENTIFY_MAX),
-    }
-}
-
-/// Discord refuses the bot: said once, and its channels' Descriptors changed.
-async fn refuse(discord: &Weak<Discord>, bot: &str, shared: &Shared, state: &mut State, why: String) {
-    let changed = {
-        let mut refused = shared.refused.lock().unwrap_or_else(|e| e.into_inner());
-        refused.insert(bot.to_string(), why.clone()).as_ref() != Some(&why)
-    };
-    state.set(format!("{why}; not connecting until the channel is bound again"), true);
-    if changed {
-        tell(discord, bot).await;
-    }
-}
-
-/// Discord took the bot again after refusing it.
-async fn accepted(discord: &Weak<Discord>, bot: &str, shared: &Shared) {
-    let was = {
-        let mut refused = shared.refused.lock().unwrap_or_else(|e| e.into_inner());
-        refused.remove(bot).is_some()
-    };
-    if was {
-        tell(discord, bot).await;
     }
 }
 
@@ -346,8 +392,8 @@ enum Open {
 }
 
 /// `GET /gateway/bot` on the pool: the Gateway's URL, once the session budget allows one more.
-async fn gateway_url(discord: &Weak<Discord>, token: &str) -> Result<String, Open> {
-    let Some(d) = discord.upgrade() else {
+async fn gateway_url<H>(bot: &Bot<H>, token: &str) -> Result<String, Open> {
+    let Some(d) = bot.discord.upgrade() else {
         return Err(Open::Failed("stopping".into(), None));
     };
     let t = token.to_string();
@@ -378,10 +424,8 @@ async fn gateway_url(discord: &Weak<Discord>, token: &str) -> Result<String, Ope
         ));
     }
     match json::get_str(&o, "url") {
-        Some(url) if url.len() <= 2048 && (url.starts_with("wss://") || url.starts_with("ws://")) => {
-            Ok(url.to_string())
-        }
-        _ => Err(Open::Failed("no usable Gateway URL".into(), None)),
+        Some(url) if bot.usable(url) => Ok(url.to_string()),
+        _ => Err(Open::Failed("no usable Gateway URL (wss://)".into(), None)),
     }
 }
 
@@ -479,23 +523,20 @@ impl Job {
 
 /// One connection, until it ends. `resume` is kept current (READY's session, each sequence
 /// number); `ready` is set once the session is ready.
-#[allow(clippy::too_many_arguments)]
-async fn live(
-    discord: &Weak<Discord>,
-    bot: &str,
+async fn live<H, F>(
+    bot: &mut Bot<H>,
     ws: wsclient::Ws,
     token: &str,
     resume: &mut Option<Resume>,
     ready: &mut bool,
-    shared: &Shared,
-    state: &mut State,
-) -> End {
+) -> End
+where
+    H: Fn(Vec<Job>) -> F + Clone + Send + 'static,
+    F: std::future::Future<Output = bool> + Send + 'static,
+{
     let (sink, mut stream) = ws.split();
     let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
     let mut writer = socket::writer(sink, out_rx);
-    let (budget, room) = Budget::new(QUEUED_BYTES);
-    let (d, b) = (discord.clone(), bot.to_string());
-    let mut lanes = socket::Lanes::new(move |batch: Vec<Job>| lane(d.clone(), b.clone(), batch));
     let close = |out: &smol::channel::Sender<Out>| {
         let _ = out.try_send((resumable_close(), None));
     };
@@ -548,10 +589,12 @@ async fn live(
         let writer_ended = async { Step::Writer((&mut writer).await) };
         // Past the byte budget nothing is read until the lanes hand messages over; heartbeats
         // go on.
-        let step = match budget.full() {
+        let step = match bot.budget.full() {
             true => {
+                // A paused reader hears no ACK either: a heartbeat meanwhile is not a zombie's.
+                acked = true;
                 let waiting_room = async {
-                    let _ = room.recv().await;
+                    let _ = bot.room.recv().await;
                     Step::Room
                 };
                 waiting_room.or(beat).or(writer_ended).await
@@ -584,9 +627,9 @@ async fn live(
                 acked = false;
                 next_beat = Instant::now() + interval;
                 // A channel whose catch-up failed is tried again at a heartbeat.
-                if let Some(d) = discord.upgrade() {
-                    for channel in d.due(bot) {
-                        lanes.route(channel.clone(), Job::CatchUp(channel));
+                if let Some(d) = bot.discord.upgrade() {
+                    for channel in d.due(&bot.id) {
+                        bot.lanes.route(channel.clone(), Job::CatchUp(channel));
                     }
                 }
                 continue;
@@ -642,39 +685,50 @@ async fn live(
                         resume_url,
                         user_id,
                     } => {
-                        if user_id != bot {
+                        if user_id != bot.id {
                             return End::Refused("the token now belongs to another bot: bind the channel again".into());
                         }
-                        *resume = Some(Resume {
-                            session_id,
-                            url: resume_url,
-                            seq,
-                        });
-                        *ready = true;
-                        up_while_ready = Some(Up::new(&shared.up));
-                        state.set("Gateway session ready".into(), false);
-                        accepted(discord, bot, shared).await;
-                        // A new session replays nothing: every channel reads its history first.
-                        let (d, b) = (discord.clone(), bot.to_string());
-                        let channels =
-                            runtime::unblock(move || d.upgrade().map(|d| d.session_started(&b)).unwrap_or_default())
-                                .await;
+                        // A resume URL imgate would not send the token to: resumed where it
+                        // connected, as clients did before Discord named one.
+                        let url = match bot.usable(&resume_url) {
+                            true => resume_url,
+                            false => bot.url.clone(),
+                        };
+                        *resume = Some(Resume { session_id, url, seq });
+                        // A new session replays nothing: every channel reads its history first,
+                        // and a channel not marked so would let live messages pass a gap.
+                        let (d, b) = (bot.discord.clone(), bot.id.clone());
+                        let channels = runtime::unblock(move || d.upgrade().and_then(|d| d.session_started(&b))).await;
+                        let Some(channels) = channels else {
+                            close(&out_tx);
+                            return End::Identify("the bindings cannot be read".into(), true);
+                        };
                         for channel in channels {
-                            lanes.route(channel.clone(), Job::CatchUp(channel));
+                            bot.lanes.route(channel.clone(), Job::CatchUp(channel));
                         }
+                        *ready = true;
+                        up_while_ready = Some(Up::new(&bot.shared.up));
+                        bot.state.set("Gateway session ready".into(), false);
+                        bot.accepted().await;
                     }
                     Event::Resumed => {
                         *ready = true;
-                        up_while_ready.get_or_insert_with(|| Up::new(&shared.up));
-                        state.set("Gateway session resumed".into(), false);
+                        up_while_ready.get_or_insert_with(|| Up::new(&bot.shared.up));
+                        bot.state.set("Gateway session resumed".into(), false);
                     }
                     Event::Message(m) => {
-                        let held = budget.take(cost);
-                        lanes.route(m.channel.clone(), Job::Message(m, held));
+                        let held = bot.budget.take(cost);
+                        bot.lanes.route(m.channel.clone(), Job::Message(m, held));
+                    }
+                    // A session whose READY cannot be read cannot be resumed, and its catch-up
+                    // would not run: a new one.
+                    Event::Unreadable(why) if resume.is_none() => {
+                        close(&out_tx);
+                        return End::Identify(why.into(), true);
                     }
                     Event::Unreadable(why) => {
                         if let Some(more) = unreadable.admit() {
-                            log::warn!("discord: bot {bot}: an event was not read: {why}{more}");
+                            log::warn!("discord: bot {}: an event was not read: {why}{more}", bot.id);
                         }
                     }
                     Event::Other => {}
@@ -683,7 +737,8 @@ async fn live(
             Frame::Other(what) => {
                 if let Some(more) = unreadable.admit() {
                     log::warn!(
-                        "discord: bot {bot}: a frame was not read: {}{more}",
+                        "discord: bot {}: a frame was not read: {}{more}",
+                        bot.id,
                         crate::quiet::shown(&what)
                     );
                 }

@@ -11,9 +11,11 @@
 //! 0600), never in the database, a packet or a log line, and forgotten with the bot's last
 //! binding.
 //!
-//! Each channel's cursor is the snowflake of the last message stored: a `Cursor` moved in the
-//! commit of the messages it covers. A RESUME's replay and a catch-up that overlap are
-//! harmless: the snowflake is the `message_id`, and the outbox dedupes by it.
+//! Each channel's cursor is the snowflake up to which every message is stored: moved (a
+//! `Cursor`) once a batch's commits are all done, never past a message that was not stored,
+//! which leaves the channel behind until a catch-up stored it. The cursor is only where a
+//! catch-up starts: the Gateway has nothing to acknowledge. A RESUME's replay and a catch-up
+//! that overlap are harmless: the snowflake is the `message_id`, and the outbox dedupes by it.
 
 pub mod api;
 pub mod catchup;
@@ -37,8 +39,8 @@ use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::lag::Lag;
 use super::{
-    field, send_id, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound,
-    Provider, Registration, Transient,
+    field, send_id, split_text, with_retry, Activity, AuthStep, Declaration, Description, Failure, Host, Input,
+    Outbound, Provider, Registration, Transient,
 };
 use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
 use crate::json::{self, Object, Value};
@@ -137,6 +139,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         typing: Mutex::default(),
         counts: Counts::default(),
         full_log: Site::new(),
+        history_log: Site::new(),
     })))
 }
 
@@ -150,9 +153,9 @@ pub struct ChannelInfo {
     pub channel_name: String,
     /// `p2p` (a DM) or `group`.
     pub chat_type: String,
-    /// The snowflake the binding started the cursor at. Stored with the binding (a durable
-    /// commit), while the cursor moves with messages and reaches the disk with their next sync:
-    /// a catch-up after a power cut right after the binding reads from here.
+    /// The snowflake the binding started the cursor at (0: the channel was empty). Stored with
+    /// the binding (a durable commit), while a cursor reaches the disk with the next sync: a
+    /// catch-up after a power cut right after the binding reads from here.
     pub from: u64,
 }
 
@@ -163,6 +166,12 @@ pub fn source_of(bot_user: &str, channel: &str) -> Source {
 /// The outbox cursor holding the snowflake of a channel's last stored message.
 fn cursor_key(source: &Source) -> String {
     format!("discord_last:{}", source.key())
+}
+
+/// A message as `Recent` remembers it: by source, so two bots in one channel each store their
+/// copy.
+fn recent_key(source: &Source, id: u64) -> String {
+    format!("{}/{id}", source.key())
 }
 
 /// Whether a snowflake may move a cursor: minted not more than a day ahead of this clock. A
@@ -198,6 +207,9 @@ pub struct Discord {
     counts: Counts,
     /// Messages refused by full caps (`reject_new`), logged once a minute.
     full_log: Site,
+    /// Histories that cannot be read (a permission gone, a deleted channel), logged once a
+    /// minute: a catch-up is tried again at every heartbeat 30 s apart.
+    history_log: Site,
 }
 
 impl Discord {
@@ -230,26 +242,34 @@ impl Discord {
         Ok((info, token))
     }
 
-    /// The bound channels of bot `bot_user`.
-    pub fn channels_of(&self, bot_user: &str) -> Vec<(Source, ChannelInfo)> {
-        let bound = self.host.channels.bound_sources().unwrap_or_else(|e| {
-            log::error!("discord: cannot read the bindings: {e}");
-            Vec::new()
-        });
+    /// The bound channels of bot `bot_user`; `None` when the bindings cannot be read.
+    fn try_channels_of(&self, bot_user: &str) -> Option<Vec<(Source, ChannelInfo)>> {
+        let bound = match self.host.channels.bound_sources() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::error!("discord: cannot read the bindings: {e}");
+                return None;
+            }
+        };
         let mut rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, &bound, NAME);
         rows.retain(|(_, i)| i.bot_user == bot_user);
-        rows
+        Some(rows)
+    }
+
+    /// The bound channels of bot `bot_user` (none when the bindings cannot be read).
+    pub fn channels_of(&self, bot_user: &str) -> Vec<(Source, ChannelInfo)> {
+        self.try_channels_of(bot_user).unwrap_or_default()
     }
 
     /// A new Gateway session of `bot_user` is ready (nothing was replayed): every bound
     /// channel is read from its cursor before its live messages move it again. Its bound
-    /// channels.
-    pub fn session_started(&self, bot_user: &str) -> Vec<String> {
-        let channels = self.channels_of(bot_user);
+    /// channels; `None` when they cannot be read (the session must not go on without them).
+    pub fn session_started(&self, bot_user: &str) -> Option<Vec<String>> {
+        let channels = self.try_channels_of(bot_user)?;
         for (source, _) in &channels {
             self.lag.fell_behind(source, u64::MAX, false);
         }
-        channels.into_iter().map(|(_, i)| i.channel).collect()
+        Some(channels.into_iter().map(|(_, i)| i.channel).collect())
     }
 
     /// The channels of `bot_user` that are behind and due for another catch-up.
@@ -298,12 +318,44 @@ impl Discord {
             let _ = catchup::run(self, &source, &info);
         }
         let moves_cursor = !self.lag.is_behind(&source);
-        let handled: Vec<Handled> = messages
+        if let (Some(stored), true) = (self.store_in_order(&source, &info, messages).0, moves_cursor) {
+            self.move_cursor(&source, stored);
+        }
+    }
+
+    /// Hands messages to the outbox without waiting, then waits for every commit, so a batch
+    /// shares its commits. The newest snowflake of the run from the first message on that is
+    /// all stored (or not to be stored), and whether all were; a message not stored leaves the
+    /// channel behind.
+    fn store_in_order(&self, source: &Source, info: &ChannelInfo, messages: Vec<Message>) -> (Option<u64>, bool) {
+        let handled: Vec<(u64, Handled)> = messages
             .into_iter()
-            .map(|m| self.prepare(&source, &info, m, moves_cursor))
+            .map(|m| (m.id, self.prepare(source, info, m)))
             .collect();
-        for h in handled {
-            self.finish(&source, h);
+        let (mut newest, mut all) = (0u64, true);
+        for (id, h) in handled {
+            // Every one is waited for, also past a failure.
+            all &= self.finish(source, h);
+            if all {
+                newest = newest.max(id);
+            }
+        }
+        ((newest > 0).then_some(newest), all)
+    }
+
+    /// Moves the channel's cursor to `to`, once every message up to it is stored. A cursor is
+    /// only where a catch-up starts: one that did not reach the disk (it is logged without a
+    /// sync) reads some messages again, which their snowflakes make duplicates.
+    fn move_cursor(&self, source: &Source, to: u64) {
+        if !plausible(to) {
+            return;
+        }
+        if let Err(e) = self
+            .host
+            .outbox
+            .move_cursors(&[Cursor::Forward(cursor_key(source), to)])
+        {
+            log::debug!("discord: {source}: cannot move the cursor: {e}");
         }
     }
 
@@ -313,15 +365,15 @@ impl Discord {
         m.author_id != info.bot_user && m.is_post() && (self.accept_bots || !(m.author_bot || m.webhook))
     }
 
-    /// One message up to its hand-over to the outbox. `cursor`: its commit moves the channel's
-    /// cursor to it.
-    fn prepare(&self, source: &Source, info: &ChannelInfo, m: Message, cursor: bool) -> Handled {
+    /// One message up to its hand-over to the outbox.
+    fn prepare(&self, source: &Source, info: &ChannelInfo, m: Message) -> Handled {
         if !self.wanted(info, &m) {
             self.counts.skipped.fetch_add(1, Ordering::Relaxed);
             return Handled::Done;
         }
         let message_id = m.id.to_string();
-        if self.recent.seen("", &message_id) {
+        // By source: two bots in one channel each store their copy.
+        if self.recent.seen("", &recent_key(source, m.id)) {
             return Handled::Done;
         }
         let message_type = m
@@ -349,10 +401,8 @@ impl Discord {
             }),
             inbound,
             reply_ref: true,
-            cursors: match cursor && plausible(m.id) {
-                true => vec![Cursor::Forward(cursor_key(source), m.id)],
-                false => Vec::new(),
-            },
+            // The cursor moves once the messages before it are stored too (`move_cursor`).
+            cursors: Vec::new(),
             // Older than the TTL (a catch-up after a long outage): counted expired.
             when_stale: WhenStale::CountExpired,
         };
@@ -371,7 +421,7 @@ impl Discord {
         };
         let refused = match ticket.wait() {
             Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                self.recent.stored(String::new(), id.to_string());
+                self.recent.stored(String::new(), recent_key(source, id));
                 return true;
             }
             Ok(Enqueued::CapacityExceeded) => {
@@ -435,6 +485,30 @@ impl Discord {
         bots.sort();
         bots.dedup();
         bots
+    }
+
+    /// Shows the bot typing in the channel of `source`: best effort, on the pool, at most every
+    /// `TYPING_EVERY` (Discord shows it for about 10 s).
+    fn show_typing(&self, source: &Source) {
+        let Some(me) = self.me.upgrade() else { return };
+        let source = source.clone();
+        crate::runtime::spawn_blocking(move || {
+            let Ok((info, token)) = me.route(&source) else { return };
+            {
+                let mut typing = me.typing.lock().unwrap_or_else(|e| e.into_inner());
+                if typing.get(&info.channel).is_some_and(|t| t.elapsed() < TYPING_EVERY) {
+                    return;
+                }
+                if typing.len() >= 1024 {
+                    typing.retain(|_, t| t.elapsed() < TYPING_EVERY);
+                }
+                typing.insert(info.channel.clone(), Instant::now());
+            }
+            let path = format!("/channels/{}/typing", info.channel);
+            if let Err(e) = me.api.post(&token, &path, None, Duration::from_secs(5)) {
+                log::debug!("discord: {source}: typing not shown: {e}");
+            }
+        });
     }
 }
 
@@ -528,6 +602,11 @@ fn flow() -> Value {
     super::flow(FLOW, "form", "Bind a Discord channel", description, fields)
 }
 
+/// A name from Discord as a Descriptor shows it: at most 80 characters, no control characters.
+fn shown_name(name: &str) -> String {
+    name.chars().filter(|c| !c.is_control()).take(80).collect()
+}
+
 /// A token as Discord issues them: three base64url parts joined by dots.
 fn token_shaped(token: &str) -> bool {
     (30..=200).contains(&token.len())
@@ -613,25 +692,48 @@ impl Discord {
                     .iter()
                     .filter_map(json::as_object)
                     .find_map(|u| json::get_str(u, "global_name").or_else(|| json::get_str(u, "username")))
-                    .map(|n| n.chars().filter(|c| !c.is_control()).take(80).collect::<String>()),
+                    .map(shown_name),
                 _ => None,
             };
             with.map_or_else(|| "Discord DM".into(), |n| format!("DM with {n}"))
         } else {
-            match json::get_str(&found, "name").filter(|n| !n.is_empty()) {
-                Some(n) => format!(
-                    "#{}",
-                    n.chars().filter(|c| !c.is_control()).take(80).collect::<String>()
-                ),
+            let name = match json::get_str(&found, "name").filter(|n| !n.is_empty()) {
+                Some(n) => format!("#{}", shown_name(n)),
                 None => inbound::redact(channel),
+            };
+            // The server's name tells two `#general`s apart; without it, the channel's alone.
+            let guild = json::get_str(&found, "guild_id")
+                .filter(|g| event::snowflake(g).is_some())
+                .and_then(|g| self.api.get(token, &format!("/guilds/{g}"), deadline()).ok())
+                .and_then(|g| {
+                    json::as_object(&g)
+                        .and_then(|g| json::get_str(g, "name"))
+                        .map(shown_name)
+                })
+                .filter(|g| !g.is_empty());
+            match guild {
+                Some(g) => format!("{name} ({g})"),
+                None => name,
             }
         };
         let source = source_of(&bot_user, channel);
-        // History from before the binding is never read: the cursor starts at the channel's
-        // newest message (or now, for an empty one), and never moves back.
-        let from = newest
-            .filter(|id| plausible(*id))
-            .unwrap_or_else(|| event::snowflake_at(crate::ids::now_ms()));
+        // History from before the first binding is never read: the cursor starts at the
+        // channel's newest message (an empty channel has nothing before), and never moves back.
+        // Bound again while bound (a new token after a refusal), the channel keeps its start, so
+        // what was posted meanwhile is caught up.
+        let bound = self
+            .host
+            .channels
+            .bound_channel(source.as_str())
+            .map_err(Failure::storage)?;
+        let earlier = match bound {
+            Some(_) => self.channel_info(source.as_str()).map_err(Failure::storage)?,
+            None => None,
+        };
+        let from = match earlier {
+            Some(e) => e.from,
+            None => newest.filter(|id| plausible(*id)).unwrap_or(0),
+        };
         let binding = ChannelInfo {
             bot_user: bot_user.clone(),
             channel: channel.to_string(),
@@ -767,25 +869,15 @@ impl Provider for Discord {
     /// Messages were delivered: the channel shows the bot typing (best effort, at most every
     /// `TYPING_EVERY`).
     fn delivered(&self, source: &Source) {
-        let Some(me) = self.me.upgrade() else { return };
-        let source = source.clone();
-        crate::runtime::spawn_blocking(move || {
-            let Ok((info, token)) = me.route(&source) else { return };
-            {
-                let mut typing = me.typing.lock().unwrap_or_else(|e| e.into_inner());
-                if typing.get(&info.channel).is_some_and(|t| t.elapsed() < TYPING_EVERY) {
-                    return;
-                }
-                if typing.len() >= 1024 {
-                    typing.retain(|_, t| t.elapsed() < TYPING_EVERY);
-                }
-                typing.insert(info.channel.clone(), Instant::now());
-            }
-            let path = format!("/channels/{}/typing", info.channel);
-            if let Err(e) = me.api.post(&token, &path, None, Duration::from_secs(5)) {
-                log::debug!("discord: {source}: typing not shown: {e}");
-            }
-        });
+        self.show_typing(source);
+    }
+
+    /// The agent is busy (v2 `chat.activity`): the channel shows the bot typing. Discord has no
+    /// way to end it early; it ends by itself after about 10 s, or with the bot's next message.
+    fn activity(&self, source: &Source, activity: Activity) {
+        if activity == Activity::Busy {
+            self.show_typing(source);
+        }
     }
 
     fn metrics(&self, out: &mut String) {

@@ -767,13 +767,24 @@ impl Slack {
             .and_then(|_| self.token_files(".app").store(&bot_user, app_token));
         stored.map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the tokens: {e}")))?;
         // History from before the binding is never read: the mark starts at the channel's
-        // newest message (or now, for an empty one), and never moves back.
-        let now = crate::ids::now_ms().saturating_mul(1000);
-        let from = newest.filter(|ts| plausible(*ts)).unwrap_or(now);
-        self.host
-            .outbox
-            .move_cursors(&[Cursor::Forward(high_water_key(&source), from)])
+        // newest message (or now, for an empty one), and never moves back. Bound again while
+        // bound (new tokens), the channel keeps its mark, so what was posted meanwhile is
+        // caught up.
+        let bound = self
+            .host
+            .channels
+            .bound_channel(source.as_str())
             .map_err(Failure::storage)?;
+        let key = high_water_key(&source);
+        let kept = bound.is_some() && self.host.outbox.cursor(&key).map_err(Failure::storage)?.is_some();
+        if !kept {
+            let now = crate::ids::now_ms().saturating_mul(1000);
+            let from = newest.filter(|ts| plausible(*ts)).unwrap_or(now);
+            self.host
+                .outbox
+                .move_cursors(&[Cursor::Forward(key, from)])
+                .map_err(Failure::storage)?;
+        }
         CHANNELS
             .put(&self.host.db, source.as_str(), &binding)
             .map_err(Failure::storage)?;
