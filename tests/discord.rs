@@ -469,6 +469,20 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
         "one refused, one sent"
     );
     assert_eq!(w.sim.posted(&w.channel).len(), sent_before + 1, "sent once");
+
+    // Created, but the answer lost on the way: the retry carries the same nonce, and Discord
+    // answers with the first message instead of a second.
+    w.sim.fault("POST /channels/{id}/messages", 1, Fault::Lost(502));
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "said once"}), "dc-r2");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let said: Vec<_> = w
+        .sim
+        .posted(&w.channel)
+        .into_iter()
+        .filter(|p| p.content == "said once")
+        .collect();
+    assert_eq!(said.len(), 1, "a retried call creates one message");
+    assert_eq!(w.sim.records(|r| r.nonce_hits.len()), 1, "the retry met its nonce");
     assert_stops_cleanly(d);
 }
 

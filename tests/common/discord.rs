@@ -197,6 +197,9 @@ pub enum Fault {
     Status(u16),
     /// This status and body.
     Body(u16, Value),
+    /// The call is carried out, then answered with this status (a proxy that timed out after
+    /// Discord acted: the client cannot tell, and tries again).
+    Lost(u16),
 }
 
 /// Settings; change them with `DiscordSim::knobs`.
@@ -1510,6 +1513,7 @@ fn fault_answer(route: &str, fault: Fault) -> Answer {
     let (retry_after, global) = match fault {
         Fault::RateLimit { retry_after, global } => (retry_after, global),
         Fault::Body(status, body) => return json_answer(status, &body),
+        Fault::Lost(status) => return err_json(status, 0, "502: Bad Gateway"),
         Fault::Status(status) => {
             let reason = match status {
                 500 => "Internal Server Error",
@@ -1619,7 +1623,11 @@ fn api(
         err_json(401, 0, "401: Unauthorized")
     } else if too_big {
         err_json(413, 40005, "Request entity too large")
-    } else if let Some(i) = s.faults.iter().position(|(r, _)| route_matches(r, method, route)) {
+    } else if let Some(i) = s
+        .faults
+        .iter()
+        .position(|(r, f)| route_matches(r, method, route) && !matches!(f, Fault::Lost(_)))
+    {
         let fault = s.faults.remove(i).1;
         fault_answer(route, fault)
     } else {
@@ -1649,6 +1657,15 @@ fn api(
             _ => typing(s, id),
         }
     };
+    let lost = s
+        .faults
+        .iter()
+        .position(|(r, f)| route_matches(r, method, route) && matches!(f, Fault::Lost(_)));
+    if let Some(i) = lost.filter(|_| a.status < 300) {
+        if let Fault::Lost(status) = s.faults.remove(i).1 {
+            a = err_json(status, 0, "502: Bad Gateway");
+        }
+    }
     if a.status != 429 {
         bucket_headers(&mut a, route, 4, 1.0);
     }
