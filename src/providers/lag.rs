@@ -60,14 +60,22 @@ impl Lag {
         behind.get(source).is_some_and(is_due)
     }
 
-    /// The keys (past `prefix`) of the conversations that are behind and due.
+    /// The keys (past `prefix`) of the conversations that are behind and due, and not being
+    /// read now.
     pub fn due_under(&self, prefix: &str) -> Vec<String> {
+        let reading = self.reading.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
         behind
             .iter()
-            .filter(|(_, b)| is_due(b))
+            .filter(|(s, b)| is_due(b) && !reading.contains(*s))
             .filter_map(|(s, _)| s.key().strip_prefix(prefix).map(str::to_string))
             .collect()
+    }
+
+    /// A new binding starts afresh: what an earlier binding of the same conversation left
+    /// behind is forgotten.
+    pub fn forget(&self, source: &Source) {
+        self.behind.lock().unwrap_or_else(|e| e.into_inner()).remove(source);
     }
 
     /// Starts the catch-up of `source`; `None` when another is reading it now (which may have
@@ -119,6 +127,17 @@ pub struct Reading<'a> {
 }
 
 impl Reading<'_> {
+    /// Everything up to the mark the caller just moved is stored: a later run reads from the
+    /// mark, not again from the point this one began at (unless the conversation fell behind
+    /// again meanwhile).
+    pub fn passed_mark(&mut self) {
+        let mut behind = self.lag.behind.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = behind.get_mut(&self.source).filter(|b| b.generation == self.generation) {
+            b.from = u64::MAX;
+        }
+        self.from = u64::MAX;
+    }
+
     /// Every message after the mark is stored: the conversation is no longer behind, unless it
     /// fell behind again meanwhile. True, for the caller's answer.
     pub fn caught_up(self) -> bool {
@@ -162,8 +181,16 @@ mod tests {
         reading.caught_up();
         assert!(lag.is_behind(&s), "fell behind during the catch-up: not cleared");
         assert!(!lag.due(&s), "throttled");
-        let reading = lag.start(&s).unwrap();
+        let mut reading = lag.start(&s).unwrap();
         assert_eq!(reading.from, 50, "the oldest point wins");
+        reading.passed_mark();
+        drop(reading);
+        assert_eq!(
+            lag.start(&s).map(|r| r.from),
+            Some(u64::MAX),
+            "past the mark: read from it"
+        );
+        let reading = lag.start(&s).unwrap();
         reading.caught_up();
         assert!(!lag.is_behind(&s));
         lag.fell_behind(&s, 1, false);

@@ -150,8 +150,9 @@ where
     })
 }
 
-/// The lanes of one connection, by conversation. Each lane runs `handle` on batches of its
-/// events in order; `handle` returning false ends the lane (its connection is gone).
+/// The lanes of one connection (or of one account across its connections: Discord's), by
+/// conversation. Each lane runs `handle` on batches of its events in order; `handle` returning
+/// false ends the lane (what it answers is gone).
 pub struct Lanes<J, H> {
     lanes: HashMap<String, smol::channel::Sender<J>>,
     /// Conversations sent to the shared lane while it lives: they stay there, so a lane of their

@@ -36,7 +36,7 @@ const CALL_DEADLINE: Duration = Duration::from_secs(60);
 /// (every message after the cursor stored, or not to be stored). A channel another catch-up
 /// is reading now is left to it.
 pub fn run(discord: &Discord, source: &Source, info: &ChannelInfo) -> bool {
-    let Some(reading) = discord.lag.start(source) else {
+    let Some(mut reading) = discord.lag.start(source) else {
         return false;
     };
     let key = cursor_key(source);
@@ -93,7 +93,9 @@ pub fn run(discord: &Discord, source: &Source, info: &ChannelInfo) -> bool {
         }
         total += got as u64;
         discord.counts.caught_up.fetch_add(got as u64, Ordering::Relaxed);
-        discord.move_cursor(source, newest);
+        if discord.move_cursor(source, newest) {
+            reading.passed_mark();
+        }
         after = newest;
     }
     log::info!(

@@ -543,6 +543,10 @@ where
     // HELLO first.
     let hello = async {
         match stream.next().await {
+            // A HELLO is about 100 bytes: a large first frame is not parsed on the executor.
+            Some(Ok(WsMessage::Text(t))) if t.len() > json::INLINE_PARSE => {
+                Err("the first frame is not HELLO".to_string())
+            }
             Some(Ok(WsMessage::Text(t))) => match event::read_frame(t.as_str()) {
                 Frame::Hello { heartbeat_interval } => Ok(heartbeat_interval),
                 _ => Err("the first frame is not HELLO".to_string()),

@@ -137,6 +137,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         recent: Recent::new(RECENT),
         lag: Lag::default(),
         typing: Mutex::default(),
+        storing: Storing::default(),
         counts: Counts::default(),
         full_log: Site::new(),
         history_log: Site::new(),
@@ -204,6 +205,10 @@ pub struct Discord {
     lag: Lag,
     /// Channel → when it last showed typing.
     typing: Mutex<HashMap<String, Instant>>,
+    /// Channels an `accept` is storing now: one at a time per channel, so two sets of lanes (a
+    /// bot's session started again while the old one's lanes drain) neither reorder a channel
+    /// nor move its cursor past what the other failed to store.
+    storing: Storing,
     counts: Counts,
     /// Messages refused by full caps (`reject_new`), logged once a minute.
     full_log: Site,
@@ -284,6 +289,7 @@ impl Discord {
     /// behind: the next catch-up reads it from the history.
     pub fn accept(&self, bot_user: &str, channel: &str, catch_up: bool, messages: Vec<Message>) {
         let source = source_of(bot_user, channel);
+        let _claim = self.storing.claim(&source);
         // A binding's row outlives the binding (an unbound channel may be bound again): the
         // channel registry says whether it is bound now.
         let binding = self
@@ -319,7 +325,7 @@ impl Discord {
         }
         let moves_cursor = !self.lag.is_behind(&source);
         if let (Some(stored), true) = (self.store_in_order(&source, &info, messages).0, moves_cursor) {
-            self.move_cursor(&source, stored);
+            let _ = self.move_cursor(&source, stored);
         }
     }
 
@@ -345,18 +351,20 @@ impl Discord {
 
     /// Moves the channel's cursor to `to`, once every message up to it is stored. A cursor is
     /// only where a catch-up starts: one that did not reach the disk (it is logged without a
-    /// sync) reads some messages again, which their snowflakes make duplicates.
-    fn move_cursor(&self, source: &Source, to: u64) {
+    /// sync) reads some messages again, which their snowflakes make duplicates. Whether it
+    /// moved.
+    fn move_cursor(&self, source: &Source, to: u64) -> bool {
         if !plausible(to) {
-            return;
+            return false;
         }
-        if let Err(e) = self
+        let moved = self
             .host
             .outbox
-            .move_cursors(&[Cursor::Forward(cursor_key(source), to)])
-        {
+            .move_cursors(&[Cursor::Forward(cursor_key(source), to)]);
+        if let Err(e) = &moved {
             log::debug!("discord: {source}: cannot move the cursor: {e}");
         }
+        moved.is_ok()
     }
 
     /// Whether a message is one imgate stores: not the bot's own, a post and not a notice, a
@@ -509,6 +517,42 @@ impl Discord {
                 log::debug!("discord: {source}: typing not shown: {e}");
             }
         });
+    }
+}
+
+/// The channels being stored now, and a wake-up for an `accept` waiting its turn.
+#[derive(Default)]
+struct Storing {
+    now: Mutex<std::collections::HashSet<Source>>,
+    done: std::sync::Condvar,
+}
+
+impl Storing {
+    /// Waits (on the pool) until no other `accept` stores `source`, then holds it until the
+    /// claim drops.
+    fn claim(&self, source: &Source) -> Claim<'_> {
+        let mut now = self.now.lock().unwrap_or_else(|e| e.into_inner());
+        while now.contains(source) {
+            now = self.done.wait(now).unwrap_or_else(|e| e.into_inner());
+        }
+        now.insert(source.clone());
+        Claim {
+            storing: self,
+            source: source.clone(),
+        }
+    }
+}
+
+struct Claim<'a> {
+    storing: &'a Storing,
+    source: Source,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let mut now = self.storing.now.lock().unwrap_or_else(|e| e.into_inner());
+        now.remove(&self.source);
+        self.storing.done.notify_all();
     }
 }
 
@@ -730,6 +774,7 @@ impl Discord {
             Some(_) => self.channel_info(source.as_str()).map_err(Failure::storage)?,
             None => None,
         };
+        let kept = earlier.is_some();
         let from = match earlier {
             Some(e) => e.from,
             None => newest.filter(|id| plausible(*id)).unwrap_or(0),
@@ -752,7 +797,11 @@ impl Discord {
             .put(&self.host.db, source.as_str(), &binding)
             .map_err(Failure::storage)?;
         // A session up for this bot took this channel's messages as unbound until now: its next
-        // message starts with a catch-up from the cursor.
+        // message starts with a catch-up from the cursor (what an earlier binding of the channel
+        // left behind is not read).
+        if !kept {
+            self.lag.forget(&source);
+        }
         self.lag.fell_behind(&source, u64::MAX, false);
         // A bot Discord refused (a token, the intent) is tried again now that it is bound again.
         if self.sessions.refused(&bot_user).is_some() {

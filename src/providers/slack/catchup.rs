@@ -41,7 +41,7 @@ const MAX_PAGES: usize = 200;
 /// caught up (every message after the mark stored or not to be stored). A channel another
 /// catch-up is reading now is left to it.
 pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
-    let Some(reading) = slack.lag.start(source) else {
+    let Some(mut reading) = slack.lag.start(source) else {
         return false;
     };
     let floor = reading.from;
@@ -106,8 +106,9 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
                 return false;
             }
             if super::plausible(last) {
-                if let Err(e) = slack.host.outbox.move_cursors(&[Cursor::Forward(key.clone(), last)]) {
-                    log::debug!("slack: {source}: cannot move the high-water mark: {e}");
+                match slack.host.outbox.move_cursors(&[Cursor::Forward(key.clone(), last)]) {
+                    Ok(()) => reading.passed_mark(),
+                    Err(e) => log::debug!("slack: {source}: cannot move the high-water mark: {e}"),
                 }
             }
             after = last;

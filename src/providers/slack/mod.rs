@@ -789,7 +789,11 @@ impl Slack {
             .put(&self.host.db, source.as_str(), &binding)
             .map_err(Failure::storage)?;
         // A socket already up for this bot acknowledged this channel's messages as unbound until
-        // now: its next message starts with a catch-up from the mark.
+        // now: its next message starts with a catch-up from the mark (what an earlier binding of
+        // the channel left behind is not read).
+        if !kept {
+            self.lag.forget(&source);
+        }
         self.lag.fell_behind(&source, u64::MAX, false);
         Ok(source)
     }
