@@ -96,7 +96,7 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
             // reads the window again, its messages duplicates by their ID).
             let handled: Vec<_> = messages
                 .into_iter()
-                .map(|m| slack.prepare(source, info, &tokens.bot, m, false))
+                .map(|m| slack.prepare(source, info, &tokens.bot, m))
                 .collect();
             let stored = handled.into_iter().map(|h| slack.finish(source, h));
             // Every one is waited for: one not stored leaves the channel behind from it.

@@ -12,8 +12,9 @@
 //! An envelope is acknowledged only after its message is committed (or found a duplicate, or
 //! is one imgate does not store): Slack delivers again whatever was not acknowledged within 3 s,
 //! and the outbox's message-ID dedupe (`CHANNEL:TS`) makes the second delivery a duplicate.
-//! Each channel's high-water `ts` is a `Cursor` moved with the messages it covers; the
-//! catch-up reads the history after it.
+//! Each channel's high-water `ts` is a `Cursor` moved once a batch's commits are done, to the
+//! newest of its all-stored prefix (never past a message that was not stored); the catch-up
+//! reads the history after it.
 
 pub mod api;
 pub mod catchup;
@@ -297,17 +298,44 @@ impl Slack {
         // Read once a batch: every message's name lookups and file need it.
         let tokens = self.tokens(&info.bot_user);
         let bot_token = tokens.as_ref().map_or("", |t| t.bot.as_str());
-        let moves_cursor = !self.lag.is_behind(&source);
-        let handled: Vec<Handled> = messages
+        let moves_mark = !self.lag.is_behind(&source);
+        let handled: Vec<(u64, Handled)> = messages
             .into_iter()
-            .map(|m| self.prepare(&source, &info, bot_token, m, moves_cursor))
+            .map(|m| {
+                (
+                    event::ts_micros(&m.ts).unwrap_or(0),
+                    self.prepare(&source, &info, bot_token, m),
+                )
+            })
             .collect();
-        handled.into_iter().map(|h| self.finish(&source, h)).collect()
+        // The mark moves once the commits are done, to the newest of the run from the first
+        // message on that is all stored: never past a message that was not.
+        let (mut newest, mut all) = (0u64, true);
+        let answers = handled
+            .into_iter()
+            .map(|(ts, h)| {
+                let ok = self.finish(&source, h);
+                all &= ok;
+                if all {
+                    newest = newest.max(ts);
+                }
+                ok
+            })
+            .collect();
+        if moves_mark && newest > 0 && plausible(newest) {
+            let moved = self
+                .host
+                .outbox
+                .move_cursors(&[Cursor::Forward(high_water_key(&source), newest)]);
+            if let Err(e) = moved {
+                log::debug!("slack: {source}: cannot move the high-water mark: {e}");
+            }
+        }
+        answers
     }
 
-    /// One message up to its hand-over to the outbox. `cursor`: its commit moves the channel's
-    /// high-water mark to it.
-    fn prepare(&self, source: &Source, info: &ChannelInfo, bot_token: &str, m: Message, cursor: bool) -> Handled {
+    /// One message up to its hand-over to the outbox.
+    fn prepare(&self, source: &Source, info: &ChannelInfo, bot_token: &str, m: Message) -> Handled {
         if m.user == info.bot_user || m.bot_id.as_deref() == Some(info.bot_id.as_str()) {
             // The bot's own messages come back as events: never pushed to the agent.
             self.counts.skipped.fetch_add(1, Ordering::Relaxed);
@@ -343,10 +371,8 @@ impl Slack {
             }),
             inbound,
             reply_ref: true,
-            cursors: match cursor && plausible(ts) {
-                true => vec![Cursor::Forward(high_water_key(source), ts)],
-                false => Vec::new(),
-            },
+            // The mark moves once the messages before it are stored too (`accept`).
+            cursors: Vec::new(),
             // Older than the TTL (a catch-up after a long outage): counted expired.
             when_stale: WhenStale::CountExpired,
         };
