@@ -307,6 +307,27 @@ pub struct Description {
     pub tools: Vec<(&'static str, ToolState)>,
 }
 
+impl Description {
+    /// A channel that works: each of `tools` available.
+    pub fn connected(target: Target, tools: &[&'static str]) -> Description {
+        Description {
+            status: "connected",
+            target,
+            tools: tools.iter().map(|t| (*t, ToolState::available())).collect(),
+        }
+    }
+
+    /// A channel that cannot work now (`status` `error`, or `expired` for a sign-in that
+    /// ended): each of `tools` unavailable, and why.
+    pub fn unusable(status: &'static str, target: Target, tools: &[&'static str], why: &str) -> Description {
+        Description {
+            status,
+            target,
+            tools: tools.iter().map(|t| (*t, ToolState::unavailable(why))).collect(),
+        }
+    }
+}
+
 /// One message to send to a bound conversation (a tool call, or xAgent's own message).
 pub struct Outbound<'a> {
     /// The text (may be empty with files); with the file tool, the file's caption.
@@ -421,6 +442,16 @@ pub struct Declaration {
 }
 
 impl Declaration {
+    /// A channel's target: this provider, its label, the name shown and a redacted hint.
+    pub fn target_of(&self, display_name: String, account_hint: Option<String>) -> Target {
+        Target {
+            provider: self.name.into(),
+            label: self.label.into(),
+            display_name,
+            account_hint,
+        }
+    }
+
     /// Its entry in the Card's `supports.targets`.
     pub fn target(&self) -> Value {
         obj([

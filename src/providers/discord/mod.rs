@@ -46,7 +46,6 @@ use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
 use crate::json::{self, Object, Value};
 use crate::outbox::{Cursor, Enqueued, Ticket};
 use crate::protocol::code;
-use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
 use crate::source::Source;
@@ -827,35 +826,22 @@ impl Provider for Discord {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let target = |display_name: String, account_hint| Target {
-            provider: NAME.into(),
-            label: DECLARATION.label.into(),
-            display_name,
-            account_hint,
+        let lost = |why: &str| {
+            let target = DECLARATION.target_of("Discord (binding lost: bind again)".into(), None);
+            Description::unusable("error", target, TOOLS, why)
         };
-        let info = self.channel_info(source.as_str())?;
-        let unusable = |display: String, why: &str| Description {
-            status: "error",
-            target: target(display, None),
-            tools: TOOLS.iter().map(|t| (*t, ToolState::unavailable(why))).collect(),
-        };
-        Ok(match info {
-            Some(info) if self.token(&info.bot_user).is_none() => unusable(
-                "Discord (binding lost: bind again)".into(),
-                "the bot's token is no longer available",
-            ),
+        Ok(match self.channel_info(source.as_str())? {
+            Some(info) if self.token(&info.bot_user).is_none() => lost("the bot's token is no longer available"),
             Some(info) => match self.sessions.refused(&info.bot_user) {
-                Some(why) => unusable(info.channel_name.clone(), &why),
-                None => Description {
-                    status: "connected",
-                    target: target(info.channel_name.clone(), Some(inbound::redact(&info.channel))),
-                    tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
-                },
+                Some(why) => {
+                    Description::unusable("error", DECLARATION.target_of(info.channel_name, None), TOOLS, &why)
+                }
+                None => {
+                    let hint = Some(inbound::redact(&info.channel));
+                    Description::connected(DECLARATION.target_of(info.channel_name, hint), TOOLS)
+                }
             },
-            None => unusable(
-                "Discord (binding lost: bind again)".into(),
-                "the Discord binding is gone",
-            ),
+            None => lost("the Discord binding is gone"),
         })
     }
 

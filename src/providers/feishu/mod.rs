@@ -41,7 +41,7 @@ use crate::files::FileRecord;
 use crate::json::{self, obj, s, Object, Value};
 use crate::outbox::{Enqueued, Ticket};
 use crate::protocol::code;
-use crate::protocol::descriptor::{Target, ToolState};
+use crate::protocol::descriptor::Target;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
 use crate::source::Source;
@@ -665,19 +665,16 @@ impl Provider for Feishu {
         };
         let info = self.chat_info(source.as_str())?;
         Ok(match info.filter(|i| self.creds_of(&i.app_id).is_some()) {
-            Some(info) => Description {
-                status: "connected",
-                target: target(info.chat_name.clone(), Some(inbound::redact(&info.chat_id))),
-                tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
-            },
-            None => Description {
-                status: "error",
-                target: target(format!("{label} (binding lost: bind again)"), None),
-                tools: TOOLS
-                    .iter()
-                    .map(|t| (*t, ToolState::unavailable("the app secret is no longer available")))
-                    .collect(),
-            },
+            Some(info) => Description::connected(
+                target(info.chat_name.clone(), Some(inbound::redact(&info.chat_id))),
+                TOOLS,
+            ),
+            None => Description::unusable(
+                "error",
+                target(format!("{label} (binding lost: bind again)"), None),
+                TOOLS,
+                "the app secret is no longer available",
+            ),
         })
     }
 

@@ -29,7 +29,6 @@ use super::{inbound, multipart, with_retry};
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::json::{self, b, obj, s, Object, Value};
 use crate::protocol::code;
-use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::source::Source;
 use crate::store::{self, StoreError};
@@ -609,30 +608,18 @@ impl Provider for Telegram {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let target = |display_name: String, account_hint| Target {
-            provider: NAME.into(),
-            label: DECLARATION.label.into(),
-            display_name,
-            account_hint,
-        };
         Ok(
             match self.chat_info(source.as_str())?.filter(|i| self.token_for(i).is_some()) {
-                Some(info) => Description {
-                    status: "connected",
-                    target: target(
-                        format!("@{} in {}", info.bot_username, info.chat_title),
-                        Some(redact_id(info.chat_id)),
-                    ),
-                    tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
-                },
-                None => Description {
-                    status: "error",
-                    target: target("Telegram (binding lost: bind again)".into(), None),
-                    tools: TOOLS
-                        .iter()
-                        .map(|t| (*t, ToolState::unavailable("the bot token is no longer available")))
-                        .collect(),
-                },
+                Some(info) => {
+                    let shown = format!("@{} in {}", info.bot_username, info.chat_title);
+                    Description::connected(DECLARATION.target_of(shown, Some(redact_id(info.chat_id))), TOOLS)
+                }
+                None => Description::unusable(
+                    "error",
+                    DECLARATION.target_of("Telegram (binding lost: bind again)".into(), None),
+                    TOOLS,
+                    "the bot token is no longer available",
+                ),
             },
         )
     }

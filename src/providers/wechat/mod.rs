@@ -41,7 +41,6 @@ use crate::files::FileRecord;
 use crate::ids;
 use crate::json::{self, arr, obj, s, Object, Value};
 use crate::protocol::code;
-use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::source::Source;
 use crate::store::{self, StoreError};
@@ -476,28 +475,16 @@ impl Provider for Wechat {
         let bot = source.key();
         let ended = self.meta(&ended_key(bot))?.is_some();
         let account = self.account(bot);
-        let target = Target {
-            provider: NAME.into(),
-            label: DECLARATION.label.into(),
-            display_name: format!("WeChat ({bot})"),
-            account_hint: account.as_ref().map(|a| crate::providers::inbound::redact(&a.user_id)),
-        };
+        let hint = account.as_ref().map(|a| crate::providers::inbound::redact(&a.user_id));
+        let target = DECLARATION.target_of(format!("WeChat ({bot})"), hint);
         let why = match (ended, &account) {
             (true, _) => Some("WeChat ended this sign-in; sign in again with a QR code"),
             (false, None) => Some("the sign-in is gone; sign in again with a QR code"),
             (false, Some(_)) => None,
         };
         Ok(match why {
-            None => Description {
-                status: "connected",
-                target,
-                tools: TOOLS.iter().map(|t| (*t, ToolState::available())).collect(),
-            },
-            Some(why) => Description {
-                status: "expired",
-                target,
-                tools: TOOLS.iter().map(|t| (*t, ToolState::unavailable(why))).collect(),
-            },
+            None => Description::connected(target, TOOLS),
+            Some(why) => Description::unusable("expired", target, TOOLS, why),
         })
     }
 
