@@ -4,6 +4,7 @@
 
 use redb::TableDefinition;
 
+use crate::channels::Channels;
 use crate::source::Source;
 use crate::store::{self, Db, StoreError};
 
@@ -41,6 +42,20 @@ impl Rows {
                 .insert(source, miniserde::json::to_string(row).as_str())?;
             Ok(())
         })
+    }
+
+    /// The row of `source` while it is bound: a row outlives its binding (an unbound
+    /// conversation may be bound again), the channel registry says whether it is bound now.
+    pub fn while_bound<T: miniserde::Deserialize>(
+        &self,
+        channels: &Channels,
+        db: &Db,
+        source: &str,
+    ) -> Result<Option<T>, StoreError> {
+        match channels.bound_channel(source)? {
+            Some(_) => self.get(db, source),
+            None => Ok(None),
+        }
     }
 
     /// The rows of the sources in `bound` that are `provider`'s. A row that cannot be read is

@@ -264,17 +264,7 @@ impl Slack {
     /// deliver it again (the store failed or the queue is full).
     pub fn accept(&self, bot_user: &str, channel: &str, catch_up: bool, messages: Vec<Message>) -> Vec<bool> {
         let source = source_of(bot_user, channel);
-        // A binding's row outlives the binding (an unbound channel may be bound again): the
-        // channel registry says whether it is bound now.
-        let binding = self
-            .host
-            .channels
-            .bound_channel(source.as_str())
-            .and_then(|bound| match bound {
-                Some(_) => self.channel_info(source.as_str()),
-                None => Ok(None),
-            });
-        let info = match binding {
+        let info = match CHANNELS.while_bound(&self.host.channels, &self.host.db, source.as_str()) {
             Ok(Some(info)) => info,
             Ok(None) => {
                 self.counts.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
