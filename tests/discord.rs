@@ -2,8 +2,9 @@
 //! Gateway written from discord-api-docs: binding and each failure, messages in with their
 //! cursor, RESUME after a dropped connection (the replay stored once), a new session's
 //! catch-up from the channels' histories, a SIGKILL between an event and its commit, zombie
-//! connections, refusals that stop the bot, the daily session budget, replies, files and rate
-//! limits, and a token that never leaves imgate.
+//! connections, refusals that stop the bot, IDENTIFYs spaced out under refusals, the daily
+//! session budget, a full queue, replies, files and rate limits, and a token that never leaves
+//! imgate.
 
 use std::time::Duration;
 
@@ -385,6 +386,31 @@ fn a_refusal_only_the_owner_can_fix_stops_the_bot_and_says_why() {
     assert_eq!(next_ids(&mut x, 3), meanwhile, "nothing posted meanwhile is lost");
     let id = w.sim.post(&w.channel, UserMsg::text(&w.ann, "back"));
     assert_eq!(next_ids(&mut x, 1), [id]);
+}
+
+#[test]
+fn identifies_refused_again_and_again_are_spaced_out() {
+    let (d, w) = discord("dc-ration", &[]);
+    let (_x, _) = bound(&d, &w);
+    // From now on every IDENTIFY is refused (op 9 false: the one allowed per window is spent,
+    // and the window is an hour).
+    w.sim.knobs(|k| k.identify_window = Duration::from_secs(3600));
+    assert!(w.sim.gateway(Gw::InvalidSession(false)));
+    assert!(
+        w.sim
+            .wait_until(Duration::from_secs(120), |r| r.identified_at.len() >= 4),
+        "imgate keeps trying"
+    );
+    let at = w.sim.records(|r| r.identified_at.clone());
+    let gaps: Vec<Duration> = at.windows(2).map(|p| p[1].duration_since(p[0])).collect();
+    // At least 6 s apart, the gap doubling after each new session that failed: 12 s, 24 s
+    // (three quarters of each asserted: the sim stamps an IDENTIFY when it reads it).
+    assert!(
+        gaps[1] >= Duration::from_secs(9) && gaps[2] >= Duration::from_secs(18),
+        "{gaps:?}"
+    );
+    assert_eq!(w.sim.records(|r| r.ready), 1, "no new session was granted");
+    assert_stops_cleanly(d);
 }
 
 #[test]

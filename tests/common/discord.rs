@@ -238,6 +238,8 @@ pub struct Knobs {
 pub struct Records {
     /// IDENTIFY `d` payloads, refused ones included.
     pub identifies: Vec<Value>,
+    /// When each IDENTIFY arrived (as `identifies`).
+    pub identified_at: Vec<Instant>,
     /// `{session_id, seq, via_resume_url, outcome}`; outcome: "resumed", "unknown_session",
     /// "expired", "too_old", "bad_seq", "bad_token", "already_authenticated".
     pub resumes: Vec<Value>,
@@ -1159,6 +1161,7 @@ fn on_client_text(s: &mut State, k: usize, text: &str) {
 
 fn identify(s: &mut State, k: usize, d: Value) {
     push_capped(&mut s.rec.identifies, d.clone());
+    push_capped(&mut s.rec.identified_at, Instant::now());
     if s.conns[k].session.is_some() {
         return close_conn(s, k, 4005);
     }
@@ -1318,8 +1321,9 @@ fn gateway_conn(state: &Shared, mut stream: TcpStream, via_resume: bool, stopped
     if !line.split(' ').nth(1).is_some_and(|target| target.starts_with('/')) {
         // An empty line: the peer hung up (or stayed silent) before asking anything.
         if !line.is_empty() {
-            let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+            // Recorded first: a client that reads the 400 finds it recorded.
             refuse_handshake(state, line);
+            let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
         }
         let _ = stream.shutdown(Shutdown::Both);
         return;
@@ -2094,7 +2098,9 @@ mod selfcheck {
     use super::*;
 
     const INTENTS: u64 = GUILD_MESSAGES | DIRECT_MESSAGES | MESSAGE_CONTENT;
-    const READ_TIMEOUT: Duration = Duration::from_secs(3);
+    // Generous: a bound on a wait for progress, reached only when something is wrong (the
+    // self-checks also run beside CPU-bound loops in CI).
+    const READ_TIMEOUT: Duration = Duration::from_secs(15);
 
     type Ws = WebSocket<TcpStream>;
 
@@ -2266,7 +2272,9 @@ mod selfcheck {
             Err(tungstenite::Error::Http(r)) => assert_eq!(r.status(), 400),
             other => panic!("{:?}", other.map(|_| "connected")),
         }
-        sim.records(|r| assert_eq!(r.refused_handshakes, ["GET ?v=10&encoding=json HTTP/1.1"]));
+        // Recorded by the socket's thread, maybe after the client read the 400: waited for.
+        let line = "GET ?v=10&encoding=json HTTP/1.1";
+        assert!(sim.wait_until(READ_TIMEOUT, |r| r.refused_handshakes == [line]));
         let mut ws = connect(&sim.resume_url);
         assert_eq!(next(&mut ws)["op"], 10);
         send(
