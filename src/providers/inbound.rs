@@ -67,6 +67,26 @@ pub struct Origin<'a> {
     pub skill: &'a str,
 }
 
+/// At most `max` bytes of `s`, cut at a character boundary: every text an IM system sends is
+/// bounded with it before it is stored or shown.
+pub fn bounded(s: &str, max: usize) -> String {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+/// 1 to `max` letters, digits and `.`, `_`, `-`: an ID from an IM system that may name a file,
+/// a key or a URL parameter, with nothing that could escape one.
+pub fn safe_id(id: &str, max: usize) -> bool {
+    !id.is_empty()
+        && id.len() <= max
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// Shows a few characters of an identifier, enough to tell senders apart.
 pub fn redact(id: &str) -> String {
     let chars: Vec<char> = id.chars().collect();

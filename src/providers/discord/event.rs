@@ -4,6 +4,8 @@
 //! or a URL path.
 
 use crate::json::{self, Object, Value};
+pub use crate::providers::inbound::bounded;
+use crate::providers::inbound::safe_id;
 
 /// A message's text is cut at this many bytes (Discord's own cap is 2,000 characters for a
 /// person, 4,000 with Nitro).
@@ -160,7 +162,7 @@ pub fn read_frame(text: &str) -> Frame {
 }
 
 fn ready_of(d: &Object) -> Event {
-    let session_id = json::get_str(d, "session_id").filter(|s| safe_token(s, 128));
+    let session_id = json::get_str(d, "session_id").filter(|s| safe_id(s, 128));
     let resume_url = json::get_str(d, "resume_gateway_url")
         .filter(|u| u.len() <= MAX_URL && (u.starts_with("wss://") || u.starts_with("ws://")));
     let user_id = json::get_obj(d, "user")
@@ -253,20 +255,6 @@ fn attachment_of(a: &Object) -> Option<Attachment> {
         url: url.to_string(),
         size: json::get_u64(a, "size").unwrap_or(0),
     })
-}
-
-/// Letters, digits and `._-`: a session ID, nothing that could escape a payload or a log line.
-fn safe_token(s: &str, max: usize) -> bool {
-    !s.is_empty() && s.len() <= max && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-}
-
-/// At most `max` bytes of `s`, cut at a character boundary.
-pub fn bounded(s: &str, max: usize) -> String {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
 }
 
 /// Discord's markup as a person reads it: `<@123>` and `<@!123>` as `@name` (from the

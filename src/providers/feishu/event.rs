@@ -4,7 +4,7 @@
 //! text bounded.
 
 use crate::json::{self, Object, Value};
-use crate::providers::inbound::Inbound;
+use crate::providers::inbound::{bounded, Inbound};
 
 /// The one event type imgate stores.
 pub const MESSAGE_RECEIVED: &str = "im.message.receive_v1";
@@ -66,18 +66,6 @@ pub fn read(payload: &[u8]) -> Result<Event, Unreadable> {
         app_id: field("app_id"),
         message,
     })
-}
-
-/// At most `max` bytes of `s`, cut at a character boundary.
-fn bounded(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut cut = max;
-    while !s.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    s[..cut].to_string()
 }
 
 fn message_of(event: &Object) -> Option<Message> {

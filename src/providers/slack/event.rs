@@ -199,24 +199,8 @@ pub fn ts_of(micros: u64) -> String {
     format!("{}.{:06}", micros / 1_000_000, micros % 1_000_000)
 }
 
-/// Letters, digits and `.`, `_`, `-`: Slack's IDs, ts values and envelope IDs, nothing that
-/// could escape a file name, a key or a URL parameter.
-pub fn safe_id(id: &str, max: usize) -> bool {
-    !id.is_empty()
-        && id.len() <= max
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
-
-/// At most `max` bytes of `s`, cut at a character boundary.
-pub fn bounded(s: &str, max: usize) -> String {
-    let mut end = s.len().min(max);
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
-}
+// Slack's IDs, ts values and envelope IDs are `safe_id`s; its texts are `bounded`.
+pub use crate::providers::inbound::{bounded, safe_id};
 
 /// The users a text mentions (`<@U…>`), each once, at most `max`.
 pub fn mentioned(text: &str, max: usize) -> Vec<String> {
