@@ -203,7 +203,7 @@ pub struct Discord {
     /// after a snowflake.
     lag: Lag,
     /// Channel → when it last showed typing.
-    typing: Mutex<HashMap<String, Instant>>,
+    typing: Mutex<HashMap<Source, Instant>>,
     /// Channels an `accept` is storing now: one at a time per channel, so two sets of lanes (a
     /// bot's session started again while the old one's lanes drain) neither reorder a channel
     /// nor move its cursor past what the other failed to store.
@@ -485,22 +485,23 @@ impl Discord {
     }
 
     /// Shows the bot typing in the channel of `source`: best effort, on the pool, at most every
-    /// `TYPING_EVERY` (Discord shows it for about 10 s).
+    /// `TYPING_EVERY` (Discord shows it for about 10 s). The throttle is checked first, so a
+    /// burst of deliveries costs no thread, store read or call.
     fn show_typing(&self, source: &Source) {
+        {
+            let mut typing = self.typing.lock().unwrap_or_else(|e| e.into_inner());
+            if typing.get(source).is_some_and(|t| t.elapsed() < TYPING_EVERY) {
+                return;
+            }
+            if typing.len() >= 1024 {
+                typing.retain(|_, t| t.elapsed() < TYPING_EVERY);
+            }
+            typing.insert(source.clone(), Instant::now());
+        }
         let Some(me) = self.me.upgrade() else { return };
         let source = source.clone();
         crate::runtime::spawn_blocking(move || {
             let Ok((info, token)) = me.route(&source) else { return };
-            {
-                let mut typing = me.typing.lock().unwrap_or_else(|e| e.into_inner());
-                if typing.get(&info.channel).is_some_and(|t| t.elapsed() < TYPING_EVERY) {
-                    return;
-                }
-                if typing.len() >= 1024 {
-                    typing.retain(|_, t| t.elapsed() < TYPING_EVERY);
-                }
-                typing.insert(info.channel.clone(), Instant::now());
-            }
             let path = format!("/channels/{}/typing", info.channel);
             if let Err(e) = me.api.post(&token, &path, None, Duration::from_secs(5)) {
                 log::debug!("discord: {source}: typing not shown: {e}");
