@@ -350,6 +350,25 @@ fn a_zombie_connection_is_closed_and_resumed() {
 }
 
 #[test]
+fn a_frame_over_the_cap_starts_a_new_session_whose_catch_up_reads_what_it_held() {
+    let (d, w) = discord("dc-bigframe", &[]);
+    let (mut x, _) = bound(&d, &w);
+    // A MESSAGE_CREATE the Gateway would send, padded past imgate's 1 MiB: a replay after a
+    // RESUME would bring it again, so a new session reads the history instead.
+    let held = w.sim.post(&w.channel, UserMsg::text(&w.ann, "held").offline());
+    let padded = json!({"op": 0, "s": 999, "t": "MESSAGE_CREATE",
+                        "d": {"id": held, "channel_id": w.channel, "content": "x".repeat(1_100_000)}});
+    assert!(w.sim.gateway(Gw::Text(padded.to_string())));
+    assert!(
+        w.sim.wait_until(WAIT, |r| r.identifies.len() >= 2 && r.ready >= 2),
+        "a new session, not a RESUME"
+    );
+    assert_eq!(w.sim.records(|r| r.resumed()), 0);
+    assert_eq!(next_ids(&mut x, 1), [held], "read from the history");
+    assert_stops_cleanly(d);
+}
+
+#[test]
 fn a_refusal_only_the_owner_can_fix_stops_the_bot_and_says_why() {
     let (d, w) = discord("dc-refused", &[]);
     let (mut x, cch) = bound(&d, &w);
