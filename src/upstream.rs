@@ -44,6 +44,18 @@ pub fn within<B>(agent: &ureq::Agent, req: ureq::RequestBuilder<B>, timeout: Dur
     req.config().timeout_global(Some(timeout.min(limit))).build()
 }
 
+/// Percent-encodes a query value (RFC 3986 unreserved characters stay).
+pub fn query_value(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => out.push(b as char),
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
+}
+
 /// Why a call or the reading of its answer failed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Error {

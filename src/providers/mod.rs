@@ -721,6 +721,67 @@ pub fn multipart(fields: &[(&str, &str)], part: &str, filename: &str, mime: &str
     (boundary, body)
 }
 
+/// A file from the cache to upload: its name, type, size and bytes on disk.
+pub struct Upload<'a> {
+    pub filename: &'a str,
+    pub mime: &'a str,
+    pub size: u64,
+    pub path: &'a std::path::Path,
+}
+
+/// A multipart/form-data body read from disk as it is sent: text fields (each with its own
+/// `Content-Type` when it has one), then the file as `part`. Memory does not grow with the file.
+pub struct StreamedForm {
+    pub boundary: String,
+    /// The body's length in bytes, for `Content-Length`.
+    pub length: u64,
+    pub body: Box<dyn std::io::Read + Send>,
+}
+
+impl StreamedForm {
+    pub fn new(fields: &[(&str, Option<&str>, &str)], part: &str, file: &Upload) -> std::io::Result<StreamedForm> {
+        use std::io::Read;
+        let boundary = format!("imgate{}", crate::ids::random_hex(12));
+        let mut head = String::new();
+        for (name, content_type, value) in fields {
+            head.push_str(&format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n"
+            ));
+            if let Some(t) = content_type {
+                head.push_str(&format!("Content-Type: {t}\r\n"));
+            }
+            head.push_str(&format!("\r\n{value}\r\n"));
+        }
+        // A quote or a line break would end the header's value: never in a name we send.
+        let filename = file.filename.replace(['"', '\r', '\n', '\\'], "_");
+        head.push_str(&format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"{part}\"; filename=\"{filename}\"\r\nContent-Type: {}\r\n\r\n",
+            file.mime
+        ));
+        let tail = format!("\r\n--{boundary}--\r\n");
+        let bytes = std::fs::File::open(file.path)?;
+        let length = (head.len() as u64)
+            .saturating_add(file.size)
+            .saturating_add(tail.len() as u64);
+        let body = std::io::Cursor::new(head.into_bytes())
+            .chain(bytes.take(file.size))
+            .chain(std::io::Cursor::new(tail.into_bytes()));
+        Ok(StreamedForm {
+            boundary,
+            length,
+            body: Box::new(body),
+        })
+    }
+}
+
+/// How long an access token the server says lives `expire` seconds is used: until five minutes
+/// before its end, or half its life when that is shorter; a day at most, whatever the server says.
+pub fn token_kept_for(expire: u64) -> Duration {
+    const RENEW_EARLY: Duration = Duration::from_secs(300);
+    let lifetime = Duration::from_secs(expire.min(86_400));
+    lifetime.saturating_sub(RENEW_EARLY).max(lifetime / 2)
+}
+
 /// A name for part `part` of one send, the same whenever the call is retried, so the IM
 /// system can tell a retry from a new message: `bytes` of SHA-256(idempotency key, part) in hex.
 pub fn send_id(idempotency_key: &str, part: usize, bytes: usize) -> String {
@@ -758,6 +819,22 @@ pub fn split_text(text: &str, max_chars: usize) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_is_renewed_five_minutes_before_it_expires_or_at_half_life() {
+        assert_eq!(token_kept_for(7200), Duration::from_secs(6900), "two hours");
+        assert_eq!(
+            token_kept_for(400),
+            Duration::from_secs(200),
+            "a short token: half its life"
+        );
+        assert_eq!(
+            token_kept_for(0),
+            Duration::ZERO,
+            "no lifetime: fetched again next time"
+        );
+        assert_eq!(token_kept_for(u64::MAX), Duration::from_secs(86_100), "a day at most");
+    }
 
     #[test]
     fn long_text_is_split_at_the_limit_without_breaking_characters() {

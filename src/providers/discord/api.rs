@@ -9,12 +9,12 @@
 //! Attachments download from the CDN with no token: their signed URL is the credential.
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::files::{FileError, FilePart};
 use crate::json::{self, Value};
+use crate::providers::{StreamedForm, Upload};
 use crate::upstream::{self, Streamed};
 
 /// An answer larger than this is refused unread: a history page of 100 messages at their
@@ -93,14 +93,6 @@ impl std::fmt::Display for ApiError {
     }
 }
 
-/// A file to upload with a message: its name, type, size and bytes on disk.
-pub struct Upload<'a> {
-    pub filename: &'a str,
-    pub mime: &'a str,
-    pub size: u64,
-    pub path: &'a std::path::Path,
-}
-
 pub struct Api {
     base: String,
     http: ureq::Agent,
@@ -177,20 +169,9 @@ impl Api {
         let route = format!("POST {path}");
         let deadline = Instant::now() + timeout;
         self.wait_for_bucket(&route, deadline)?;
-        let boundary = format!("imgate{}", crate::ids::random_hex(12));
-        // A quote or a line break would end the header's value: never in a name we send.
-        let filename = file.filename.replace(['"', '\r', '\n', '\\'], "_");
-        let head = format!(
-            "--{boundary}\r\nContent-Disposition: form-data; name=\"payload_json\"\r\nContent-Type: application/json\r\n\r\n{payload}\r\n\
-             --{boundary}\r\nContent-Disposition: form-data; name=\"files[0]\"; filename=\"{filename}\"\r\nContent-Type: {}\r\n\r\n",
-            file.mime
-        );
-        let tail = format!("\r\n--{boundary}--\r\n");
-        let bytes = std::fs::File::open(file.path).map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
-        let length = (head.len() as u64)
-            .saturating_add(file.size)
-            .saturating_add(tail.len() as u64);
-        let mut body = head.as_bytes().chain(bytes.take(file.size)).chain(tail.as_bytes());
+        let fields = [("payload_json", Some("application/json"), payload)];
+        let mut form = StreamedForm::new(&fields, "files[0]", file)
+            .map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
         let url = format!("{}{path}", self.base);
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -199,9 +180,12 @@ impl Api {
             upstream::within(&self.files, self.files.post(&url), left),
             &format!("Bot {token}"),
         )
-        .header("Content-Type", &format!("multipart/form-data; boundary={boundary}"))
-        .header("Content-Length", &length.to_string())
-        .send(ureq::SendBody::from_reader(&mut body))
+        .header(
+            "Content-Type",
+            &format!("multipart/form-data; boundary={}", form.boundary),
+        )
+        .header("Content-Length", &form.length.to_string())
+        .send(ureq::SendBody::from_reader(&mut form.body))
         .map_err(|e| ApiError::unreachable(e.into()))?;
         self.answer(&route, &mut resp)
     }

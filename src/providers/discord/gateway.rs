@@ -289,7 +289,7 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
                     Err(Open::Failed(why, retry_after)) => {
                         bot.state
                             .set(format!("cannot reach the Gateway: {why}; retrying"), true);
-                        smol::Timer::after(peer_wait::retry_after(retry_after, jittered(backoff))).await;
+                        smol::Timer::after(peer_wait::retry_after(retry_after, socket::jittered(backoff))).await;
                         backoff = (backoff * 2).min(MAX_BACKOFF);
                         continue;
                     }
@@ -307,7 +307,7 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
                         resume = None;
                     }
                 }
-                smol::Timer::after(jittered(backoff)).await;
+                smol::Timer::after(socket::jittered(backoff)).await;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 continue;
             }
@@ -345,7 +345,7 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
                 bot.state
                     .set(format!("Gateway connection down ({why}); resuming"), false);
                 let wait = if lived >= SHORT_LIVED { MIN_BACKOFF } else { backoff };
-                smol::Timer::after(jittered(wait)).await;
+                smol::Timer::after(socket::jittered(wait)).await;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
             }
             End::Identify(why, pause) => {
@@ -368,12 +368,6 @@ fn next_gap(gap: Duration, held: bool) -> Duration {
         true => IDENTIFY_MIN,
         false => gap.saturating_mul(2).clamp(IDENTIFY_MIN, IDENTIFY_MAX),
     }
-}
-
-/// `wait` plus up to half of it again, at random, so bots do not reconnect in step.
-fn jittered(wait: Duration) -> Duration {
-    let extra = ids::below(wait.as_millis() as u64 / 2 + 1);
-    wait.saturating_add(Duration::from_millis(extra))
 }
 
 async fn token_of(discord: &Weak<Discord>, bot: &str) -> Option<String> {

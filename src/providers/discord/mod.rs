@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
-use self::api::{Api, ApiError, Upload};
+use self::api::{Api, ApiError};
 use self::event::{Attachment, Message};
 use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
@@ -40,7 +40,7 @@ use super::keyfiles::KeyFiles;
 use super::lag::Lag;
 use super::{
     field, send_id, split_text, with_retry, Activity, AuthStep, Declaration, Description, Failure, Host, Input,
-    Outbound, Provider, Registration, Transient,
+    Outbound, Provider, Registration, Transient, Upload,
 };
 use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
 use crate::json::{self, Object, Value};

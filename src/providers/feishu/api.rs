@@ -21,8 +21,6 @@ use crate::upstream::{self, Streamed};
 const CODE_RATE_LIMITED: i64 = 99991400;
 /// Codes meaning the token is missing, invalid or expired: fetch a new one and call again.
 const TOKEN_CODES: &[i64] = &[99991661, 99991663, 99991664, 99991668, 99991677];
-/// A token is renewed this long before Feishu says it expires.
-const RENEW_EARLY: Duration = Duration::from_secs(300);
 /// Answers larger than this are refused (JSON answers are small; downloads have their own cap).
 const MAX_ANSWER: u64 = 1 << 20;
 /// Characters of a header value kept (a file's type).
@@ -131,7 +129,7 @@ impl Api {
             .filter(|t| !t.is_empty())
             .ok_or_else(|| ApiError::unreachable("the token answer has no tenant_access_token"))?
             .to_string();
-        let keep = kept_for(json::get_u64(&o, "expire").unwrap_or(0));
+        let keep = crate::providers::token_kept_for(json::get_u64(&o, "expire").unwrap_or(0));
         self.lock().insert(
             app.app_id.clone(),
             Token {
@@ -306,13 +304,6 @@ impl Api {
     }
 }
 
-/// How long a token Feishu says lives `expire` seconds is used: until `RENEW_EARLY` before its
-/// end, or half its life when that is shorter; a day at most, whatever the server says.
-fn kept_for(expire: u64) -> Duration {
-    let lifetime = Duration::from_secs(expire.min(86_400));
-    lifetime.saturating_sub(RENEW_EARLY).max(lifetime / 2)
-}
-
 /// Reads a JSON answer: the object when its `code` is 0.
 fn read_answer(sent: Result<upstream::Response, ureq::Error>) -> Result<json::Object, ApiError> {
     let mut resp = sent.map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
@@ -361,14 +352,6 @@ mod tests {
             _ => None,
         });
         error_of(status, o.as_ref())
-    }
-
-    #[test]
-    fn a_token_is_renewed_five_minutes_before_it_expires_or_at_half_life() {
-        assert_eq!(kept_for(7200), Duration::from_secs(6900), "Feishu's two hours");
-        assert_eq!(kept_for(400), Duration::from_secs(200), "a short token: half its life");
-        assert_eq!(kept_for(0), Duration::ZERO, "no lifetime: fetched again next time");
-        assert_eq!(kept_for(u64::MAX), Duration::from_secs(86_100), "a day at most");
     }
 
     #[test]

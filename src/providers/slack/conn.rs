@@ -29,7 +29,6 @@ use smol::stream::StreamExt;
 
 use super::event::{self, Event, Frame, Message};
 use super::Slack;
-use crate::ids;
 use crate::peer_wait;
 use crate::providers::socket::{self, Budget, Held, Lanes, Out, Up, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
@@ -244,7 +243,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
                     format!("cannot open the next Socket Mode connection: {why}; the current one goes on"),
                     true,
                 );
-                let wait = jittered(backoff);
+                let wait = socket::jittered(backoff);
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 Some(wait)
             }
@@ -256,7 +255,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
             }
             Some(Opened::Failed(why, retry_after)) => {
                 state.set(format!("cannot open the Socket Mode connection: {why}; retrying"), true);
-                let wait = peer_wait::retry_after(retry_after, jittered(backoff));
+                let wait = peer_wait::retry_after(retry_after, socket::jittered(backoff));
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 Some(wait)
             }
@@ -303,7 +302,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
                             if lived >= SHORT_LIVED {
                                 backoff = MIN_BACKOFF;
                             }
-                            smol::Timer::after(jittered(backoff)).await;
+                            smol::Timer::after(socket::jittered(backoff)).await;
                             backoff = (backoff * 2).min(MAX_BACKOFF);
                         }
                     }
@@ -314,12 +313,6 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
             }
         }
     }
-}
-
-/// `wait` plus up to half of it again, at random, so bots do not reconnect in step.
-fn jittered(wait: Duration) -> Duration {
-    let extra = ids::below(wait.as_millis() as u64 / 2 + 1);
-    wait.saturating_add(Duration::from_millis(extra))
 }
 
 enum Opened {

@@ -138,18 +138,6 @@ impl Decrypting {
     }
 }
 
-/// Percent-encodes a query value (RFC 3986 unreserved characters stay).
-pub fn query_value(v: &str) -> String {
-    let mut out = String::with_capacity(v.len());
-    for b in v.bytes() {
-        match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => out.push(b as char),
-            _ => out.push_str(&format!("%{b:02X}")),
-        }
-    }
-    out
-}
-
 /// `scheme://host[:port]` of a URL.
 fn origin(url: &str) -> Option<&str> {
     let rest = url.strip_prefix("https://").or_else(|| url.strip_prefix("http://"))?;
@@ -168,7 +156,7 @@ pub fn download_url(cdn_base: &str, m: &MediaRef) -> Option<String> {
     Some(format!(
         "{}/download?encrypted_query_param={}",
         cdn_base.trim_end_matches('/'),
-        query_value(q)
+        crate::upstream::query_value(q)
     ))
 }
 

@@ -307,7 +307,7 @@ impl Wechat {
             (Some(full), _) if full.starts_with(cdn_base) => full.to_string(),
             (_, Some(param)) if !param.is_empty() => format!(
                 "{cdn_base}/upload?encrypted_query_param={}&filekey={filekey}",
-                cdn::query_value(param)
+                crate::upstream::query_value(param)
             ),
             _ => {
                 return Err(Failure::new(
