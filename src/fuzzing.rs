@@ -35,6 +35,12 @@ pub mod discord {
     pub use crate::providers::discord::event;
 }
 
+/// DingTalk's Stream mode frames and robot messages.
+#[cfg(feature = "dingtalk")]
+pub mod dingtalk {
+    pub use crate::providers::dingtalk::event;
+}
+
 /// Feishu/Lark's long connection: its frame, its protocol, its event payload.
 #[cfg(feature = "feishu")]
 pub mod feishu {

@@ -8,7 +8,8 @@
         feature = "feishu",
         feature = "wechat",
         feature = "slack",
-        feature = "discord"
+        feature = "discord",
+        feature = "dingtalk"
     )),
     allow(dead_code, unused_imports)
 )]

@@ -436,10 +436,13 @@ enum Bot {
     None,
     Slack(common::slack::SlackSim),
     Discord(common::discord::DiscordSim, String, common::discord::User),
+    DingTalk(common::dingtalk::DingTalkSim),
 }
 
 impl Bot {
     const SLACK_CHANNEL: &str = "C0BUDGET1";
+    const DINGTALK_APP: &str = "dingbudget0000000001";
+    const DINGTALK_GROUP: &str = "cidBudget0001==";
 
     fn start(kind: &str) -> Bot {
         match kind {
@@ -459,6 +462,13 @@ impl Bot {
                 let ann = sim.add_user("ann", false);
                 Bot::Discord(sim, channel, ann)
             }
+            "dingtalk" => {
+                let sim = common::dingtalk::DingTalkSim::start();
+                sim.add_app(Self::DINGTALK_APP, "budget-secret");
+                sim.add_user("0100001", "Ann");
+                sim.add_group(Self::DINGTALK_GROUP, "Budget");
+                Bot::DingTalk(sim)
+            }
             _ => Bot::None,
         }
     }
@@ -468,6 +478,10 @@ impl Bot {
             Bot::None => String::new(),
             Bot::Slack(sim) => format!("[slack]\napi_base = {}\n", sim.base),
             Bot::Discord(sim, ..) => format!("[discord]\napi_base = {}\n", sim.base),
+            Bot::DingTalk(sim) => format!(
+                "[dingtalk]\napi_base = {}\noapi_base = {}\n",
+                sim.api_base, sim.oapi_base
+            ),
         }
     }
 
@@ -483,6 +497,10 @@ impl Bot {
                 "discord_bot_binding",
                 serde_json::json!({"bot_token": common::discord::BOT_TOKEN, "channel_id": channel}),
             ),
+            Bot::DingTalk(_) => (
+                "dingtalk_robot_binding",
+                serde_json::json!({"client_id": Self::DINGTALK_APP, "client_secret": "budget-secret", "conversation_id": Self::DINGTALK_GROUP}),
+            ),
         };
         let (cch, _) = x.open(None);
         let a = x.request(
@@ -494,18 +512,20 @@ impl Bot {
         let up = match self {
             Bot::Slack(sim) => sim.wait_connected("xapp-budget", 1, Duration::from_secs(10)),
             Bot::Discord(sim, ..) => sim.wait_until(Duration::from_secs(10), |r| r.ready >= 1),
+            Bot::DingTalk(sim) => sim.wait_connected(Self::DINGTALK_APP, 1, Duration::from_secs(10)),
             Bot::None => true,
         };
         assert!(up, "the bot is connected");
         Some(cch)
     }
 
-    /// Its keepalives so far (Slack's pings, Discord's heartbeats).
+    /// Its keepalives so far (Slack's and DingTalk's pings, Discord's heartbeats).
     fn keepalives(&self) -> u64 {
         match self {
             Bot::None => 0,
             Bot::Slack(sim) => sim.pings("xapp-budget") as u64,
             Bot::Discord(sim, ..) => sim.records(|r| r.heartbeats),
+            Bot::DingTalk(sim) => sim.ws_pings(Self::DINGTALK_APP) as u64,
         }
     }
 
@@ -518,21 +538,31 @@ impl Bot {
             Bot::Discord(sim, channel, ann) => {
                 sim.post(channel, common::discord::UserMsg::text(ann, text));
             }
+            Bot::DingTalk(sim) => {
+                sim.send_text(Self::DINGTALK_APP, Self::DINGTALK_GROUP, "0100001", text);
+            }
         }
+    }
+
+    /// Whether what is posted while imgate is stopped reaches it afterwards: DingTalk sends a
+    /// robot message once, so its messages are posted live instead, once it is connected again.
+    fn keeps_history(&self) -> bool {
+        !matches!(self, Bot::DingTalk(_))
     }
 }
 
 /// Idle cost of one bound bot of each long-connection provider (its connection to the
 /// simulator) beside a bound webhook channel, and the peak RSS while a catch-up of 1,000
-/// messages (posted while imgate was stopped) runs beside webhook load, side by side with the
-/// webhook alone under the same load.
+/// messages (posted while imgate was stopped; DingTalk's, which keeps no history, posted live
+/// after the restart) runs beside webhook load, side by side with the webhook alone under the
+/// same load.
 #[test]
 #[ignore = "budgets: cross/budgets.sh"]
 fn a_bot_idle_and_a_catch_up_beside_webhooks() {
     const N: usize = 1000;
     let text = "a message of a busy channel, about two hundred bytes long, as people write them: ".repeat(2);
     let mut rows = Vec::new();
-    for kind in ["webhook", "slack", "discord"] {
+    for kind in ["webhook", "slack", "discord", "dingtalk"] {
         let bot = Bot::start(kind);
         let dir = temp_dir(&format!("budgets-bot-{kind}"));
         let conf =
@@ -572,8 +602,13 @@ fn a_bot_idle_and_a_catch_up_beside_webhooks() {
         x.close();
         d.signal("TERM");
         assert!(d.wait_exit(Duration::from_secs(20)).is_some());
-        for i in 0..N {
-            bot.post(&format!("{i} {text}"));
+        let post_all = || {
+            for i in 0..N {
+                bot.post(&format!("{i} {text}"));
+            }
+        };
+        if bot.keeps_history() {
+            post_all();
         }
         let d = d.restart();
         let mut x = d.xagent();
@@ -586,6 +621,10 @@ fn a_bot_idle_and_a_catch_up_beside_webhooks() {
         std::thread::scope(|scope| {
             // One webhook sender beside the catch-up, while xAgent takes every push.
             scope.spawn(|| post_load(&d, 1, N, &text, "load"));
+            if let Bot::DingTalk(sim) = &bot {
+                assert!(sim.wait_connected(Bot::DINGTALK_APP, 2, Duration::from_secs(30)));
+                scope.spawn(post_all);
+            }
             for _ in 0..want {
                 x.next_push(Duration::from_secs(60)).expect("every message is pushed");
             }

@@ -8,6 +8,8 @@ mod cli;
 mod crash;
 mod dataplane;
 mod deployment;
+#[cfg(feature = "dingtalk")]
+mod dingtalk;
 #[cfg(feature = "discord")]
 mod discord;
 mod edge;

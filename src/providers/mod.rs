@@ -11,6 +11,8 @@
 //! executor; `delivered` must return at once.
 
 pub mod bindings;
+#[cfg(feature = "dingtalk")]
+pub mod dingtalk;
 #[cfg(feature = "discord")]
 pub mod discord;
 #[cfg(feature = "feishu")]
@@ -59,6 +61,8 @@ pub const REGISTRATIONS: &[Registration] = &[
     slack::REGISTRATION,
     #[cfg(feature = "discord")]
     discord::REGISTRATION,
+    #[cfg(feature = "dingtalk")]
+    dingtalk::REGISTRATION,
 ];
 
 /// The providers this build left out (their Cargo feature off). Their sections are refused
@@ -74,6 +78,8 @@ const LEFT_OUT: &[&str] = &[
     "slack",
     #[cfg(not(feature = "discord"))]
     "discord",
+    #[cfg(not(feature = "dingtalk"))]
+    "dingtalk",
 ];
 
 /// One provider's entry: how it reads the config, how it starts.
@@ -159,7 +165,7 @@ impl Drop for Closed {
 #[derive(Clone)]
 pub struct Unbound {
     pub provider: &'static str,
-    /// The IM system's ID of the conversation (checked by the provider: letters, digits, `._-`).
+    /// The IM system's ID of the conversation (checked by the provider: printable ASCII).
     pub conversation: String,
     /// `channel`, `dm`, `group`...
     pub kind: &'static str,

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod botapi;
+pub mod dingtalk;
 pub mod discord;
 pub mod ext4;
 pub mod feishu;
