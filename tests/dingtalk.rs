@@ -273,6 +273,10 @@ fn messages_are_answered_after_their_commit_and_replies_use_the_session_webhook_
     let after = sim.send_text(APP, GROUP, ANN, "after the echo");
     let push = x.next_push(WAIT).expect("the message after the echo");
     assert_eq!(push["payload"]["message_id"], after.as_str(), "the echo was not pushed");
+    let hooks = webhooks(&sim, &[&id, &next, &after]);
+    let hooks: Vec<&str> = hooks.iter().map(String::as_str).collect();
+    assert_no_secret(&d.log(), &hooks, "the trace log, after sends through them");
+    assert_no_secret(&serde_json::to_string(&x.seen).unwrap(), &hooks, "a packet");
     assert_stops_cleanly(d);
 }
 
@@ -344,9 +348,13 @@ fn pings_are_answered_and_a_disconnect_brings_a_new_ticket_and_connection() {
     let ping = sim.ping(APP);
     assert!(sim.wait_pong(&ping, WAIT), "a ping is answered with its data");
 
+    // A socket is replaced no sooner than 10 s after it opened: this one is young.
     sim.set_disconnect_grace(Duration::from_secs(30));
     assert!(sim.disconnect(APP));
-    assert!(sim.wait_connected(APP, 2, WAIT), "a new connection at once");
+    assert!(
+        sim.wait_connected(APP, 2, Duration::from_secs(30)),
+        "a new connection before DingTalk closes the old one"
+    );
     assert!(
         sim.tickets_issued(APP) >= 3,
         "a new ticket for it (the binding's, the first, the new)"
@@ -360,12 +368,24 @@ fn pings_are_answered_and_a_disconnect_brings_a_new_ticket_and_connection() {
     assert_eq!(push["payload"]["message_id"], id.as_str());
     assert!(sim.wait_answered(&id, WAIT));
 
+    // A server that says `disconnect` to every new socket gets one new socket per 10 s, not a
+    // storm of them.
+    let asked = std::time::Instant::now();
+    assert!(sim.disconnect(APP));
+    assert!(sim.wait_connected(APP, 3, Duration::from_secs(30)));
+    assert!(
+        asked.elapsed() >= Duration::from_secs(8),
+        "replaced after {:?}: a young socket waits",
+        asked.elapsed()
+    );
+    assert!(sim.wait_open_sockets(APP, 1, WAIT));
+
     // A link that drops without a word: connected again after a backoff, with a new ticket.
     sim.drop_connection(APP);
-    assert!(sim.wait_connected(APP, 3, WAIT));
+    assert!(sim.wait_connected(APP, 4, WAIT));
     assert_eq!(sim.reused_ticket_attempts(), 0, "no ticket is ever used twice");
-    let id = sim.send_text(APP, GROUP, BOB, "on the third");
-    let push = x.next_push(WAIT).expect("pushed from the third connection");
+    let id = sim.send_text(APP, GROUP, BOB, "on the fourth");
+    let push = x.next_push(WAIT).expect("pushed from the fourth connection");
     assert_eq!(push["payload"]["message_id"], id.as_str());
 
     // Stream mode turned off: the next connection is refused, the Descriptor says why.
@@ -464,5 +484,55 @@ fn files_go_both_ways_and_a_refused_token_is_renewed() {
     assert_eq!(last["msgKey"], "sampleImageMsg", "{last}");
     let media = last["param"]["photoURL"].as_str().unwrap();
     assert_same_bytes(&sim.uploaded_bytes(media), &png, "the uploaded image");
-    assert_no_secret(&d.log(), &["access_token=", SECRET], "the trace log");
+    let urls: Vec<String> = sim
+        .calls("/v1.0/robot/messageFiles/download")
+        .iter()
+        .filter_map(|c| c["answer"]["downloadUrl"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(urls.len(), 3, "a download URL for each file in");
+    let mut secrets: Vec<&str> = urls.iter().map(String::as_str).collect();
+    secrets.extend(["access_token=", SECRET]);
+    assert_no_secret(&d.log(), &secrets, "the trace log");
+}
+
+#[test]
+fn a_message_refused_by_full_caps_gets_no_answer() {
+    let queue = "[queue]\nmax_messages_per_channel = 2\noverflow = reject_new\n";
+    let sim = DingTalkSim::start();
+    sim.add_app(APP, SECRET);
+    sim.add_user(ANN, "Ann");
+    sim.add_group(GROUP, "Ops room");
+    let dir = temp_dir("dt-full");
+    let conf = format!(
+        "{queue}[dingtalk]\napi_base = {}\noapi_base = {}\n",
+        sim.api_base, sim.oapi_base
+    );
+    let d = Daemon::start_env(&dir, &config_text(free_port(), &dir, None, &conf), "debug", &[]);
+    let (x, cch) = bound_to(&d, &sim, GROUP);
+    // xAgent away: the queue fills at two.
+    drop(x);
+    let mut stored: Vec<String> = (0..2)
+        .map(|i| sim.send_text(APP, GROUP, ANN, &format!("m{i}")))
+        .collect();
+    for id in &stored {
+        assert!(sim.wait_answered(id, WAIT), "stored and answered");
+    }
+    let refused = sim.send_text(APP, GROUP, ANN, "one too many");
+    assert!(d.log_shows("queue full", WAIT), "said in the log");
+    assert!(sim.delivered(&refused));
+    // xAgent back: the queue drains, and the next message is stored and answered. Its answer
+    // comes after any the refused one could have had (one conversation, one lane, one writer).
+    let mut x = d.xagent();
+    x.hello(&d.connector_id());
+    x.open(Some(&cch));
+    for id in &stored {
+        let push = x.next_push(WAIT).expect("the stored messages are pushed");
+        assert_eq!(push["payload"]["message_id"], id.as_str());
+    }
+    let later = sim.send_text(APP, GROUP, ANN, "room again");
+    let push = x.next_push(WAIT).expect("the next message is pushed");
+    assert_eq!(push["payload"]["message_id"], later.as_str(), "the refused one is gone");
+    assert!(sim.wait_answered(&later, WAIT));
+    stored.push(later);
+    assert_eq!(sim.answered(), stored, "no 200 for the message that was not stored");
 }

@@ -83,9 +83,10 @@ impl ApiError {
             || LEGACY_TOKEN_CODES.iter().any(|c| self.code == c.to_string())
     }
 
-    /// The app's credentials were refused (a wrong `clientId` or secret).
+    /// DingTalk itself refused the app's credentials (a wrong `clientId` or secret, Stream mode
+    /// off): its JSON refusal, not a proxy's page.
     pub fn credentials_refused(&self) -> bool {
-        matches!(self.status, 400 | 401 | 403) && !self.throttled()
+        matches!(self.status, 400 | 401 | 403) && !self.code.is_empty() && !self.throttled()
     }
 
     /// A session webhook past its life.
@@ -93,9 +94,14 @@ impl ApiError {
         self.code == HOOK_EXPIRED.to_string()
     }
 
-    /// Too many calls for this app or API.
-    fn throttled(&self) -> bool {
-        self.status == 429 || self.code.contains("QpsLimit") || self.code.contains("Throttling") || self.code == "90018"
+    /// Too many calls for this app or API (the legacy API's 90018; a session webhook's 130101,
+    /// "send too fast").
+    pub fn throttled(&self) -> bool {
+        self.status == 429
+            || self.code.contains("QpsLimit")
+            || self.code.contains("Throttling")
+            || self.code == "90018"
+            || self.code == "130101"
     }
 }
 

@@ -256,9 +256,12 @@ impl DingTalk {
             self.learn(&source, &info, m);
         }
         let creds = self.creds(client_id);
+        // Each message's route builds on the last: one without a webhook or a user ID (a user
+        // of another organisation) keeps what the conversation had.
+        let mut route = self.reply_route(&source).unwrap_or_default();
         let handled: Vec<Handled> = messages
             .into_iter()
-            .map(|m| self.prepare(&source, &info, creds.as_ref(), m))
+            .map(|m| self.prepare(&source, &info, creds.as_ref(), &mut route, m))
             .collect();
         handled.into_iter().map(|h| self.finish(&source, h)).collect()
     }
@@ -297,7 +300,14 @@ impl DingTalk {
     }
 
     /// One message up to its hand-over to the outbox.
-    fn prepare(&self, source: &Source, info: &ConversationInfo, creds: Option<&AppCreds>, m: RobotMessage) -> Handled {
+    fn prepare(
+        &self,
+        source: &Source,
+        info: &ConversationInfo,
+        creds: Option<&AppCreds>,
+        route: &mut ReplyRoute,
+        m: RobotMessage,
+    ) -> Handled {
         if !m.robot_user.is_empty() && m.sender_id == m.robot_user {
             self.counts.skipped.fetch_add(1, Ordering::Relaxed);
             return Handled::Answer(true);
@@ -325,11 +335,13 @@ impl DingTalk {
             event_time: m.created_ms,
             files: None,
         };
-        let route = ReplyRoute {
-            hook: m.webhook.as_ref().map(|(u, _)| u.clone()).unwrap_or_default(),
-            hook_expires: m.webhook.as_ref().map_or(0, |(_, at)| *at),
-            staff: m.staff_id.clone(),
-        };
+        let new_hook = m.webhook.as_ref().is_some_and(|(_, at)| *at >= route.hook_expires);
+        if let Some((url, at)) = m.webhook.clone().filter(|_| new_hook) {
+            (route.hook, route.hook_expires) = (url, at);
+        }
+        if !m.staff_id.is_empty() {
+            route.staff = m.staff_id.clone();
+        }
         let arrival = Arrival {
             source: source.clone(),
             file: m.file.clone().map(|file| Fetch {
@@ -338,12 +350,12 @@ impl DingTalk {
             }),
             inbound,
             reply_ref: true,
-            cursors: vec![Cursor::Set(reply_key(source), miniserde::json::to_string(&route))],
+            cursors: vec![Cursor::Set(reply_key(source), miniserde::json::to_string(&*route))],
             when_stale: WhenStale::CountExpired,
         };
         match self.host.intake(arrival) {
             Intake::Stale => Handled::Answer(true),
-            Intake::Submitted(ticket) => Handled::Commit(ticket, m.msg_id, !route.hook.is_empty()),
+            Intake::Submitted(ticket) => Handled::Commit(ticket, m.msg_id, new_hook),
         }
     }
 
@@ -577,6 +589,9 @@ fn bind_failure(what: &str, e: &ApiError) -> Failure {
     if e.temporary() {
         return Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the {what}: {e}"));
     }
+    if !e.credentials_refused() {
+        return Failure::new(code::UPSTREAM_REJECTED, format!("cannot check the {what}: {e}"));
+    }
     let why = match what {
         "credentials" => format!("DingTalk rejected the Client ID or Client Secret ({e})"),
         _ => format!(
@@ -741,16 +756,18 @@ impl Provider for DingTalk {
             for part in split_text(out.text, MAX_TEXT) {
                 if let Some(url) = hook {
                     let body = obj([("msgtype", s("text")), ("text", obj([("content", s(&part))]))]);
-                    let posted = once_sent("dingtalk: session webhook", deadline, |left| {
-                        self.api.post_webhook(url, &body, left)
-                    });
-                    match posted {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    // One attempt (no idempotency here either); throttled, the OpenAPI sends it.
+                    match self.api.post_webhook(url, &body, left) {
                         Ok(()) => continue,
                         Err(e) if e.hook_expired() => {
                             log::info!("dingtalk: {source}: the session webhook expired; sending through the OpenAPI");
                             let mut dead = self.dead_hooks.lock().unwrap_or_else(|e| e.into_inner());
                             dead.insert(source.as_str().to_string());
                             hook = None;
+                        }
+                        Err(e) if e.throttled() => {
+                            log::debug!("dingtalk: {source}: the session webhook is throttled; this part goes through the OpenAPI");
                         }
                         Err(e) => return Err(refusal(&e)),
                     }

@@ -54,6 +54,9 @@ const PING_EVERY: Duration = Duration::from_secs(60);
 const SILENT: Duration = Duration::from_secs(130);
 /// After `disconnect`, the old socket writes what it owes for at most this long, then closes.
 const DRAIN: Duration = Duration::from_secs(15);
+/// A socket is replaced at DingTalk's request no sooner than this after it opened: a server
+/// that says `disconnect` at once gets a new socket every 10 s, not a stream of them.
+const MIN_AGE: Duration = Duration::from_secs(10);
 /// A refused app is asked again this often.
 const REFUSED_WAIT: Duration = Duration::from_secs(600);
 /// A connection that ends sooner than this counts as a quick drop: the backoff goes on growing.
@@ -243,9 +246,11 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
             match signal {
                 Signal::Replace(s) if s == now_serial => {
                     log::info!("dingtalk: app {app}: DingTalk will close the connection; opening the next one");
+                    let age = current.as_ref().map_or(MIN_AGE, |c| c.1.elapsed());
                     if let Some((s, _, old)) = current.take() {
                         leaving.push((s, old));
                     }
+                    smol::Timer::after(MIN_AGE.saturating_sub(age)).await;
                     break;
                 }
                 Signal::Ended(s, why) if s == now_serial => {
@@ -396,7 +401,11 @@ async fn live(
         let text = match step {
             Step::Writer(why) => return why,
             Step::Room => continue,
-            Step::Ping if leaving.is_some() => continue,
+            // Leaving: no more pings, and the timer waits for the deadline alone.
+            Step::Ping if leaving.is_some() => {
+                next_ping = now + PING_EVERY;
+                continue;
+            }
             Step::Ping => {
                 if now.duration_since(last_heard) > SILENT {
                     return format!("nothing heard for {SILENT:?}");
@@ -468,7 +477,9 @@ async fn live(
 
 /// A batch of one lane's robot messages, in order: each conversation's run handed to
 /// `DingTalk::accept` on the pool, and those stored answered (the answer carries the frame's
-/// budget share to the writer). False when the connection is gone.
+/// budget share to the writer). A lane outlives its connection: DingTalk sends nothing again,
+/// so what was read is stored even when no answer can be written any more. False once the
+/// provider is gone.
 async fn lane(dingtalk: Weak<DingTalk>, app: String, out: smol::channel::Sender<Out>, batch: Vec<Job>) -> bool {
     let mut jobs = batch.into_iter().peekable();
     while let Some(first) = jobs.next() {
@@ -484,10 +495,11 @@ async fn lane(dingtalk: Weak<DingTalk>, app: String, out: smol::channel::Sender<
         let a = app.clone();
         let outcomes = runtime::unblock(move || d.accept(&a, &conversation, messages)).await;
         for ((message_id, held), stored) in frames.into_iter().zip(outcomes) {
-            // Not stored: no answer (DingTalk does not send it again either way).
-            let answer = WsMessage::Text(event::stored(&message_id).into());
-            if stored && out.send((answer, Some(held))).await.is_err() {
-                return false;
+            // Not stored: no answer (DingTalk does not send it again either way). A connection
+            // gone meanwhile takes no answer: it is dropped with its budget share.
+            if stored && !out.is_closed() {
+                let answer = WsMessage::Text(event::stored(&message_id).into());
+                let _ = out.send((answer, Some(held))).await;
             }
         }
     }
