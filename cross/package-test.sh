@@ -117,10 +117,13 @@ for arch in aarch64_cortex-a53 aarch64_generic arm_cortex-a7_neon-vfpv4 mipsel_2
   for want in \
     "-rwxr-xr-x 0/0 ./usr/bin/imgate" \
     "-rwxr-xr-x 0/0 ./etc/init.d/imgate" \
-    "-rw-r----- 0/0 ./etc/imgate/imgate.conf"; do
+    "-rw-r----- 0/0 ./etc/imgate/imgate.conf" \
+    "-rw-r--r-- 0/0 ./lib/upgrade/keep.d/imgate"; do
     grep -qxF -- "$want" "$work/contents" || { cat "$work/contents"; fail "$ipk lacks: $want"; }
   done
   tar -xzf "$work/i/data.tar.gz" -C "$work/i/data"
+  expect "$ipk keep.d (sysupgrade keeps the config, the key and the state)" "/etc/imgate/ /srv/imgate/" \
+    "$(tr '\n' ' ' < "$work/i/data/lib/upgrade/keep.d/imgate" | sed 's/ $//')"
   expect "$ipk binary's ELF machine" "$(machine_of "$arch")" "$(elf_machine "$work/i/data/usr/bin/imgate")"
   grep -qx 'state_dir = /srv/imgate' "$work/i/data/etc/imgate/imgate.conf" || fail "$ipk: state_dir is not on flash"
   printf '%s: %s bytes, fields and files as expected\n' "$ipk" "$(stat -c %s "$ipk")"

@@ -96,7 +96,7 @@ description() {
   cat <<'EOF'
 Description: xAgent IM Connector Server for edge devices
  imgate bridges instant-messaging systems (generic webhooks, Telegram,
- Feishu/Lark, WeChat, Slack) into xAgent, an AI-agent server, as an IM
+ Feishu/Lark, WeChat, Slack, Discord, DingTalk) into xAgent, an AI-agent server, as an IM
  Connector Server (Connector Protocol 3.0). Every inbound message is
  committed to disk before the sender hears back, redelivered until xAgent
  has it, expired after its TTL and bounded by count and byte caps. One
@@ -178,9 +178,13 @@ build_ipk() {
   local arch="$1" dir="$work/ipk-$1" bin
   bin=$(binary "$arch")
   rm -rf "$dir"
-  install -d "$dir/data/usr/bin" "$dir/data/etc/init.d" "$dir/data/etc/imgate" "$dir/control"
+  install -d "$dir/data/usr/bin" "$dir/data/etc/init.d" "$dir/data/etc/imgate" "$dir/data/lib/upgrade/keep.d" "$dir/control"
   install -m 0755 "$bin" "$dir/data/usr/bin/imgate"
   install -m 0755 packaging/openwrt/imgate.init "$dir/data/etc/init.d/imgate"
+  # sysupgrade keeps the config, the API key and the state (the init script rewrites this when
+  # state_dir moves).
+  printf '/etc/imgate/\n/srv/imgate/\n' > "$dir/data/lib/upgrade/keep.d/imgate"
+  chmod 0644 "$dir/data/lib/upgrade/keep.d/imgate"
   # /var is RAM on OpenWrt: the default keeps accepted messages on flash (README, "OpenWrt").
   packaged_config /srv/imgate "$dir/data/etc/imgate/imgate.conf"
   chmod 0640 "$dir/data/etc/imgate/imgate.conf"

@@ -154,36 +154,49 @@ fn run_init_script(tag: &str, script: &str, prelude: &str, then: &str) -> String
 }
 
 #[test]
-fn the_openwrt_init_script_asks_procd_for_a_respawned_unprivileged_logged_instance() {
+fn the_openwrt_init_script_checks_the_config_then_asks_procd_for_a_respawned_unprivileged_logged_instance() {
     let dir = temp_dir("procd-conf");
     let conf = dir.join("imgate.conf");
     std::fs::write(
         &conf,
-        "[server]\nstate_dir = /srv/imgate  # on flash\nlisten = 0.0.0.0:8787\n",
+        format!("[server]\nstate_dir = /srv/imgate  # on flash\nlisten = 0.0.0.0:8787\napi_key = {API_KEY}\n"),
     )
     .unwrap();
-    let script = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/openwrt/imgate.init"))
-        .unwrap()
-        .replace("/etc/imgate/imgate.conf", conf.to_str().unwrap());
-    // procd.sh's functions and the commands that would touch the real /srv, recorded instead.
+    let keep = dir.join("keep.d-imgate");
+    let script = |conf: &std::path::Path| {
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/packaging/openwrt/imgate.init"))
+            .unwrap()
+            .replace("/etc/imgate/imgate.conf", conf.to_str().unwrap())
+            .replace("/lib/upgrade/keep.d/imgate", keep.to_str().unwrap())
+    };
+    // procd.sh's functions, logd's logger and the commands that would touch the real /srv,
+    // recorded instead; the binary under test stands in for /usr/bin/imgate.
     let stand_in = "procd_open_instance() { record procd_open_instance \"$@\"; }\n\
                     procd_set_param() { record procd_set_param \"$@\"; }\n\
                     procd_close_instance() { record procd_close_instance \"$@\"; }\n\
+                    logger() { record logger \"$@\"; while read -r l; do record line \"$l\"; done; }\n\
                     mkdir() { record mkdir \"$@\"; }\nchown() { record chown \"$@\"; }\nchmod() { record chmod \"$@\"; }";
-    let calls = run_init_script(
-        "procd",
-        &script,
-        stand_in,
-        "record globals \"$START\" \"$STOP\" \"$USE_PROCD\"\nstart_service",
+    let then = format!(
+        "PROG='{}'\nrecord globals \"$START\" \"$STOP\" \"$USE_PROCD\"\nstart_service",
+        bin()
     );
-    let c = conf.display();
+    let calls = run_init_script("procd", &script(&conf), stand_in, &then);
+    // A warning of `check` (a state dir on a RAM file system, as some machines' / is) goes to
+    // logd as a warning; nothing else is logged.
+    assert!(!calls.contains("daemon.err"), "{calls}");
+    let calls: String = calls
+        .lines()
+        .filter(|l| !l.starts_with("logger [-t] [imgate] [-p] [daemon.warn]") && !l.starts_with("line ["))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let (c, b) = (conf.display(), bin());
     let want = format!(
         "globals [95] [10] [1]\n\
          mkdir [-p] [/srv/imgate]\n\
          chown [imgate:imgate] [/srv/imgate]\n\
          chmod [0700] [/srv/imgate]\n\
          procd_open_instance\n\
-         procd_set_param [command] [/usr/bin/imgate] [run] [--config] [{c}]\n\
+         procd_set_param [command] [{b}] [run] [--config] [{c}]\n\
          procd_set_param [user] [imgate]\n\
          procd_set_param [group] [imgate]\n\
          procd_set_param [file] [{c}]\n\
@@ -195,6 +208,26 @@ fn the_openwrt_init_script_asks_procd_for_a_respawned_unprivileged_logged_instan
          procd_close_instance\n"
     );
     assert_eq!(calls, want);
+    // sysupgrade keeps the config, the key and the state dir the config names.
+    assert_eq!(std::fs::read_to_string(&keep).unwrap(), "/etc/imgate/\n/srv/imgate/\n");
+
+    // A config error: logged at daemon.err with its line, and no instance for procd to respawn.
+    let bad = dir.join("bad.conf");
+    std::fs::write(&bad, "[server]\nlisten = nowhere\n").unwrap();
+    let then = format!(
+        "PROG='{}'\nif start_service; then record started; else record refused; fi",
+        bin()
+    );
+    let calls = run_init_script("procd-bad", &script(&bad), stand_in, &then);
+    assert!(
+        calls.starts_with("logger [-t] [imgate] [-p] [daemon.err]\nline ["),
+        "{calls}"
+    );
+    assert!(calls.contains("bad.conf:2: listen: `nowhere`"), "{calls}");
+    assert!(
+        calls.ends_with("refused\n") && !calls.contains("procd_open_instance"),
+        "{calls}"
+    );
 }
 
 #[test]
