@@ -340,6 +340,8 @@ pub struct Fields<'s, 'p> {
     problems: &'s mut Problems<'p>,
     secrets: &'s [&'s str],
     used: Vec<bool>,
+    /// Every key the section's reader asked for: what a misspelt key may have meant.
+    asked: Vec<String>,
 }
 
 impl<'s, 'p> Fields<'s, 'p> {
@@ -350,10 +352,14 @@ impl<'s, 'p> Fields<'s, 'p> {
             problems,
             secrets,
             used,
+            asked: Vec::new(),
         }
     }
 
     fn take(&mut self, key: &str) -> Option<(String, usize)> {
+        if !self.asked.iter().any(|k| k == key) {
+            self.asked.push(key.to_string());
+        }
         let i = self.section.entries.iter().position(|e| e.key == key)?;
         self.used[i] = true;
         let e = &self.section.entries[i];
@@ -475,10 +481,7 @@ impl<'s, 'p> Fields<'s, 'p> {
         match parse_duration(&value) {
             Some(d) if !d.is_zero() => Some(d),
             _ => {
-                self.err_at(
-                    line,
-                    format!("{key}: `{value}` is not a duration like 250ms, 30s, 5m or 1h"),
-                );
+                self.err_at(line, not_a_duration(key, &value));
                 None
             }
         }
@@ -516,11 +519,43 @@ impl<'s, 'p> Fields<'s, 'p> {
     pub fn finish(self) {
         for (e, used) in self.section.entries.iter().zip(&self.used) {
             if !used {
-                self.problems
-                    .err(e.line, format!("unknown key `{}` in [{}]", e.key, self.section.name));
+                let hint = closest(&e.key, &self.asked)
+                    .map(|k| format!(" (did you mean `{k}`?)"))
+                    .unwrap_or_default();
+                self.problems.err(
+                    e.line,
+                    format!("unknown key `{}` in [{}]{hint}", e.key, self.section.name),
+                );
             }
         }
     }
+}
+
+/// The known key nearest to a misspelt `key`: at most two edits away (one for short keys).
+fn closest<'k>(key: &str, known: &'k [String]) -> Option<&'k str> {
+    let limit = if key.chars().count() <= 4 { 1 } else { 2 };
+    known
+        .iter()
+        .map(|k| (edit_distance(key, k), k))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.as_str())
+}
+
+/// Levenshtein distance between two short strings (config keys), by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (diagonal + usize::from(ca != *cb)).min(row[j] + 1).min(row[j + 1] + 1);
+            diagonal = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
 }
 
 /// Parses config text. `dir` resolves relative `*_file` paths when no credentials directory
@@ -691,10 +726,7 @@ fn read_queue(q: &mut Queue, section: &Section, p: &mut Problems) {
         match parse_duration(&value) {
             Some(d) if d >= Duration::from_secs(1) => q.ttl = d,
             Some(_) => f.err_at(line, "ttl must be at least 1s"),
-            None => f.err_at(
-                line,
-                format!("ttl: `{value}` is not a duration like 250ms, 30s, 5m or 1h"),
-            ),
+            None => f.err_at(line, not_a_duration("ttl", &value)),
         }
     }
     if let Some(n) = f.count("max_messages_per_channel", 1, 10_000_000) {
@@ -753,7 +785,17 @@ fn unquote(v: &str) -> &str {
     }
 }
 
-/// `250ms`, `30s`, `5m`, `1h`, `2d`; a bare number is seconds.
+/// Why `value` is not a duration: a bare number names no unit (`lease = 90` could mean seconds
+/// or minutes), anything else is not one.
+fn not_a_duration(key: &str, value: &str) -> String {
+    let v = value.trim();
+    match !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        true => format!("{key}: `{v}` needs a unit: `{v}s` for seconds (or ms, m, h, d)"),
+        false => format!("{key}: `{value}` is not a duration like 250ms, 30s, 5m or 1h"),
+    }
+}
+
+/// `250ms`, `30s`, `5m`, `1h`, `2d`: a number and its unit.
 pub fn parse_duration(v: &str) -> Option<Duration> {
     let v = v.trim();
     let split = v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len());
@@ -761,7 +803,7 @@ pub fn parse_duration(v: &str) -> Option<Duration> {
     let n: u64 = num.parse().ok()?;
     let ms = match unit.trim() {
         "ms" => n,
-        "" | "s" => n.checked_mul(1000)?,
+        "s" => n.checked_mul(1000)?,
         "m" | "min" => n.checked_mul(60_000)?,
         "h" => n.checked_mul(3_600_000)?,
         "d" => n.checked_mul(86_400_000)?,
@@ -1039,10 +1081,43 @@ mod tests {
         assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
         assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
         assert_eq!(parse_duration("5 parsecs"), None);
+        assert_eq!(parse_duration("90"), None, "a bare number names no unit");
+        assert_eq!(edit_distance("ttll", "ttl"), 1);
+        assert_eq!(edit_distance("max_bytes_totl", "max_bytes_total"), 1);
+        let known = ["ttl".to_string(), "overflow".to_string(), "max_bytes_total".to_string()];
+        assert_eq!(closest("overfow", &known), Some("overflow"));
+        assert_eq!(closest("tl", &known), Some("ttl"));
+        assert_eq!(closest("frobnicate", &known), None);
+        assert_eq!(
+            not_a_duration("lease", " 90 "),
+            "lease: `90` needs a unit: `90s` for seconds (or ms, m, h, d)"
+        );
+        assert_eq!(
+            not_a_duration("ttl", "soon"),
+            "ttl: `soon` is not a duration like 250ms, 30s, 5m or 1h"
+        );
         assert_eq!(parse_size("512KiB"), Some(512 << 10));
         assert_eq!(parse_size("1GiB"), Some(1 << 30));
         assert_eq!(parse_size("99999999999999999999GiB"), None);
         assert_eq!(parse_size("-1"), None);
+    }
+
+    #[test]
+    fn a_misspelt_key_and_a_bare_duration_say_what_was_meant() {
+        let e = errors("[queue]\noverfow = reject_new\nttl = 600\n[xagent]\nlease = 90\n");
+        let has = |line: &str| e.iter().any(|l| l == line);
+        assert!(
+            has("t.conf:2: unknown key `overfow` in [queue] (did you mean `overflow`?)"),
+            "{e:?}"
+        );
+        assert!(
+            has("t.conf:3: ttl: `600` needs a unit: `600s` for seconds (or ms, m, h, d)"),
+            "{e:?}"
+        );
+        assert!(
+            has("t.conf:5: lease: `90` needs a unit: `90s` for seconds (or ms, m, h, d)"),
+            "{e:?}"
+        );
     }
 
     #[test]
