@@ -165,6 +165,7 @@ fn init_logging(level: &str) {
 }
 
 fn run(cfg: config::Config) -> ExitCode {
+    crate::metrics::mark_start();
     init_logging(&cfg.server.log_level);
     // First of all, so an early SIGTERM or SIGHUP is handled rather than fatal.
     let signals = match service::signals() {

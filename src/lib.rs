@@ -31,6 +31,7 @@ mod hub;
 mod ids;
 mod json;
 mod maintenance;
+mod metrics;
 mod outbox;
 mod peer_wait;
 mod protocol;

@@ -169,7 +169,9 @@ fn the_unit_file_passes_systemd_analyze_verify() {
         "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
         "MemoryMax=",
         "Restart=on-failure",
-        "StartLimitIntervalSec=0",
+        // A config error exits 2 and is not restarted; a crash loop stops after 60 starts.
+        "RestartPreventExitStatus=2",
+        "StartLimitBurst=60",
         "WatchdogSec=",
     ] {
         assert!(unit.contains(key), "the unit sets {key}");
@@ -420,4 +422,134 @@ fn a_stop_is_clean_only_after_its_final_checkpoint_and_refuses_requests_that_com
     assert!(d.log_shows("replayed", Duration::from_secs(5)), "{}", d.log());
     // The held request's record was written before its sync: it is there; the refused one is not.
     assert_eq!(get_json(&d.url("/status"))["unbound"]["pending"], 3);
+}
+
+/// What `promtool check metrics` and the exposition format ask of `/metrics`, checked here
+/// (Prometheus' text format 0.0.4 and its naming rules): every line a `# HELP`, a `# TYPE` or a
+/// sample; each family's HELP and TYPE once, before its samples, which follow together; names
+/// and label names of the allowed characters; a counter's name ends in `_total` and no other
+/// type's does; every value a number; no sample twice. The problems found, one per line.
+fn metrics_problems(text: &str) -> Vec<String> {
+    use std::collections::{HashMap, HashSet};
+    let name_ok = |n: &str| {
+        !n.is_empty()
+            && !n.starts_with(|c: char| c.is_ascii_digit())
+            && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    };
+    let (mut problems, mut helps, mut types) = (Vec::new(), HashSet::new(), HashMap::new());
+    let (mut seen_samples, mut finished, mut current) = (HashSet::new(), HashSet::new(), String::new());
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            if !helps.insert(name.to_string()) || help.trim().is_empty() {
+                problems.push(format!("HELP of {name} twice or empty"));
+            }
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, ""));
+            if !["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind) {
+                problems.push(format!("{name}: type `{kind}`"));
+            }
+            if types.insert(name.to_string(), kind.to_string()).is_some() {
+                problems.push(format!("TYPE of {name} twice"));
+            }
+            if !helps.contains(name) {
+                problems.push(format!("{name}: no HELP before its TYPE"));
+            }
+            if kind == "counter" && !name.ends_with("_total") {
+                problems.push(format!("{name}: a counter's name ends in _total"));
+            }
+            if kind != "counter" && name.ends_with("_total") {
+                problems.push(format!("{name}: a {kind}'s name does not end in _total"));
+            }
+            if !name_ok(name) {
+                problems.push(format!("{name}: not a metric name"));
+            }
+            if !current.is_empty() {
+                finished.insert(std::mem::take(&mut current));
+            }
+            continue;
+        }
+        if line.starts_with('#') || line.trim().is_empty() {
+            problems.push(format!("a line that is neither a HELP, a TYPE nor a sample: {line:?}"));
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or((line, ""));
+        let name = series.split('{').next().unwrap_or_default();
+        if value.parse::<f64>().is_err() {
+            problems.push(format!("{series}: value `{value}` is not a number"));
+        }
+        if !types.contains_key(name) {
+            problems.push(format!("{name}: a sample before its TYPE"));
+        }
+        if finished.contains(name) {
+            problems.push(format!("{name}: its samples are not together"));
+        }
+        current = name.to_string();
+        if let Some(labels) = series.strip_prefix(name).and_then(|l| l.strip_prefix('{')) {
+            let labels = labels.strip_suffix('}').unwrap_or_else(|| {
+                problems.push(format!("{series}: labels not closed"));
+                ""
+            });
+            for pair in labels.split("\",").filter(|p| !p.is_empty()) {
+                let (label, value) = pair.split_once('=').unwrap_or((pair, ""));
+                if !name_ok(label) || label.contains(':') || !value.starts_with('"') {
+                    problems.push(format!("{series}: label {label}"));
+                }
+            }
+        }
+        if !seen_samples.insert(series.to_string()) {
+            problems.push(format!("{series}: twice"));
+        }
+    }
+    problems
+}
+
+#[test]
+fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
+    // Every provider whose section needs no account, so their families are in too.
+    let extra = "[slack]\napi_base = http://127.0.0.1:9\n[discord]\napi_base = http://127.0.0.1:9\n\
+                 [dingtalk]\napi_base = http://127.0.0.1:9\noapi_base = http://127.0.0.1:9\n[wechat]\n";
+    let dir = temp_dir("metrics-lint");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, extra));
+    let (mut x, _) = d.bound_xagent();
+    let (code, _) = d.post_hook("alerts", &json!({"message_id": "m1", "sender_id": "u", "text": "hi"}));
+    assert_eq!(code, 202);
+    assert!(x.next_push(Duration::from_secs(20)).is_some());
+    let (code, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert_eq!(code, 200);
+    let problems = metrics_problems(&text);
+    assert!(problems.is_empty(), "{}\n\n{text}", problems.join("\n"));
+    for family in [
+        "imgate_build_info",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_cpu_seconds_total",
+        "process_start_time_seconds",
+        "imgate_slack_connections",
+        "imgate_discord_sessions",
+        "imgate_dingtalk_connections",
+        "imgate_wechat_receivers",
+        "imgate_channel_pending",
+    ] {
+        assert!(text.contains(&format!("# TYPE {family} ")), "{family} missing:\n{text}");
+    }
+    assert!(
+        text.contains(&format!("imgate_build_info{{version=\"{}\"", env!("CARGO_PKG_VERSION"))),
+        "{text}"
+    );
+    // The checker finds what it is for.
+    let bad =
+        "# TYPE a_total gauge\na_total 1\n# HELP b x\n# TYPE b counter\nb 1\nc 2\n# HELP d y\n# TYPE d gauge\nd one\n";
+    let found = metrics_problems(bad);
+    for want in [
+        "a_total: no HELP before its TYPE",
+        "a_total: a gauge's name does not end in _total",
+        "b: a counter's name ends in _total",
+        "c: a sample before its TYPE",
+        "d: value `one` is not a number",
+    ] {
+        assert!(found.iter().any(|p| p == want), "{want}: {found:?}");
+    }
 }

@@ -94,17 +94,25 @@ pub fn note(cause: Cause, client: Option<std::net::IpAddr>, detail: &str) {
 
 /// The front door's lines of `/metrics`.
 pub fn metrics(out: &mut String) {
-    out.push_str("# TYPE imgate_http_connections gauge\n");
-    out.push_str(&format!(
-        "imgate_http_connections {}\n",
-        CONNECTIONS.load(Ordering::Relaxed)
-    ));
-    out.push_str("# TYPE imgate_http_idle_closed_total counter\n");
-    out.push_str(&format!(
-        "imgate_http_idle_closed_total {}\n",
-        IDLE_CLOSED.load(Ordering::Relaxed)
-    ));
-    out.push_str("# TYPE imgate_http_refused_total counter\n");
+    crate::metrics::singles(
+        out,
+        &[
+            (
+                "imgate_http_connections",
+                "gauge",
+                "HTTP connections open now.",
+                CONNECTIONS.load(Ordering::Relaxed) as u64,
+            ),
+            (
+                "imgate_http_idle_closed_total",
+                "counter",
+                "HTTP connections closed for idling.",
+                IDLE_CLOSED.load(Ordering::Relaxed),
+            ),
+        ],
+    );
+    let help = "Requests and connections the front door refused, by cause.";
+    crate::metrics::family(out, "imgate_http_refused_total", "counter", help);
     for c in CAUSES {
         out.push_str(&format!(
             "imgate_http_refused_total{{cause=\"{}\"}} {}\n",

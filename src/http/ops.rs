@@ -163,75 +163,188 @@ impl WithNull for Value {
     }
 }
 
-/// A metric name, its Prometheus type and how to read it from a source's stats.
-type Series = (&'static str, &'static str, fn(&SourceStats) -> u64);
+/// A metric name, its Prometheus type, its help and how to read it from a source's stats.
+type Series = (&'static str, &'static str, &'static str, fn(&SourceStats) -> u64);
 
 pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError> {
     let snap = snapshot(app)?;
     let mut out = String::new();
     let q = &app.config.queue;
-    out.push_str("# TYPE imgate_dataplane_connections gauge\n");
-    out.push_str(&format!("imgate_dataplane_connections {}\n", app.hub.connections()));
-    out.push_str("# TYPE imgate_outbox_bytes gauge\n");
-    out.push_str(&format!("imgate_outbox_bytes {}\n", app.outbox.total_bytes()));
+    let providers: Vec<&str> = crate::providers::REGISTRATIONS
+        .iter()
+        .map(|r| r.reader.provider)
+        .collect();
+    crate::metrics::family(
+        &mut out,
+        "imgate_build_info",
+        "gauge",
+        "The build: its version, git revision and the providers it carries (always 1).",
+    );
+    out.push_str(&format!(
+        "imgate_build_info{{version=\"{}\",revision=\"{}\",providers=\"{}\"}} 1\n",
+        crate::protocol::card::VERSION,
+        crate::protocol::card::GIT_REV,
+        providers.join(",")
+    ));
+    crate::metrics::process(&mut out);
+    crate::metrics::single(
+        &mut out,
+        "imgate_dataplane_connections",
+        "gauge",
+        "xAgent data-plane connections open now.",
+        app.hub.connections(),
+    );
+    crate::metrics::single(
+        &mut out,
+        "imgate_outbox_bytes",
+        "gauge",
+        "Bytes of messages the outbox holds.",
+        app.outbox.total_bytes(),
+    );
     more(&mut out);
     for p in app.providers.all() {
         p.metrics(&mut out);
     }
-    out.push_str("# TYPE imgate_lease_unregistered_channels_total counter\n");
-    out.push_str(&format!(
-        "imgate_lease_unregistered_channels_total {}\n",
-        app.channels.lease_unregistered()?
-    ));
     let (commits, grouped) = app.outbox.commit_stats();
-    out.push_str("# TYPE imgate_outbox_commits_total counter\n");
-    out.push_str(&format!("imgate_outbox_commits_total {commits}\n"));
-    out.push_str("# TYPE imgate_outbox_committed_messages_total counter\n");
-    out.push_str(&format!("imgate_outbox_committed_messages_total {grouped}\n"));
     let log = app.outbox.log_report();
-    out.push_str("# TYPE imgate_outbox_checkpoints_total counter\n");
-    out.push_str(&format!("imgate_outbox_checkpoints_total {}\n", log.checkpoints));
-    out.push_str("# TYPE imgate_outbox_log_replayed_total counter\n");
-    out.push_str(&format!("imgate_outbox_log_replayed_total {}\n", log.replayed));
-    out.push_str("# TYPE imgate_outbox_log_unreadable_total counter\n");
-    out.push_str(&format!("imgate_outbox_log_unreadable_total {}\n", log.unreadable));
-    out.push_str("# TYPE imgate_outbox_checkpointed_messages_total counter\n");
-    out.push_str(&format!(
-        "imgate_outbox_checkpointed_messages_total {}\n",
-        log.checkpointed_messages
-    ));
-    out.push_str("# TYPE imgate_outbox_log_bytes gauge\n");
-    out.push_str(&format!("imgate_outbox_log_bytes {}\n", log.log_bytes));
-    out.push_str("# TYPE imgate_outbox_log_held_bytes gauge\n");
-    out.push_str(&format!("imgate_outbox_log_held_bytes {}\n", log.held_bytes));
-    out.push_str("# TYPE imgate_store_commits_total counter\n");
-    out.push_str(&format!("imgate_store_commits_total {}\n", app.outbox.store_commits()));
-    out.push_str("# TYPE imgate_queue_ttl_seconds gauge\n");
-    out.push_str(&format!("imgate_queue_ttl_seconds {}\n", q.ttl.as_secs()));
-    out.push_str(&format!(
-        "imgate_queue_max_messages_per_channel {}\n",
-        q.max_messages_per_channel
-    ));
-    out.push_str(&format!(
-        "imgate_queue_max_bytes_per_channel {}\n",
-        q.max_bytes_per_channel
-    ));
-    out.push_str(&format!("imgate_queue_max_bytes_total {}\n", q.max_bytes_total));
-    out.push_str(&format!(
-        "imgate_queue_cleanup_interval_seconds {}\n",
-        q.cleanup_interval.as_secs()
-    ));
+    crate::metrics::singles(
+        &mut out,
+        &[
+            (
+                "imgate_lease_unregistered_channels_total",
+                "counter",
+                "Channels whose lease ran out and were unregistered.",
+                app.channels.lease_unregistered()?,
+            ),
+            (
+                "imgate_outbox_commits_total",
+                "counter",
+                "Group commits of the outbox.",
+                commits,
+            ),
+            (
+                "imgate_outbox_committed_messages_total",
+                "counter",
+                "Messages stored by the outbox's group commits.",
+                grouped,
+            ),
+            (
+                "imgate_outbox_checkpoints_total",
+                "counter",
+                "Checkpoints of the outbox's log into the database.",
+                log.checkpoints,
+            ),
+            (
+                "imgate_outbox_log_replayed_total",
+                "counter",
+                "Log records replayed at start.",
+                log.replayed,
+            ),
+            (
+                "imgate_outbox_log_unreadable_total",
+                "counter",
+                "Log records found unreadable at start.",
+                log.unreadable,
+            ),
+            (
+                "imgate_outbox_checkpointed_messages_total",
+                "counter",
+                "Messages written to the database by checkpoints.",
+                log.checkpointed_messages,
+            ),
+            (
+                "imgate_outbox_log_bytes",
+                "gauge",
+                "Bytes of the outbox's log files.",
+                log.log_bytes,
+            ),
+            (
+                "imgate_outbox_log_held_bytes",
+                "gauge",
+                "Bytes of log records not checkpointed yet.",
+                log.held_bytes,
+            ),
+            (
+                "imgate_store_commits_total",
+                "counter",
+                "Durable commits of the database.",
+                app.outbox.store_commits(),
+            ),
+            (
+                "imgate_queue_ttl_seconds",
+                "gauge",
+                "Configured time a message is kept for xAgent.",
+                q.ttl.as_secs(),
+            ),
+            (
+                "imgate_queue_max_messages_per_channel",
+                "gauge",
+                "Configured cap on the messages one channel holds.",
+                q.max_messages_per_channel,
+            ),
+            (
+                "imgate_queue_max_bytes_per_channel",
+                "gauge",
+                "Configured cap on the bytes one channel holds.",
+                q.max_bytes_per_channel,
+            ),
+            (
+                "imgate_queue_max_bytes",
+                "gauge",
+                "Configured cap on the bytes all channels hold.",
+                q.max_bytes_total,
+            ),
+            (
+                "imgate_queue_cleanup_interval_seconds",
+                "gauge",
+                "Configured interval of the expiry sweep.",
+                q.cleanup_interval.as_secs(),
+            ),
+        ],
+    );
     let series: [Series; 7] = [
-        ("imgate_channel_pending", "gauge", |s| s.pending),
-        ("imgate_channel_pending_bytes", "gauge", |s| s.pending_bytes),
-        ("imgate_channel_delivered_total", "counter", |s| s.delivered),
-        ("imgate_channel_expired_total", "counter", |s| s.expired),
-        ("imgate_channel_evicted_total", "counter", |s| s.evicted),
-        ("imgate_channel_attempts_total", "counter", |s| s.attempts),
-        ("imgate_channel_failed_total", "counter", |s| s.failed),
+        ("imgate_channel_pending", "gauge", "Messages waiting for xAgent.", |s| {
+            s.pending
+        }),
+        (
+            "imgate_channel_pending_bytes",
+            "gauge",
+            "Bytes of messages waiting for xAgent.",
+            |s| s.pending_bytes,
+        ),
+        (
+            "imgate_channel_delivered_total",
+            "counter",
+            "Messages xAgent acknowledged.",
+            |s| s.delivered,
+        ),
+        (
+            "imgate_channel_expired_total",
+            "counter",
+            "Messages expired after their TTL.",
+            |s| s.expired,
+        ),
+        (
+            "imgate_channel_evicted_total",
+            "counter",
+            "Messages evicted by the caps.",
+            |s| s.evicted,
+        ),
+        (
+            "imgate_channel_attempts_total",
+            "counter",
+            "Deliveries attempted.",
+            |s| s.attempts,
+        ),
+        (
+            "imgate_channel_failed_total",
+            "counter",
+            "Messages xAgent refused for good.",
+            |s| s.failed,
+        ),
     ];
-    for (name, kind, get) in series {
-        out.push_str(&format!("# TYPE {name} {kind}\n"));
+    for (name, kind, help, get) in series {
+        crate::metrics::family(&mut out, name, kind, help);
         for c in &snap.channels {
             out.push_str(&format!(
                 "{name}{{channel=\"{}\",provider=\"{}\"}} {}\n",
@@ -247,7 +360,12 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError
     }
     // The code of each channel's last message xAgent refused for good (IM v2); the message
     // itself is in /status.
-    out.push_str("# TYPE imgate_channel_last_failure gauge\n");
+    crate::metrics::family(
+        &mut out,
+        "imgate_channel_last_failure",
+        "gauge",
+        "The code of the last message xAgent refused for good, per channel (always 1).",
+    );
     for c in &snap.channels {
         let code = c.stats.last_failure.as_deref().and_then(|f| f.split(": ").nth(1));
         if let Some(code) = code.filter(|c| c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')) {

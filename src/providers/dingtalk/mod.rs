@@ -795,27 +795,38 @@ impl Provider for DingTalk {
 
     fn metrics(&self, out: &mut String) {
         let lines = [
-            ("imgate_dingtalk_connections", "gauge", self.conns.count() as u64),
-            ("imgate_dingtalk_connections_up", "gauge", self.conns.up() as u64),
+            (
+                "imgate_dingtalk_connections",
+                "gauge",
+                "Stream connections running, one per bound app.",
+                self.conns.count() as u64,
+            ),
+            (
+                "imgate_dingtalk_connections_up",
+                "gauge",
+                "Stream sockets open now.",
+                self.conns.up() as u64,
+            ),
             (
                 "imgate_dingtalk_unbound_messages_total",
                 "counter",
+                "Robot messages of conversations no channel is bound to.",
                 self.counts.unbound.load(Ordering::Relaxed),
             ),
             (
                 "imgate_dingtalk_skipped_messages_total",
                 "counter",
+                "The robot's own messages, not stored.",
                 self.counts.skipped.load(Ordering::Relaxed),
             ),
             (
                 "imgate_dingtalk_openapi_sends_total",
                 "counter",
+                "Messages sent through the OpenAPI (files, and texts once the session webhook expired).",
                 self.counts.openapi_sends.load(Ordering::Relaxed),
             ),
         ];
-        for (name, kind, value) in lines {
-            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
-        }
+        crate::metrics::singles(out, &lines);
     }
 
     fn stop(&self) {

@@ -908,28 +908,44 @@ impl Provider for Discord {
 
     fn metrics(&self, out: &mut String) {
         let lines = [
-            ("imgate_discord_sessions", "gauge", self.sessions.count() as u64),
-            ("imgate_discord_sessions_up", "gauge", self.sessions.up() as u64),
-            ("imgate_discord_identifies_total", "counter", self.sessions.identifies()),
+            (
+                "imgate_discord_sessions",
+                "gauge",
+                "Gateway sessions running, one per bound bot.",
+                self.sessions.count() as u64,
+            ),
+            (
+                "imgate_discord_sessions_up",
+                "gauge",
+                "Gateway sessions ready now.",
+                self.sessions.up() as u64,
+            ),
+            (
+                "imgate_discord_identifies_total",
+                "counter",
+                "New Gateway sessions started (IDENTIFY).",
+                self.sessions.identifies(),
+            ),
             (
                 "imgate_discord_unbound_messages_total",
                 "counter",
+                "Messages of channels no channel is bound to.",
                 self.counts.unbound.load(Ordering::Relaxed),
             ),
             (
                 "imgate_discord_skipped_messages_total",
                 "counter",
+                "Notices, the bot's own and other bots' messages, not stored.",
                 self.counts.skipped.load(Ordering::Relaxed),
             ),
             (
                 "imgate_discord_caught_up_messages_total",
                 "counter",
+                "Messages stored by a catch-up from the history.",
                 self.counts.caught_up.load(Ordering::Relaxed),
             ),
         ];
-        for (name, kind, value) in lines {
-            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
-        }
+        crate::metrics::singles(out, &lines);
     }
 
     fn stop(&self) {

@@ -736,22 +736,32 @@ impl Provider for Feishu {
 
     fn metrics(&self, out: &mut String) {
         let lines = [
-            ("imgate_feishu_connections", "gauge", self.conns.count() as u64),
-            ("imgate_feishu_connections_up", "gauge", self.conns.up() as u64),
+            (
+                "imgate_feishu_connections",
+                "gauge",
+                "Long connections running, one per bound app.",
+                self.conns.count() as u64,
+            ),
+            (
+                "imgate_feishu_connections_up",
+                "gauge",
+                "Long connections open now.",
+                self.conns.up() as u64,
+            ),
             (
                 "imgate_feishu_unbound_events_total",
                 "counter",
+                "Events of chats no channel is bound to.",
                 self.unbound_events.load(Ordering::Relaxed),
             ),
             (
                 "imgate_feishu_unreadable_events_total",
                 "counter",
+                "Events that could not be read.",
                 self.unreadable_events.load(Ordering::Relaxed),
             ),
         ];
-        for (name, kind, value) in lines {
-            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
-        }
+        crate::metrics::singles(out, &lines);
     }
 
     fn stop(&self) {

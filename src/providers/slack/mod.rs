@@ -902,27 +902,38 @@ impl Provider for Slack {
 
     fn metrics(&self, out: &mut String) {
         let lines = [
-            ("imgate_slack_connections", "gauge", self.conns.count() as u64),
-            ("imgate_slack_connections_up", "gauge", self.conns.up() as u64),
+            (
+                "imgate_slack_connections",
+                "gauge",
+                "Socket Mode connections running, one per bound bot.",
+                self.conns.count() as u64,
+            ),
+            (
+                "imgate_slack_connections_up",
+                "gauge",
+                "Socket Mode sockets open now.",
+                self.conns.up() as u64,
+            ),
             (
                 "imgate_slack_unbound_messages_total",
                 "counter",
+                "Messages of channels no channel is bound to.",
                 self.counts.unbound.load(Ordering::Relaxed),
             ),
             (
                 "imgate_slack_skipped_messages_total",
                 "counter",
+                "Edits, deletes, notices and the bot's own messages, not stored.",
                 self.counts.skipped.load(Ordering::Relaxed),
             ),
             (
                 "imgate_slack_caught_up_messages_total",
                 "counter",
+                "Messages stored by a catch-up from the history.",
                 self.counts.caught_up.load(Ordering::Relaxed),
             ),
         ];
-        for (name, kind, value) in lines {
-            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
-        }
+        crate::metrics::singles(out, &lines);
     }
 
     fn stop(&self) {

@@ -753,13 +753,23 @@ impl Provider for Telegram {
     }
 
     fn metrics(&self, out: &mut String) {
-        out.push_str("# TYPE imgate_telegram_pollers gauge\n");
-        out.push_str(&format!("imgate_telegram_pollers {}\n", self.pollers.count()));
-        out.push_str("# TYPE imgate_telegram_unbound_updates_total counter\n");
-        out.push_str(&format!(
-            "imgate_telegram_unbound_updates_total {}\n",
-            self.unbound_updates.load(Ordering::Relaxed)
-        ));
+        crate::metrics::singles(
+            out,
+            &[
+                (
+                    "imgate_telegram_pollers",
+                    "gauge",
+                    "Bots polled, one per bound bot.",
+                    self.pollers.count() as u64,
+                ),
+                (
+                    "imgate_telegram_unbound_updates_total",
+                    "counter",
+                    "Updates of chats no channel is bound to.",
+                    self.unbound_updates.load(Ordering::Relaxed),
+                ),
+            ],
+        );
     }
 
     fn stop(&self) {

@@ -531,13 +531,23 @@ impl Provider for Wechat {
     }
 
     fn metrics(&self, out: &mut String) {
-        out.push_str("# TYPE imgate_wechat_receivers gauge\n");
-        out.push_str(&format!("imgate_wechat_receivers {}\n", self.pollers.count()));
-        out.push_str("# TYPE imgate_wechat_unbound_messages_total counter\n");
-        out.push_str(&format!(
-            "imgate_wechat_unbound_messages_total {}\n",
-            self.unbound_messages.load(Ordering::Relaxed)
-        ));
+        crate::metrics::singles(
+            out,
+            &[
+                (
+                    "imgate_wechat_receivers",
+                    "gauge",
+                    "WeChat bots received from, one per bound sign-in.",
+                    self.pollers.count() as u64,
+                ),
+                (
+                    "imgate_wechat_unbound_messages_total",
+                    "counter",
+                    "Messages of users no channel is bound to.",
+                    self.unbound_messages.load(Ordering::Relaxed),
+                ),
+            ],
+        );
     }
 
     fn stop(&self) {
