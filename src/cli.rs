@@ -138,30 +138,134 @@ fn with_fresh_key(template: &str) -> String {
     template.replacen("\napi_key =\n", &format!("\napi_key = {}\n", ids::random_hex(32)), 1)
 }
 
-fn init_logging(level: &str) {
-    let mut b = env_logger::Builder::new();
-    match std::env::var("RUST_LOG") {
-        Ok(filters) if !filters.trim().is_empty() => b.parse_filters(&filters),
-        _ => b.parse_filters(level),
+/// How log lines are written, for whatever reads them.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum LogFormat {
+    /// A terminal or a file: `[time LEVEL] message`, all on stderr.
+    Plain,
+    /// journald (`JOURNAL_STREAM` set): each line led by its syslog priority (`<3>`…`<7>`),
+    /// no time of its own (journald stamps it).
+    Journal,
+    /// procd's or OpenRC's logger (`IMGATE_LOG_FORMAT=syslog`, set by their scripts): info
+    /// and below on stdout, warnings and errors on stderr (which they log at `daemon.err`), no
+    /// time of its own.
+    Syslog,
+}
+
+impl LogFormat {
+    fn from_env() -> LogFormat {
+        match std::env::var("IMGATE_LOG_FORMAT").as_deref() {
+            Ok("syslog") => LogFormat::Syslog,
+            Ok("journal") => LogFormat::Journal,
+            Ok("plain") => LogFormat::Plain,
+            _ if std::env::var_os("JOURNAL_STREAM").is_some() => LogFormat::Journal,
+            _ => LogFormat::Plain,
+        }
+    }
+}
+
+/// A record's syslog priority (RFC 5424: 3 error, 4 warning, 6 informational, 7 debug).
+fn syslog_priority(level: log::Level) -> u8 {
+    match level {
+        log::Level::Error => 3,
+        log::Level::Warn => 4,
+        log::Level::Info => 6,
+        log::Level::Debug | log::Level::Trace => 7,
+    }
+}
+
+/// One line as `format` writes it; the module path only when debugging (`with_target`).
+fn log_line(
+    format: LogFormat,
+    level: log::Level,
+    target: &str,
+    with_target: bool,
+    args: &std::fmt::Arguments,
+) -> String {
+    let target = if with_target {
+        format!("{target}: ")
+    } else {
+        String::new()
     };
-    // Dependencies log whole packets and request heads (with Bearer keys) at debug and trace;
-    // only their warnings and errors get through, whatever RUST_LOG says.
-    for noisy in [
-        "tungstenite",
-        "async_tungstenite",
-        "tiny_http",
-        "ureq",
-        "ureq_proto",
-        "rustls",
-        "redb",
-    ] {
-        b.filter_module(noisy, log::LevelFilter::Warn);
+    match format {
+        LogFormat::Journal => format!("<{}>{target}{args}", syslog_priority(level)),
+        LogFormat::Syslog | LogFormat::Plain => format!("{level} {target}{args}"),
     }
-    // journald stamps each line itself.
-    if std::env::var_os("JOURNAL_STREAM").is_some() {
-        b.format_timestamp(None);
+}
+
+/// Logs warnings and errors through one logger (stderr) and the rest through the other.
+struct SplitLogger {
+    quiet: env_logger::Logger,
+    loud: env_logger::Logger,
+}
+
+impl log::Log for SplitLogger {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        self.quiet.enabled(metadata)
     }
-    b.target(env_logger::Target::Stderr).init();
+
+    fn log(&self, record: &log::Record) {
+        match record.level() <= log::Level::Warn {
+            true => self.loud.log(record),
+            false => self.quiet.log(record),
+        }
+    }
+
+    fn flush(&self) {
+        self.quiet.flush();
+        self.loud.flush();
+    }
+}
+
+fn init_logging(level: &str) {
+    let format = LogFormat::from_env();
+    let builder = |target: env_logger::Target| {
+        let mut b = env_logger::Builder::new();
+        match std::env::var("RUST_LOG") {
+            Ok(filters) if !filters.trim().is_empty() => b.parse_filters(&filters),
+            _ => b.parse_filters(level),
+        };
+        // Dependencies log whole packets and request heads (with Bearer keys) at debug and
+        // trace; only their warnings and errors get through, whatever RUST_LOG says.
+        for noisy in [
+            "tungstenite",
+            "async_tungstenite",
+            "tiny_http",
+            "ureq",
+            "ureq_proto",
+            "rustls",
+            "redb",
+        ] {
+            b.filter_module(noisy, log::LevelFilter::Warn);
+        }
+        b.target(target);
+        b
+    };
+    let mut stderr = builder(env_logger::Target::Stderr);
+    // Which module said it matters when debugging; at info it is noise on an SD card.
+    let debugging = stderr.build().filter() >= log::LevelFilter::Debug;
+    let mut stderr = builder(env_logger::Target::Stderr);
+    if format == LogFormat::Plain {
+        stderr.format_target(debugging).init();
+        return;
+    }
+    let write = move |buf: &mut env_logger::fmt::Formatter, record: &log::Record| {
+        use std::io::Write;
+        let line = log_line(format, record.level(), record.target(), debugging, record.args());
+        writeln!(buf, "{line}")
+    };
+    stderr.format(write);
+    if format == LogFormat::Journal {
+        stderr.init();
+        return;
+    }
+    let mut stdout = builder(env_logger::Target::Stdout);
+    stdout.format(write);
+    let (quiet, loud) = (stdout.build(), stderr.build());
+    let max = quiet.filter();
+    if log::set_boxed_logger(Box::new(SplitLogger { quiet, loud })).is_ok() {
+        log::set_max_level(max);
+    }
 }
 
 fn run(cfg: config::Config) -> ExitCode {
@@ -474,4 +578,32 @@ fn render_status(v: &json::Value) -> String {
 fn version_and_providers() -> String {
     let names: Vec<&str> = providers::REGISTRATIONS.iter().map(|r| r.reader.provider).collect();
     format!("{}; providers: {}", protocol::card::version_line(), names.join(" "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_level_is_written_as_each_reader_expects() {
+        let line = |format, level| log_line(format, level, "imgate::app", false, &format_args!("m"));
+        for (level, priority) in [
+            (log::Level::Error, 3),
+            (log::Level::Warn, 4),
+            (log::Level::Info, 6),
+            (log::Level::Debug, 7),
+            (log::Level::Trace, 7),
+        ] {
+            assert_eq!(line(LogFormat::Journal, level), format!("<{priority}>m"));
+            assert_eq!(line(LogFormat::Syslog, level), format!("{level} m"));
+        }
+        let debugging = log_line(
+            LogFormat::Journal,
+            log::Level::Debug,
+            "imgate::app",
+            true,
+            &format_args!("m"),
+        );
+        assert_eq!(debugging, "<7>imgate::app: m");
+    }
 }

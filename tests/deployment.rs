@@ -201,6 +201,7 @@ fn the_openwrt_init_script_checks_the_config_then_asks_procd_for_a_respawned_unp
          procd_set_param [group] [imgate]\n\
          procd_set_param [file] [{c}]\n\
          procd_set_param [respawn] [3600] [5] [0]\n\
+         procd_set_param [env] [IMGATE_LOG_FORMAT=syslog]\n\
          procd_set_param [stdout] [1]\n\
          procd_set_param [stderr] [1]\n\
          procd_set_param [limits] [nofile=4096 4096]\n\
@@ -252,7 +253,7 @@ fn the_openrc_script_supervises_imgate_as_its_user_and_checks_the_config_first()
     );
     let calls = run_init_script("openrc", &script, &stand_in, &then);
     let want = format!(
-        "vars [supervise-daemon] [/usr/bin/imgate] [run --config {}] [imgate:imgate] [--env STATE_DIRECTORY=/var/lib/imgate] [0] [-n 4096]\n\
+        "vars [supervise-daemon] [/usr/bin/imgate] [run --config {}] [imgate:imgate] [--env STATE_DIRECTORY=/var/lib/imgate --env IMGATE_LOG_FORMAT=syslog] [0] [-n 4096]\n\
          need [net]\nuse [logger]\nafter [firewall]\n\
          checkpath [--directory] [--owner] [imgate:imgate] [--mode] [0700] [/var/lib/imgate]\n\
          checked\n",

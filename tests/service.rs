@@ -113,19 +113,69 @@ fn watchdog_pings_come_at_half_the_watchdog_interval() {
     );
 }
 
+/// A start that fails (the port is taken) logs info lines and an error: each mode writes them
+/// as what reads it expects. journald: every line led by its priority, no time; procd's and
+/// OpenRC's logger: info on stdout, the error on stderr, no time; a terminal: one stream with
+/// the time. The module path only at debug level.
 #[test]
-fn logs_carry_no_timestamp_under_journald() {
-    let dir = temp_dir("journal");
-    let d = Daemon::start_env(
-        &dir,
-        &config_text(free_port(), &dir, None, ""),
-        "info",
-        &[("JOURNAL_STREAM", "8:1234")],
+fn log_lines_carry_their_priority_for_journald_and_go_to_two_streams_for_syslog() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    let run = |tag: &str, env: &[(&str, &str)]| {
+        let dir = temp_dir(tag);
+        let conf = dir.join("imgate.conf");
+        std::fs::write(&conf, config_text(port, &dir, None, "")).unwrap();
+        let out = Command::new(bin())
+            .args(["run", "--config"])
+            .arg(&conf)
+            .env_remove("JOURNAL_STREAM")
+            .env_remove("IMGATE_LOG_FORMAT")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "the port is taken");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
+        (text(&out.stdout), text(&out.stderr))
+    };
+    let (stdout, stderr) = run("log-journal", &[("JOURNAL_STREAM", "8:1234"), ("RUST_LOG", "info")]);
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(stderr.lines().any(|l| l.starts_with("<6>config: ")), "{stderr}");
+    assert!(
+        stderr.lines().any(|l| l.starts_with("<3>cannot listen on ")),
+        "{stderr}"
     );
-    std::thread::sleep(Duration::from_millis(200));
-    let log = d.log();
-    let first = log.lines().next().unwrap_or_default();
-    assert!(first.starts_with("[INFO "), "journald adds the time itself: {first}");
+    assert!(
+        stderr.lines().all(|l| l.starts_with("<6>") || l.starts_with("<3>")),
+        "a priority on every line, no time, no module path: {stderr}"
+    );
+    let (_, stderr) = run(
+        "log-journal-debug",
+        &[("JOURNAL_STREAM", "8:1234"), ("RUST_LOG", "debug")],
+    );
+    assert!(stderr.lines().any(|l| l.starts_with("<7>imgate::")), "{stderr}");
+
+    let (stdout, stderr) = run("log-syslog", &[("IMGATE_LOG_FORMAT", "syslog"), ("RUST_LOG", "info")]);
+    assert!(stdout.lines().any(|l| l.starts_with("INFO config: ")), "{stdout}");
+    assert!(stdout.lines().all(|l| l.starts_with("INFO ")), "{stdout}");
+    assert!(
+        stderr.lines().any(|l| l.starts_with("ERROR cannot listen on ")),
+        "{stderr}"
+    );
+    assert!(
+        stderr
+            .lines()
+            .all(|l| l.starts_with("ERROR ") || l.starts_with("WARN ")),
+        "{stderr}"
+    );
+
+    let (stdout, stderr) = run("log-plain", &[("RUST_LOG", "info")]);
+    assert!(stdout.is_empty(), "{stdout}");
+    let first = stderr.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("[20") && first.contains(" INFO") && !first.contains("imgate::"),
+        "a time of its own at a terminal, no module path at info: {first}"
+    );
+    drop(busy);
 }
 
 #[test]
