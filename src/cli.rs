@@ -286,6 +286,11 @@ fn run(cfg: config::Config) -> ExitCode {
     }
     log::info!("{}", version_and_providers());
     let state_dir = cfg.server.state_dir.clone();
+    log::info!(
+        "state_dir: {} (from {})",
+        state_dir.display(),
+        cfg.server.state_dir_from
+    );
     if let Some(w) = service::volatile_state_warning(&state_dir) {
         log::warn!("{w}");
     }

@@ -41,6 +41,8 @@ pub struct Server {
     pub listen: SocketAddr,
     pub api_key: Option<Secret>,
     pub state_dir: PathBuf,
+    /// Where `state_dir` came from, as `check` and the start log say it.
+    pub state_dir_from: String,
     pub public_url: Option<String>,
     pub max_connections: usize,
     /// Connections one client address may hold: `None` a quarter of `max_connections`,
@@ -588,7 +590,17 @@ pub fn parse(text: &str, name: &str, dir: Option<&Path>, readers: &[Reader]) -> 
     if let Ok(dir) = std::env::var("STATE_DIRECTORY") {
         // systemd may pass several colon-separated directories; the first is ours.
         if let Some(first) = dir.split(':').next().filter(|d| !d.is_empty()) {
-            cfg.server.state_dir = PathBuf::from(first);
+            let over = PathBuf::from(first);
+            if over != cfg.server.state_dir {
+                cfg.server.state_dir_from = format!(
+                    "$STATE_DIRECTORY (systemd's StateDirectory=), over {} from {}",
+                    cfg.server.state_dir.display(),
+                    cfg.server.state_dir_from
+                );
+            } else {
+                cfg.server.state_dir_from.push_str(" and $STATE_DIRECTORY");
+            }
+            cfg.server.state_dir = over;
         }
     }
     let half = cfg.queue.ttl / 2;
@@ -628,6 +640,7 @@ fn read_server(s: &mut Server, section: &Section, p: &mut Problems) {
             f.err_at(line, "state_dir must not be empty");
         } else {
             s.state_dir = PathBuf::from(value);
+            s.state_dir_from = format!("the config, line {line}");
         }
     }
     s.public_url = f.url("public_url");
@@ -863,6 +876,7 @@ impl Config {
                 listen: SocketAddr::from(([127, 0, 0, 1], 8787)),
                 api_key: None,
                 state_dir: PathBuf::from("./imgate-data"),
+                state_dir_from: "the default".into(),
                 public_url: None,
                 max_connections: 64,
                 max_connections_per_client: None,
@@ -924,7 +938,11 @@ impl Config {
             None => "off".to_string(),
         };
         out.push_str(&format!("tls:               {tls}\n"));
-        out.push_str(&format!("state_dir:         {}\n", self.server.state_dir.display()));
+        out.push_str(&format!(
+            "state_dir:         {} (from {})\n",
+            self.server.state_dir.display(),
+            self.server.state_dir_from
+        ));
         out.push_str(&format!("max_connections:   {}\n", self.server.max_connections));
         let per_client = match self.server.per_client_cap(self.server.max_connections) {
             None => "off".to_string(),

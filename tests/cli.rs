@@ -49,6 +49,27 @@ fn check_prints_the_effective_policy_for_a_valid_file() {
     assert!(text.contains("webhook door"));
     assert!(text.contains("listen:            127.0.0.1:8787"));
     assert!(text.contains("profile:           xagent.im.v1"), "{text}");
+    assert!(
+        text.contains("state_dir:         ./imgate-data (from the default)"),
+        "{text}"
+    );
+
+    // systemd's StateDirectory= wins over the config, and check says so.
+    std::fs::write(&conf, "[server]\nstate_dir = /srv/imgate\n").unwrap();
+    let out = Command::new(bin())
+        .args(["check", "--config", conf.to_str().unwrap()])
+        .env_remove("IMGATE_CONFIG")
+        .env("STATE_DIRECTORY", "/var/lib/imgate")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(
+            "state_dir:         /var/lib/imgate (from $STATE_DIRECTORY (systemd's StateDirectory=), \
+             over /srv/imgate from the config, line 2)"
+        ),
+        "{text}"
+    );
 }
 
 #[test]
