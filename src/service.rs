@@ -54,7 +54,7 @@ pub async fn watchdog(every: Duration) {
 
 /// Resolves when SIGTERM or SIGINT arrives. SIGHUP calls `on_hup` (the TLS certificate is read
 /// again; it returns whether there was anything to read) and says that the config is read once
-/// at start: `systemctl restart imgate` applies a change and loses nothing.
+/// at start: a restart (whatever the init system) applies a change and loses nothing.
 pub async fn stop_signal(mut signals: async_signal::Signals, on_hup: impl Fn() -> bool) -> &'static str {
     use async_signal::Signal;
     use smol::stream::StreamExt;
@@ -68,7 +68,7 @@ pub async fn stop_signal(mut signals: async_signal::Signals, on_hup: impl Fn() -
                 } else {
                     ""
                 };
-                log::warn!("SIGHUP: {reloaded}imgate reads its config once; run `systemctl restart imgate` to apply changes (accepted messages are kept on disk)")
+                log::warn!("SIGHUP: {reloaded}imgate reads its config once; restart it to apply changes (`systemctl restart imgate`, or `service imgate restart` on OpenWrt and Alpine; accepted messages are kept on disk)")
             }
             Ok(_) => {}
             Err(e) => log::warn!("signal handling: {e}"),

@@ -95,6 +95,11 @@ fn sighup_is_logged_and_changes_nothing() {
     );
     assert_eq!(http_get(&d.url("/connector-card.json"), &[]).0, 200);
     assert!(d.log_shows("SIGHUP", Duration::from_secs(5)), "{}", d.log());
+    assert!(
+        d.log_shows("service imgate restart` on OpenWrt and Alpine", Duration::from_secs(5)),
+        "how to apply a change, whatever the init system: {}",
+        d.log()
+    );
 }
 
 #[test]
