@@ -294,6 +294,14 @@ fn run(cfg: config::Config) -> ExitCode {
     if let Some(w) = service::volatile_state_warning(&state_dir) {
         log::warn!("{w}");
     }
+    // The port first: a start that cannot serve writes nothing to the state dir.
+    let listener = match std::net::TcpListener::bind(cfg.server.listen) {
+        Ok(l) => l,
+        Err(e) => {
+            log::error!("cannot listen on {}: {e}", cfg.server.listen);
+            return ExitCode::from(1);
+        }
+    };
     let opening = std::time::Instant::now();
     let opened = app::App::open(cfg).and_then(|app| Ok((dataplane::Plane::open(app.clone())?, app)));
     let (plane, app) = match opened {
@@ -317,13 +325,6 @@ fn run(cfg: config::Config) -> ExitCode {
             log::error!("lease: {e}");
         }
     }
-    let listener = match std::net::TcpListener::bind(app.config.server.listen) {
-        Ok(l) => l,
-        Err(e) => {
-            log::error!("cannot listen on {}: {e}", app.config.server.listen);
-            return ExitCode::from(1);
-        }
-    };
     let socket = internal_socket(&state_dir);
     let dispatch = match http::start(&app, &socket, front::stats::metrics) {
         Ok(d) => d,

@@ -139,6 +139,10 @@ fn log_lines_carry_their_priority_for_journald_and_go_to_two_streams_for_syslog(
             .output()
             .unwrap();
         assert!(!out.status.success(), "the port is taken");
+        assert!(
+            !dir.join("state").exists(),
+            "a start that cannot listen writes no state"
+        );
         let text = |b: &[u8]| String::from_utf8_lossy(b).to_string();
         (text(&out.stdout), text(&out.stderr))
     };
@@ -157,7 +161,10 @@ fn log_lines_carry_their_priority_for_journald_and_go_to_two_streams_for_syslog(
         "log-journal-debug",
         &[("JOURNAL_STREAM", "8:1234"), ("RUST_LOG", "debug")],
     );
-    assert!(stderr.lines().any(|l| l.starts_with("<7>imgate::")), "{stderr}");
+    assert!(
+        stderr.lines().any(|l| l.starts_with("<6>imgate::cli: config: ")),
+        "at debug level the module path shows: {stderr}"
+    );
 
     let (stdout, stderr) = run("log-syslog", &[("IMGATE_LOG_FORMAT", "syslog"), ("RUST_LOG", "info")]);
     assert!(stdout.lines().any(|l| l.starts_with("INFO config: ")), "{stdout}");
