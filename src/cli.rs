@@ -357,8 +357,28 @@ fn run(cfg: config::Config) -> ExitCode {
         .dial
         .clone()
         .map(|url| runtime::spawn(dataplane::dial::run(plane.clone(), url)));
-    if let Some(every) = service::watchdog_interval() {
-        runtime::spawn(service::watchdog(every)).detach();
+    if std::env::var_os("NOTIFY_SOCKET").is_some() {
+        // Weak: the summary must not keep the app (and its final checkpoint) from a clean stop.
+        let weak = Arc::downgrade(&app);
+        let summary = move || {
+            let Some(a) = weak.upgrade() else {
+                return "stopping".to_string();
+            };
+            let xagent = match a.hub.connections() {
+                0 => "not connected".to_string(),
+                n => format!("connected ({n})"),
+            };
+            let storage = match a.db.writes_failing() || a.outbox.needs_recovery() {
+                true => "failing (503 storage_unavailable)",
+                false => "ok",
+            };
+            format!(
+                "listening on {}; xAgent: {xagent}; outbox: {} bytes; storage: {storage}",
+                a.config.server.listen,
+                a.outbox.total_bytes()
+            )
+        };
+        runtime::spawn(service::keep_systemd_informed(service::watchdog_interval(), summary)).detach();
     }
     let prefix = http::base_path(&app);
     let listener = match smol::net::TcpListener::try_from(listener) {

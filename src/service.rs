@@ -44,11 +44,26 @@ pub fn watchdog_interval() -> Option<Duration> {
     (usec > 0).then(|| Duration::from_micros(usec / 2))
 }
 
-/// Pings the watchdog from the async executor, so a stuck event loop stops the pings.
-pub async fn watchdog(every: Duration) {
+/// How often the status line is looked at when systemd asks for no watchdog pings.
+const STATUS_EVERY: Duration = Duration::from_secs(30);
+
+/// Keeps systemd informed, from the async executor: `WATCHDOG=1` every `watchdog` when it asks
+/// for pings (so a stuck event loop stops them), and a `STATUS=` line (`systemctl status`
+/// shows it) whenever `summary` says something new, looked at on the same ticks. `summary`
+/// must not block: it reads counters, not the database.
+pub async fn keep_systemd_informed(watchdog: Option<Duration>, summary: impl Fn() -> String) {
+    let every = watchdog.unwrap_or(STATUS_EVERY);
+    let mut said = String::new();
     loop {
+        let now = summary();
+        if now != said {
+            notify(&format!("STATUS={now}"));
+            said = now;
+        }
         smol::Timer::after(every).await;
-        notify("WATCHDOG=1");
+        if watchdog.is_some() {
+            notify("WATCHDOG=1");
+        }
     }
 }
 

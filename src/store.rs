@@ -294,6 +294,11 @@ impl Db {
         }
     }
 
+    /// Whether writes fail now (from the first failed write to the next that works).
+    pub fn writes_failing(&self) -> bool {
+        self.outage.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
     /// True while an I/O error waits for `recover`.
     pub fn needs_recovery(&self) -> bool {
         self.needs_reopen.load(Ordering::SeqCst)

@@ -35,6 +35,44 @@ impl NotifySocket {
         }
         panic!("no {want} on the notify socket within {timeout:?}");
     }
+
+    /// Waits for a `STATUS=` datagram holding `part`; returns it.
+    fn status_with(&self, part: &str, timeout: Duration) -> String {
+        let start = Instant::now();
+        let mut buf = [0u8; 512];
+        while start.elapsed() < timeout {
+            if let Ok(n) = self.sock.recv(&mut buf) {
+                let got = String::from_utf8_lossy(&buf[..n]).to_string();
+                if got.starts_with("STATUS=") && got.contains(part) {
+                    return got;
+                }
+            }
+        }
+        panic!("no STATUS= with {part:?} on the notify socket within {timeout:?}");
+    }
+}
+
+/// `systemctl status imgate` shows what imgate is doing: a `STATUS=` line whenever it changes,
+/// looked at with each watchdog ping.
+#[test]
+fn systemd_hears_a_status_line_when_xagent_comes_and_goes() {
+    let dir = temp_dir("status-line");
+    let notify = NotifySocket::new(&dir);
+    let path = notify.path.to_str().unwrap().to_string();
+    let d = Daemon::start_env(
+        &dir,
+        &config_text(free_port(), &dir, None, ""),
+        "info",
+        &[("NOTIFY_SOCKET", &path), ("WATCHDOG_USEC", "1000000")],
+    );
+    let first = notify.status_with("xAgent: not connected", Duration::from_secs(10));
+    assert!(first.contains("storage: ok") && first.contains("listening on 127.0.0.1:"), "{first}");
+    let mut x = d.xagent();
+    x.hello("");
+    notify.status_with("xAgent: connected (1)", Duration::from_secs(10));
+    notify.expect("WATCHDOG=1", Duration::from_secs(5));
+    x.close();
+    notify.status_with("xAgent: not connected", Duration::from_secs(10));
 }
 
 #[test]
