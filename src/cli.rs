@@ -368,9 +368,9 @@ fn run(cfg: config::Config) -> ExitCode {
                 0 => "not connected".to_string(),
                 n => format!("connected ({n})"),
             };
-            let storage = match a.db.writes_failing() || a.outbox.needs_recovery() {
-                true => "failing (503 storage_unavailable)",
-                false => "ok",
+            let storage = match crate::http::ops::storage(&a).up {
+                true => "ok",
+                false => "failing (503 storage_unavailable)",
             };
             format!(
                 "listening on {}; xAgent: {xagent}; outbox: {} bytes; storage: {storage}",

@@ -294,9 +294,11 @@ impl Db {
         }
     }
 
-    /// Whether writes fail now (from the first failed write to the next that works).
-    pub fn writes_failing(&self) -> bool {
-        self.outage.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    /// The first error of the writes failing now (from the first failed write to the next that
+    /// works), if they are.
+    pub fn outage(&self) -> Option<String> {
+        let outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
+        outage.as_ref().map(|(first, _)| first.clone())
     }
 
     /// True while an I/O error waits for `recover`.

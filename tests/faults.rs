@@ -181,10 +181,30 @@ fn a_full_disk_answers_503_loses_nothing_and_recovers_when_space_returns() {
         200,
         "the process stays up"
     );
+    // Monitoring sees the outage: /status, /metrics and /health answer, and say so.
+    let auth = [("Authorization", format!("Bearer {API_KEY}"))];
+    let auth: Vec<(&str, &str)> = auth.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (code, status) = http_get(&d.url("/status"), &auth);
+    assert_eq!(code, 200, "{status}");
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["storage"]["state"], "failing", "{status}");
+    assert!(status["storage"]["last_error"].is_string(), "{status}");
+    assert!(status["storage"]["free_bytes"].as_u64().unwrap() < 64 << 10, "{status}");
+    let (code, metrics) = http_get(&d.url("/metrics"), &auth);
+    assert_eq!(code, 200);
+    assert!(metrics.contains("\nimgate_storage_up 0\n"), "{metrics}");
+    let (code, health) = http_get(&d.url("/health"), &auth);
+    assert_eq!(code, 200, "the endpoint serves: 2xx, as the protocol means it");
+    assert!(health.contains("\"storage\":\"failing\""), "{health}");
 
     fs.resize("64m");
     post_until_accepted(&d, &mut accepted, "after");
     assert_outage_logged_once(&d);
+    let (_, metrics) = http_get(&d.url("/metrics"), &auth);
+    assert!(
+        metrics.contains("\nimgate_storage_up 1\n"),
+        "writes work again: {metrics}"
+    );
 
     // Every message that got a 202 is still there and is delivered.
     assert_all_delivered(&d, &cch, &accepted);

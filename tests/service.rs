@@ -66,7 +66,10 @@ fn systemd_hears_a_status_line_when_xagent_comes_and_goes() {
         &[("NOTIFY_SOCKET", &path), ("WATCHDOG_USEC", "1000000")],
     );
     let first = notify.status_with("xAgent: not connected", Duration::from_secs(10));
-    assert!(first.contains("storage: ok") && first.contains("listening on 127.0.0.1:"), "{first}");
+    assert!(
+        first.contains("storage: ok") && first.contains("listening on 127.0.0.1:"),
+        "{first}"
+    );
     let mut x = d.xagent();
     x.hello("");
     notify.status_with("xAgent: connected (1)", Duration::from_secs(10));

@@ -204,24 +204,20 @@ fn handle(app: &App, req: Request, more_metrics: MoreMetrics) {
             Response::from_data(card::skill(&app.config.server.card_id, app.config.xagent.profile).into_bytes())
                 .with_header(content_type("text/markdown; charset=utf-8"))
         }
+        // 2xx while the endpoint serves (the protocol's meaning); the storage state beside it.
         (Method::Get, "/health") if authorized(app, &req) => {
-            json_response(200, &card::health(&app.config.server.card_id))
+            let mut health = card::health(&app.config.server.card_id);
+            if let Value::Object(o) = &mut health {
+                let state = if ops::storage(app).up { "ok" } else { "failing" };
+                o.insert("storage".into(), Value::String(state.into()));
+            }
+            json_response(200, &health)
         }
-        (Method::Get, "/status") if authorized(app, &req) => match ops::status(app) {
-            Ok(v) => json_response(200, &v),
-            Err(e) => {
-                log::error!("http: /status: {e}");
-                error(503, "storage_unavailable")
-            }
-        },
-        (Method::Get, "/metrics") if authorized(app, &req) => match ops::metrics(app, more_metrics) {
-            Ok(text) => Response::from_data(text.into_bytes())
-                .with_header(content_type("text/plain; version=0.0.4; charset=utf-8")),
-            Err(e) => {
-                log::error!("http: /metrics: {e}");
-                error(503, "storage_unavailable")
-            }
-        },
+        (Method::Get, "/status") if authorized(app, &req) => json_response(200, &ops::status(app)),
+        (Method::Get, "/metrics") if authorized(app, &req) => {
+            Response::from_data(ops::metrics(app, more_metrics).into_bytes())
+                .with_header(content_type("text/plain; version=0.0.4; charset=utf-8"))
+        }
         (Method::Get, "/health" | "/status" | "/metrics") => error(401, "unauthorized"),
         (Method::Get, p) if p.starts_with("/files/refs/") => {
             return download(app, req, &p["/files/refs/".len()..]);

@@ -65,7 +65,53 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
     Ok(Snapshot { channels, unbound })
 }
 
-pub fn status(app: &App) -> Result<Value, StoreError> {
+/// The state file system as imgate sees it, from memory and one `statvfs`: never the
+/// database, so it answers during an outage.
+pub struct Storage {
+    /// Writes work (no outage, nothing waiting for a reopen).
+    pub up: bool,
+    /// Bytes free for imgate on the state dir's file system.
+    pub free_bytes: Option<u64>,
+    /// The first error of the outage, while there is one.
+    pub last_error: Option<String>,
+}
+
+pub fn storage(app: &App) -> Storage {
+    let last_error = app.db.outage();
+    let free_bytes = rustix::fs::statvfs(&app.config.server.state_dir)
+        .ok()
+        .map(|v| v.f_bavail.saturating_mul(v.f_frsize));
+    Storage {
+        up: last_error.is_none() && !app.outbox.needs_recovery(),
+        free_bytes,
+        last_error,
+    }
+}
+
+fn storage_json(st: &Storage) -> Value {
+    obj([("state", s(if st.up { "ok" } else { "failing" }))])
+        .with_null_default("free_bytes", st.free_bytes.map_or(Value::Null, n))
+        .with_null_default("last_error", opt_s(st.last_error.clone()))
+}
+
+/// `/status`: what the database holds, and when it cannot be read (a failed disk) what memory
+/// holds, with the reason, so monitoring sees the outage instead of a 503.
+pub fn status(app: &App) -> Value {
+    match full_status(app) {
+        Ok(v) => v,
+        Err(e) => obj([
+            ("connector_id", s(&app.connector_id)),
+            ("version", s(crate::protocol::card::VERSION)),
+            ("profile", s(app.config.xagent.profile.as_str())),
+            ("storage", storage_json(&storage(app))),
+            ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
+            ("outbox", obj([("pending_bytes", n(app.outbox.total_bytes()))])),
+            ("unreadable", s(format!("channels and counters: {e}"))),
+        ]),
+    }
+}
+
+fn full_status(app: &App) -> Result<Value, StoreError> {
     let snap = snapshot(app)?;
     let q = &app.config.queue;
     let log = app.outbox.log_report();
@@ -73,6 +119,7 @@ pub fn status(app: &App) -> Result<Value, StoreError> {
         ("connector_id", s(&app.connector_id)),
         ("version", s(crate::protocol::card::VERSION)),
         ("profile", s(app.config.xagent.profile.as_str())),
+        ("storage", storage_json(&storage(app))),
         ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
         (
             "outbox",
@@ -166,10 +213,22 @@ impl WithNull for Value {
 /// A metric name, its Prometheus type, its help and how to read it from a source's stats.
 type Series = (&'static str, &'static str, &'static str, fn(&SourceStats) -> u64);
 
-pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError> {
-    let snap = snapshot(app)?;
+/// `/metrics`: every family; during a failed disk those that need the database are left out
+/// (`imgate_storage_up` says why).
+pub fn metrics(app: &App, more: super::MoreMetrics) -> String {
     let mut out = String::new();
-    let q = &app.config.queue;
+    let st = storage(app);
+    crate::metrics::single(
+        &mut out,
+        "imgate_storage_up",
+        "gauge",
+        "Whether writes to the state dir work (1) or fail (0).",
+        u64::from(st.up),
+    );
+    if let Some(free) = st.free_bytes {
+        let help = "Bytes free for imgate on the state dir's file system.";
+        crate::metrics::single(&mut out, "imgate_storage_free_bytes", "gauge", help, free);
+    }
     let providers: Vec<&str> = crate::providers::REGISTRATIONS
         .iter()
         .map(|r| r.reader.provider)
@@ -205,10 +264,19 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError
     for p in app.providers.all() {
         p.metrics(&mut out);
     }
+    if let Err(e) = stored_metrics(app, &mut out) {
+        log::debug!("http: /metrics without what the database holds: {e}");
+    }
+    out
+}
+
+fn stored_metrics(app: &App, out: &mut String) -> Result<(), StoreError> {
+    let snap = snapshot(app)?;
+    let q = &app.config.queue;
     let (commits, grouped) = app.outbox.commit_stats();
     let log = app.outbox.log_report();
     crate::metrics::singles(
-        &mut out,
+        out,
         &[
             (
                 "imgate_lease_unregistered_channels_total",
@@ -344,7 +412,7 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError
         ),
     ];
     for (name, kind, help, get) in series {
-        crate::metrics::family(&mut out, name, kind, help);
+        crate::metrics::family(out, name, kind, help);
         for c in &snap.channels {
             out.push_str(&format!(
                 "{name}{{channel=\"{}\",provider=\"{}\"}} {}\n",
@@ -361,7 +429,7 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError
     // The code of each channel's last message xAgent refused for good (IM v2); the message
     // itself is in /status.
     crate::metrics::family(
-        &mut out,
+        out,
         "imgate_channel_last_failure",
         "gauge",
         "The code of the last message xAgent refused for good, per channel (always 1).",
@@ -375,5 +443,5 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> Result<String, StoreError
             ));
         }
     }
-    Ok(out)
+    Ok(())
 }
