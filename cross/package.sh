@@ -185,7 +185,7 @@ build_ipk() {
   # state_dir moves).
   printf '/etc/imgate/\n/srv/imgate/\n' > "$dir/data/lib/upgrade/keep.d/imgate"
   chmod 0644 "$dir/data/lib/upgrade/keep.d/imgate"
-  # /var is RAM on OpenWrt: the default keeps accepted messages on flash (README, "OpenWrt").
+  # /var is RAM on OpenWrt: the default keeps accepted messages on flash (docs/operations.md, "OpenWrt").
   packaged_config /srv/imgate "$dir/data/etc/imgate/imgate.conf"
   chmod 0640 "$dir/data/etc/imgate/imgate.conf"
   install -m 0755 packaging/openwrt/postinst packaging/openwrt/prerm "$dir/control/"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prints the size of every binary in dist/ (full builds and the small ones --features made) and
-# of every .ipk's installed files in target/dist/, as README's table shows them, and fails when
+# of every .ipk's installed files in target/dist/, as docs/boards.md's table shows them, and fails when
 # a build is over its budget: the full aarch64 build 4 MiB, a full MIPS build 5 MiB. A MIPS
-# build of webhooks and one provider has a target of 3 MiB, which it does not meet yet (README,
+# build of webhooks and one provider has a target of 3 MiB, which it does not meet yet (docs/boards.md,
 # "Small builds for small flash"): shown, not failed.
 #
 #   cross/sizes.sh        (after cross/build.sh, and cross/package.sh for the .ipk lines)

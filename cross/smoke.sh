@@ -3,7 +3,7 @@
 # example config, then `imgate run` serving the Card, accepting a webhook POST on loopback and
 # stopping cleanly on SIGTERM. Then the same with the clock set to 2040 (libfaketime under the
 # dynamic qemu): a 64-bit build serves as before; a 32-bit musl build refuses to start with its
-# reason (README, "Dates past 2038") rather than abort.
+# reason (docs/boards.md, "Dates past 2038") rather than abort.
 #
 #   cross/smoke.sh [--install] TARGET [BINARY]     (after cross/build.sh TARGET)
 #

@@ -70,7 +70,7 @@ fn refusal_at(now: i64, time32: bool) -> Option<String> {
             "the system clock reads {now} s after 1970, past 2038-01-19 03:14:07 UTC ({LAST_TIME32_SECOND} s), \
              which this 32-bit build cannot represent (its standard library reads the time through musl's \
              32-bit time_t). If the clock is wrong, correct it (NTP) and start again; if it is right, install \
-             imgate's 64-bit build where the board can run one. See README, \"Dates past 2038\"."
+             imgate's 64-bit build where the board can run one. See docs/boards.md, \"Dates past 2038\"."
         )
     })
 }
