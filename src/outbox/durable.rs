@@ -306,7 +306,9 @@ impl Shared {
                 }
                 Err(e) => {
                     st.overlay.undo(undo);
-                    st.stalled |= e.is_outage();
+                    if e.is_outage() {
+                        self.stall(st);
+                    }
                     Err(e)
                 }
             },
@@ -371,11 +373,18 @@ impl Shared {
         let _ = self.db.noted::<()>(Err(error));
     }
 
+    /// Writes wait for `recover`, which is woken now: a stall the database did not see (the
+    /// reopen it waits for was under way, or the log failed) must not wait for the next sweep.
+    fn stall(&self, st: &mut State) {
+        st.stalled = true;
+        self.db.report_trouble();
+    }
+
     /// Closes both files, so nothing of the outbox holds the failing disk.
     fn close_log(&self, st: &mut State, e: &std::io::Error) -> StoreError {
         st.log.close();
         st.spare.close();
-        st.stalled = true;
+        self.stall(st);
         StoreError::Io(format!("{}: {e}", st.log.path().display()))
     }
 
@@ -440,7 +449,7 @@ impl Shared {
     fn settle(&self, st: &mut State, wait: bool) {
         match self.end_inflight(st, wait) {
             // An outage (logged once by the store): writes wait until `recover` has checkpointed.
-            Some(Err(e)) if e.is_outage() => st.stalled = true,
+            Some(Err(e)) if e.is_outage() => self.stall(st),
             Some(Err(e)) => {
                 log::debug!("outbox: checkpoint failed: {e}");
                 st.retry_checkpoint_at = Some(Instant::now() + CHECKPOINT_RETRY);
@@ -496,7 +505,7 @@ impl Shared {
         match self.checkpoint_locked(st, last) {
             Ok(()) => st.retry_checkpoint_at = None,
             // An outage (logged once by the store): writes wait until `recover` has checkpointed.
-            Err(e) if e.is_outage() => st.stalled = true,
+            Err(e) if e.is_outage() => self.stall(st),
             Err(e) => {
                 log::debug!("outbox: checkpoint failed: {e}");
                 st.retry_checkpoint_at = Some(Instant::now() + CHECKPOINT_RETRY);
@@ -528,8 +537,7 @@ impl Shared {
             log::debug!("outbox: cannot restart the log: {e}");
             st.log.close();
             st.spare.close();
-            st.stalled = true;
-            self.db.report_trouble();
+            self.stall(st);
         }
     }
 
