@@ -82,6 +82,8 @@ fn check_lease(plane: &Arc<Plane>) -> Duration {
             );
             plane.providers.bindings_changed(&plane.channels);
         }
+        // The store logged the outage once; each recovery round need not say it again.
+        Err(e) if e.is_outage() => log::debug!("lease: cannot unregister channels: {e}"),
         Err(e) => log::error!("lease: cannot unregister channels: {e}"),
     }
     match plane.channels.offline_since() {
