@@ -160,8 +160,7 @@ fn binding_checks_the_credentials_and_stream_mode_and_keeps_the_secret_private()
         "one connection serves both conversations of the app"
     );
 
-    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
-    assert!(metrics.contains("imgate_dingtalk_connections_up 1"), "{metrics}");
+    let metrics = metrics_once(&d, "imgate_dingtalk_connections_up 1", WAIT);
     assert!(
         metrics.contains("imgate_dingtalk_unbound_messages_total 1"),
         "{metrics}"

@@ -150,8 +150,7 @@ fn binding_checks_the_token_the_intent_and_the_channel_and_keeps_the_token_priva
     let file = d.dir.join(format!("state/discord/{bot}.token"));
     let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o600, "the token file is private");
-    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
-    assert!(metrics.contains("imgate_discord_sessions_up 1"), "{metrics}");
+    metrics_once(&d, "imgate_discord_sessions_up 1", WAIT);
     let all = serde_json::to_string(&x.seen).unwrap() + &card.to_string() + &get_json(&d.url("/status")).to_string();
     assert_no_secret(
         &all,

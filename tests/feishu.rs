@@ -117,8 +117,7 @@ fn binding_checks_the_app_its_long_connection_and_the_chat() {
     let secret_file = d.dir.join(format!("state/feishu/{APP}.secret"));
     let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&secret_file).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o600, "the secret file is private");
-    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
-    assert!(metrics.contains("imgate_feishu_connections_up 1"), "{metrics}");
+    metrics_once(&d, "imgate_feishu_connections_up 1", WAIT);
     let all = serde_json::to_string(&x.seen).unwrap() + &card.to_string() + &get_json(&d.url("/status")).to_string();
     assert_no_secret(&all, &[SECRET, "t-sim"], "a packet, the Card or /status");
     assert_no_secret(&d.log(), &[SECRET, "t-sim", "access_key=ak"], "the trace log");

@@ -118,6 +118,23 @@ pub struct Daemon {
 pub const API_KEY: &str = "test-api-key-7f3a";
 pub const HOOK_SECRET: &str = "hook-secret-91bc";
 
+/// `/metrics` once it has a line starting with `line` (a connection is counted up a moment
+/// after the far side saw it open); panics with the last text after `timeout`.
+pub fn metrics_once(d: &Daemon, line: &str, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let (_, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+        if text.lines().any(|l| l.starts_with(line)) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no `{line}` in /metrics within {timeout:?}:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A config with an API key, one webhook endpoint `alerts` (with `reply_url` when given) and `extra`.
 /// Every client of a test is 127.0.0.1, one address: the cap per client is off here and tested
 /// on its own (`edge::peer_4_…`).
