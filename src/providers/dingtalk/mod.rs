@@ -381,7 +381,8 @@ impl DingTalk {
                 false
             }
             Err(e) => {
-                log::warn!("dingtalk: {source}: cannot store a message: {e}");
+                // The store logs the outage once; one line per message would flood the log.
+                log::debug!("dingtalk: {source}: cannot store a message: {e}");
                 false
             }
         }
