@@ -41,6 +41,13 @@ pub mod dingtalk {
     pub use crate::providers::dingtalk::event;
 }
 
+/// Matrix's `/sync` answers, history pages and room events.
+#[cfg(feature = "matrix")]
+pub mod matrix {
+    pub use crate::providers::matrix::api::mxc_parts as api_mxc_parts;
+    pub use crate::providers::matrix::event;
+}
+
 /// Feishu/Lark's long connection: its frame, its protocol, its event payload.
 #[cfg(feature = "feishu")]
 pub mod feishu {

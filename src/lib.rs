@@ -9,7 +9,8 @@
         feature = "wechat",
         feature = "slack",
         feature = "discord",
-        feature = "dingtalk"
+        feature = "dingtalk",
+        feature = "matrix"
     )),
     allow(dead_code, unused_imports)
 )]

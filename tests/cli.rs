@@ -27,7 +27,7 @@ fn version_names_version_git_rev_and_build_time() {
     assert!(line.contains("built "));
     assert!(
         line.trim_end()
-            .ends_with("; providers: webhook telegram feishu wechat slack discord dingtalk"),
+            .ends_with("; providers: webhook telegram feishu wechat slack discord dingtalk matrix"),
         "the default build carries every provider: {line}"
     );
 }

@@ -204,6 +204,9 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
         }
     }
     let message_id = provider.send(&source, &out)?;
+    // The IM system took it and the result is not kept yet: a crash here makes xAgent's retry
+    // reach the provider again (its idempotency key is the same).
+    crate::faults::crash_at("tool-sent");
     let result = obj([("status", s("sent")), ("message_id", s(message_id))]);
     if let Some(k) = &key {
         if let Err(e) = plane.tool_results.save(k, &json::to_string(&result)) {

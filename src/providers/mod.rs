@@ -21,6 +21,8 @@ pub mod inbound;
 pub mod intake;
 pub mod keyfiles;
 pub mod lag;
+#[cfg(feature = "matrix")]
+pub mod matrix;
 #[cfg(feature = "slack")]
 pub mod slack;
 pub mod socket;
@@ -63,6 +65,8 @@ pub const REGISTRATIONS: &[Registration] = &[
     discord::REGISTRATION,
     #[cfg(feature = "dingtalk")]
     dingtalk::REGISTRATION,
+    #[cfg(feature = "matrix")]
+    matrix::REGISTRATION,
 ];
 
 /// The providers this build left out (their Cargo feature off). Their sections are refused
@@ -80,6 +84,8 @@ const LEFT_OUT: &[&str] = &[
     "discord",
     #[cfg(not(feature = "dingtalk"))]
     "dingtalk",
+    #[cfg(not(feature = "matrix"))]
+    "matrix",
 ];
 
 /// One provider's entry: how it reads the config, how it starts.

@@ -9,9 +9,11 @@ pub mod discord;
 pub mod ext4;
 pub mod feishu;
 pub mod ilink;
+pub mod matrix;
 #[path = "../../src/scratch.rs"]
 mod scratch;
 pub mod slack;
+pub mod synapse;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -1,0 +1,300 @@
+//! A small Matrix client-server API client (https://spec.matrix.org/latest/client-server-api/)
+//! over `upstream`.
+//!
+//! Every call carries `Authorization: Bearer TOKEN` (a header, never a URL, so no error text can
+//! hold it). A refusal is `{errcode, error}` with its status; a rate limit is `429
+//! M_LIMIT_EXCEEDED` with `retry_after_ms` (and, newer, `Retry-After` in seconds). IDs in a path
+//! (`!room:server`, `@user:server`, `#alias:server`) are percent-encoded.
+
+use std::time::Duration;
+
+use crate::files::{FileError, FilePart};
+use crate::json::{self, Object, Value};
+use crate::providers::Upload;
+use crate::upstream::{self, query_value, Streamed};
+
+/// An answer larger than this is refused unread. A /sync with the filter's timeline limit
+/// (`sync::MAX_TIMELINE` events of at most 65,536 bytes, the spec's event size limit) and the
+/// senders' member events stays below it; past it the limit is halved (`sync.rs`).
+pub const MAX_ANSWER: u64 = 1 << 20;
+/// `/sync` long-polls this long at the server; the HTTP timeout adds a margin.
+pub const POLL_MS: u64 = 30_000;
+/// Characters of the server's error text kept (it reaches logs and tool results).
+const MAX_ERROR: usize = 160;
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// The HTTP status, or 0 when the server could not be reached.
+    pub status: u16,
+    /// Matrix's `errcode` (`M_UNKNOWN_TOKEN`, `M_FORBIDDEN`, `M_LIMIT_EXCEEDED`…), empty if none.
+    pub errcode: String,
+    pub message: String,
+    pub retry_after: Option<Duration>,
+    /// The answer passed its cap and was not read.
+    pub too_large: bool,
+}
+
+impl ApiError {
+    fn unreachable(e: upstream::Error) -> ApiError {
+        ApiError {
+            status: 0,
+            errcode: String::new(),
+            too_large: matches!(e, upstream::Error::TooLarge { .. }),
+            message: e.to_string(),
+            retry_after: None,
+        }
+    }
+
+    /// A refusal that is not Matrix's JSON (a status, a page, the file cache).
+    pub fn refused(status: u16, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            errcode: String::new(),
+            message: message.into(),
+            retry_after: None,
+            too_large: false,
+        }
+    }
+
+    /// The file cache refused the bytes: not temporary, its caps or its disk are not the
+    /// homeserver's.
+    pub fn cache(e: FileError) -> ApiError {
+        ApiError::refused(413, e.to_string())
+    }
+
+    /// The token was revoked (logged out, deactivated): nothing works until a new binding.
+    pub fn token_gone(&self) -> bool {
+        self.status == 401 && self.errcode == "M_UNKNOWN_TOKEN"
+    }
+}
+
+impl crate::providers::Transient for ApiError {
+    fn unreachable(&self) -> bool {
+        self.status == 0
+    }
+
+    fn temporary(&self) -> bool {
+        self.status == 0 || self.status == 429 || self.status >= 500
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        // Bounded where it is used (`peer_wait::retry_after`).
+        self.retry_after
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.status, self.errcode.is_empty()) {
+            (0, _) => write!(f, "homeserver unreachable: {}", self.message),
+            (s, true) => write!(f, "homeserver answered {s}: {}", self.message),
+            (s, false) => write!(f, "homeserver answered {s} {}: {}", self.errcode, self.message),
+        }
+    }
+}
+
+/// One account on one homeserver: where to call and with what.
+pub struct Account<'a> {
+    /// `https://matrix.example.org`, no trailing slash.
+    pub homeserver: &'a str,
+    pub token: &'a str,
+}
+
+#[derive(Clone)]
+pub struct Api {
+    http: ureq::Agent,
+    poll: ureq::Agent,
+    /// File downloads and uploads: the longest a fetch may take.
+    files: ureq::Agent,
+}
+
+/// A path segment (a room, user or alias ID; a transaction ID), percent-encoded.
+pub fn seg(id: &str) -> String {
+    query_value(id)
+}
+
+impl Api {
+    pub fn new(file_deadline: Duration) -> Api {
+        Api {
+            http: upstream::agent(Duration::from_secs(15)),
+            poll: upstream::agent(Duration::from_millis(POLL_MS) + Duration::from_secs(15)),
+            files: upstream::agent(file_deadline),
+        }
+    }
+
+    /// `GET /_matrix/client/versions` needs no token: whether `homeserver` speaks Matrix.
+    pub fn versions(&self, homeserver: &str) -> Result<Object, ApiError> {
+        let req = self.http.get(&format!("{homeserver}/_matrix/client/versions"));
+        let mut resp = req.call().map_err(|e| ApiError::unreachable(e.into()))?;
+        answer(&mut resp, MAX_ERROR_ANSWER)
+    }
+
+    /// A GET of the client API (`path` after `/_matrix/client/v3`), within `timeout`.
+    pub fn get(&self, acct: &Account, path: &str, timeout: Duration) -> Result<Object, ApiError> {
+        let url = format!("{}/_matrix/client/v3{path}", acct.homeserver);
+        let req = upstream::within(&self.http, self.http.get(&url), timeout);
+        let mut resp = authorized(req, acct.token)
+            .call()
+            .map_err(|e| ApiError::unreachable(e.into()))?;
+        answer(&mut resp, MAX_ANSWER)
+    }
+
+    /// `/sync` (`query` is its whole query string): a long poll of up to `POLL_MS`.
+    pub fn sync(&self, acct: &Account, query: &str) -> Result<Object, ApiError> {
+        let url = format!("{}/_matrix/client/v3/sync?{query}", acct.homeserver);
+        let mut resp = authorized(self.poll.get(&url), acct.token)
+            .call()
+            .map_err(|e| ApiError::unreachable(e.into()))?;
+        answer(&mut resp, MAX_ANSWER)
+    }
+
+    /// A PUT or POST of a JSON body to the client API, within `timeout`.
+    pub fn send(
+        &self,
+        acct: &Account,
+        method: &str,
+        path: &str,
+        body: &Value,
+        timeout: Duration,
+    ) -> Result<Object, ApiError> {
+        let url = format!("{}/_matrix/client/v3{path}", acct.homeserver);
+        let req = if method == "PUT" {
+            self.http.put(&url)
+        } else {
+            self.http.post(&url)
+        };
+        let req = upstream::within(&self.http, req, timeout);
+        let mut resp = authorized(req, acct.token)
+            .header("Content-Type", "application/json")
+            .send(json::to_string(body).as_bytes())
+            .map_err(|e| ApiError::unreachable(e.into()))?;
+        answer(&mut resp, MAX_ANSWER)
+    }
+
+    /// Uploads a file from the cache (`POST /_matrix/media/v3/upload`), streamed from disk;
+    /// its `mxc://` URI.
+    pub fn upload(&self, acct: &Account, file: &Upload, timeout: Duration) -> Result<String, ApiError> {
+        let url = format!(
+            "{}/_matrix/media/v3/upload?filename={}",
+            acct.homeserver,
+            query_value(file.filename)
+        );
+        let mut bytes = std::fs::File::open(file.path)
+            .map(|f| std::io::Read::take(f, file.size))
+            .map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
+        let req = upstream::within(&self.files, self.files.post(&url), timeout);
+        let mut resp = authorized(req, acct.token)
+            .header("Content-Type", file.mime)
+            .header("Content-Length", &file.size.to_string())
+            .send(ureq::SendBody::from_reader(&mut bytes))
+            .map_err(|e| ApiError::unreachable(e.into()))?;
+        let o = answer(&mut resp, MAX_ERROR_ANSWER)?;
+        json::get_str(&o, "content_uri")
+            .filter(|u| u.starts_with("mxc://"))
+            .map(str::to_string)
+            .ok_or_else(|| ApiError::refused(502, "the upload's answer has no content_uri"))
+    }
+
+    /// Downloads `mxc://server/id` into `part` through authenticated media (Matrix 1.11), or the
+    /// older unauthenticated path when the server does not know the newer one; the type it
+    /// served.
+    pub fn download(
+        &self,
+        acct: &Account,
+        mxc: &str,
+        part: &mut FilePart,
+        timeout: Duration,
+    ) -> Result<Option<String>, ApiError> {
+        let (server, id) = mxc_parts(mxc).ok_or_else(|| ApiError::refused(400, "not an mxc:// URI"))?;
+        let path = format!("{}/{}", seg(server), seg(id));
+        let authenticated = format!("{}/_matrix/client/v1/media/download/{path}", acct.homeserver);
+        let req = upstream::within(&self.files, self.files.get(&authenticated), timeout);
+        let mut resp = authorized(req, acct.token)
+            .call()
+            .map_err(|e| ApiError::unreachable(e.into()))?;
+        let status = resp.status().as_u16();
+        // A server older than Matrix 1.11 does not know the route (404 M_UNRECOGNIZED, 405).
+        if status == 404 || status == 405 {
+            let unknown_route = matches!(answer(&mut resp, MAX_ERROR_ANSWER), Err(e) if e.errcode == "M_UNRECOGNIZED" || e.status == 405);
+            if !unknown_route {
+                return Err(ApiError::refused(404, "the homeserver does not have this file"));
+            }
+            let legacy = format!("{}/_matrix/media/v3/download/{path}", acct.homeserver);
+            let req = upstream::within(&self.files, self.files.get(&legacy), timeout);
+            resp = req.call().map_err(|e| ApiError::unreachable(e.into()))?;
+        }
+        if resp.status().as_u16() != 200 {
+            return answer(&mut resp, MAX_ERROR_ANSWER).and(Err(ApiError::refused(502, "file download refused")));
+        }
+        let served = resp
+            .headers()
+            .get("Content-Type")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
+            Ok(()) => Ok(served),
+            Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
+            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+        }
+    }
+}
+
+/// Refusals and small answers are read up to this.
+const MAX_ERROR_ANSWER: u64 = 64 * 1024;
+
+/// `mxc://server/media_id`: both parts as the spec allows them (a server name; an ID of letters,
+/// digits, `_` and `-`), so neither can change the path they are put in.
+pub fn mxc_parts(mxc: &str) -> Option<(&str, &str)> {
+    let (server, id) = mxc.strip_prefix("mxc://")?.split_once('/')?;
+    let server_ok = !server.is_empty()
+        && server.len() <= 255
+        && server
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'));
+    let id_ok = !id.is_empty()
+        && id.len() <= 255
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'));
+    (server_ok && id_ok).then_some((server, id))
+}
+
+fn authorized<B>(req: ureq::RequestBuilder<B>, token: &str) -> ureq::RequestBuilder<B> {
+    req.header("Authorization", &format!("Bearer {token}"))
+}
+
+/// A success's JSON object, or the refusal it is.
+fn answer(resp: &mut upstream::Response, cap: u64) -> Result<Object, ApiError> {
+    let header_wait = resp
+        .headers()
+        .get("Retry-After")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs);
+    let (status, body) = upstream::read_json(resp, cap).map_err(ApiError::unreachable)?;
+    match body {
+        Some(o) if (200..300).contains(&status) => Ok(o),
+        Some(o) => Err(ApiError {
+            status,
+            errcode: json::get_str(&o, "errcode")
+                .unwrap_or_default()
+                .chars()
+                .take(64)
+                .collect(),
+            message: json::get_str(&o, "error")
+                .unwrap_or("no reason given")
+                .chars()
+                .take(MAX_ERROR)
+                .collect(),
+            // `retry_after_ms` first (the spec's field), else the header; clamped by the caller.
+            retry_after: json::get_u64(&o, "retry_after_ms")
+                .map(Duration::from_millis)
+                .or(header_wait),
+            too_large: false,
+        }),
+        None => Err(ApiError {
+            retry_after: header_wait,
+            ..ApiError::refused(status, format!("an answer that is not a JSON object (status {status})"))
+        }),
+    }
+}

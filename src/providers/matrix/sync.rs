@@ -1,0 +1,467 @@
+//! One `/sync` long-poll loop per account, shared by every room bound through it: it starts with
+//! the account's first binding and stops with its last (`Syncers::sync`), or when the homeserver
+//! says the token is gone.
+//!
+//! Nothing is lost and nothing is stored twice:
+//! - the sync cursor (`next_batch`) is stored in the transaction of the batch's last stored
+//!   message (a `Cursor::Set`); a crash before it syncs again from the previous cursor, and what
+//!   was stored already is a duplicate by its `event_id`;
+//! - each stored message also keeps its room's last stored event, so a gap is filled up to it:
+//!   a `limited` timeline (more events than the filter's limit since the last sync), and every
+//!   room the loop has not synced yet (its first answer after a start, or a room bound while a
+//!   poll was under way), read back from the answer's `next_batch` with `/messages`;
+//! - a batch with no message moves the cursor at most every `SAVE_EVERY`: an idle account does
+//!   not write to the SD card every 30 s (syncing again from an older cursor only re-reads).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use super::api::{seg, Account, POLL_MS};
+use super::event::{self, Event, Page, RoomBatch};
+use super::{AccountState, Matrix, RoomInfo};
+use crate::json;
+use crate::outbox::{Cursor, Enqueued};
+use crate::peer_wait;
+use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::workers::{Stop, Worker, Workers};
+use crate::source::Source;
+
+/// The filter's timeline limit: events per room per answer (Synapse's own default).
+const MAX_TIMELINE: u64 = 10;
+/// A gap is read back at most this many pages of `PAGE` events; what lies before is not
+/// fetched (logged and counted).
+const MAX_PAGES: usize = 50;
+const PAGE: u64 = 10;
+/// An idle account stores its sync cursor at most this often.
+const SAVE_EVERY: Duration = Duration::from_secs(300);
+/// A page of history is asked for within this.
+const PAGE_DEADLINE: Duration = Duration::from_secs(20);
+
+pub(super) fn since_key(account: &str) -> String {
+    format!("matrix_since:{account}")
+}
+
+pub(super) fn last_key(source: &Source) -> String {
+    format!("matrix_last:{source}")
+}
+
+/// The running sync loops, by account.
+pub struct Syncers(Workers<String>);
+
+impl Default for Syncers {
+    fn default() -> Syncers {
+        Syncers(Workers::new("matrix: account", "sync loop"))
+    }
+}
+
+impl Syncers {
+    /// Starts a loop for every account in `wanted` and stops the loops of the others.
+    pub(super) fn sync(&self, mx: &Arc<Matrix>, wanted: &[(String, String)]) {
+        let accounts: Vec<String> = wanted.iter().map(|(a, _)| a.clone()).collect();
+        self.0.sync(&accounts, |account| {
+            let user = wanted
+                .iter()
+                .find(|(a, _)| a == account)
+                .map_or("", |(_, u)| u.as_str());
+            log::info!("matrix: syncing {} (account {account})", crate::quiet::shown(user));
+            let weak = Arc::downgrade(mx);
+            let id = account.clone();
+            Worker::thread(format!("mx-sync-{}", &account[..8.min(account.len())]), move |stop| {
+                run(weak, id, stop)
+            })
+        });
+    }
+
+    /// The loop of `account` ended on its own (its token is gone).
+    pub(super) fn forget(&self, account: &str) {
+        self.0.forget(&account.to_string());
+    }
+
+    pub(super) fn stop_all(&self) {
+        self.0.stop_all();
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.count()
+    }
+}
+
+/// The `/sync` query: the bound rooms' messages and their senders' member events, nothing else.
+fn query(since: Option<&str>, rooms: &[String], limit: u64) -> String {
+    let filter = json::obj([
+        ("presence", json::obj([("types", json::arr([]))])),
+        ("account_data", json::obj([("types", json::arr([]))])),
+        (
+            "room",
+            json::obj([
+                ("rooms", json::strs(rooms.iter().map(String::as_str))),
+                (
+                    "timeline",
+                    json::obj([("limit", json::n(limit)), ("types", json::strs(["m.room.message"]))]),
+                ),
+                (
+                    "state",
+                    json::obj([
+                        ("types", json::strs(["m.room.member"])),
+                        ("lazy_load_members", json::b(true)),
+                    ]),
+                ),
+                ("ephemeral", json::obj([("types", json::arr([]))])),
+                ("account_data", json::obj([("types", json::arr([]))])),
+            ]),
+        ),
+    ]);
+    let filter = crate::upstream::query_value(&json::to_string(&filter));
+    match since {
+        Some(s) => format!(
+            "filter={filter}&set_presence=offline&timeout={POLL_MS}&since={}",
+            crate::upstream::query_value(s)
+        ),
+        // The first sync answers at once: it only finds where the account's stream is.
+        None => format!("filter={filter}&set_presence=offline&timeout=0"),
+    }
+}
+
+/// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
+fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
+    let mut since: Option<String> = None;
+    let mut saved: Option<String> = None;
+    let mut saved_at = Instant::now();
+    let mut synced: HashSet<String> = HashSet::new();
+    let mut limit = MAX_TIMELINE;
+    let mut backoff = Duration::from_secs(1);
+    let mut last_error = String::new();
+    loop {
+        let Some(state) = mx.upgrade().and_then(|m| {
+            if stop.is_stopped() {
+                return None;
+            }
+            let state = m.account_state(&account)?;
+            if since.is_none() {
+                since = m.stored_since(&account);
+                saved.clone_from(&since);
+            }
+            Some(state)
+        }) else {
+            return;
+        };
+        let rooms: Vec<String> = state.rooms.iter().map(|(_, r)| r.room_id.clone()).collect();
+        synced.retain(|r| rooms.contains(r));
+        let q = query(since.as_deref(), &rooms, limit);
+        let api = match mx.upgrade() {
+            Some(m) => m.api.clone(),
+            None => return,
+        };
+        let polled = api.sync(&state.account(), &q);
+        let Some(m) = mx.upgrade() else { return };
+        if stop.is_stopped() {
+            return;
+        }
+        let wait = match polled {
+            Ok(o) => match event::read_sync(&o, |r| rooms.iter().any(|b| b == r)) {
+                None => Some(fail(
+                    &mut last_error,
+                    &account,
+                    "a /sync answer without a usable next_batch",
+                    &mut backoff,
+                )),
+                Some(answer) => {
+                    drop(o);
+                    if !last_error.is_empty() {
+                        log::info!("matrix: account {account}: syncing works again");
+                        last_error.clear();
+                    }
+                    backoff = Duration::from_secs(1);
+                    limit = limit.saturating_mul(2).min(MAX_TIMELINE);
+                    let next = answer.next_batch.clone();
+                    match accept(
+                        &m,
+                        &state,
+                        &answer,
+                        &mut synced,
+                        saved.as_deref() != Some(next.as_str()),
+                    ) {
+                        Ok(Stored::Cursor) => {
+                            saved = Some(next.clone());
+                            saved_at = Instant::now();
+                        }
+                        Ok(Stored::Nothing) => {
+                            if saved.is_none() || saved_at.elapsed() >= SAVE_EVERY {
+                                m.save_since(&account, &next);
+                                saved = Some(next.clone());
+                                saved_at = Instant::now();
+                            }
+                        }
+                        Err(Stopped(wait)) => {
+                            drop(m);
+                            if stop.pause(wait) {
+                                return;
+                            }
+                            continue;
+                        }
+                    }
+                    since = Some(next);
+                    None
+                }
+            },
+            Err(e) if e.token_gone() => {
+                m.token_revoked(&account);
+                return;
+            }
+            Err(e) if e.too_large && limit > 1 => {
+                limit /= 2;
+                log::debug!("matrix: account {account}: a /sync answer too large; asking for {limit} events per room");
+                None
+            }
+            Err(e) => {
+                let wait = peer_wait::retry_after(e.retry_after, backoff);
+                fail(&mut last_error, &account, &format!("/sync failed: {e}"), &mut backoff);
+                Some(wait)
+            }
+        };
+        drop(m);
+        if let Some(wait) = wait {
+            if stop.pause(wait) {
+                return;
+            }
+        }
+    }
+}
+
+/// Logs a failure once until it changes; the wait before the next try.
+fn fail(last: &mut String, account: &str, why: &str, backoff: &mut Duration) -> Duration {
+    if why != last {
+        log::warn!("matrix: account {account}: {why}; retrying with backoff");
+        *last = why.to_string();
+    }
+    let wait = *backoff;
+    *backoff = (*backoff * 2).min(Duration::from_secs(60));
+    wait
+}
+
+/// How an answer went when nothing stopped it.
+enum Stored {
+    /// A stored message carried the new cursor.
+    Cursor,
+    /// Nothing carried it (nothing was stored, or not last).
+    Nothing,
+}
+
+/// The batch stopped at a message that could not be stored; sync again after the wait.
+struct Stopped(Duration);
+
+/// Stores what one answer brought: gaps first, then the timelines, the last stored message
+/// carrying the new cursor. `moved`: the answer's cursor is not the stored one.
+fn accept(
+    m: &Matrix,
+    state: &AccountState,
+    answer: &event::SyncAnswer,
+    synced: &mut HashSet<String>,
+    moved: bool,
+) -> Result<Stored, Stopped> {
+    let mut stored_any = false;
+    let mut todo: Vec<(&Source, &RoomInfo, &Event)> = Vec::new();
+    for room in &answer.rooms {
+        let Some((source, info)) = state.room(&room.room_id) else {
+            continue;
+        };
+        m.learn(room);
+        if !synced.contains(&room.room_id) {
+            continue;
+        }
+        if room.limited {
+            if let Some(prev) = &room.prev_batch {
+                stored_any |= backfill(m, state, source, info, prev)?;
+            }
+        }
+        todo.extend(
+            room.events
+                .iter()
+                .filter(|e| wanted(state, info, e))
+                .map(|e| (source, info, e)),
+        );
+    }
+    // Rooms this loop has not synced: read back from the answer's cursor to their last stored
+    // message (their timeline in this answer is part of what is read back).
+    let fresh: Vec<&(Source, RoomInfo)> = state
+        .rooms
+        .iter()
+        .filter(|(_, i)| !synced.contains(&i.room_id))
+        .collect();
+    for (source, info) in fresh {
+        stored_any |= backfill(m, state, source, info, &answer.next_batch)?;
+        synced.insert(info.room_id.clone());
+    }
+    let last = todo.len();
+    let mut carried = false;
+    for (n, (source, info, e)) in todo.into_iter().enumerate() {
+        let mut cursors = vec![Cursor::Set(last_key(source), e.event_id.clone())];
+        let carries = n + 1 == last && moved;
+        if carries {
+            cursors.push(Cursor::Set(since_key(&state.id), answer.next_batch.clone()));
+        }
+        if store(m, state, source, info, e, cursors)? {
+            stored_any = true;
+            carried |= carries;
+        }
+    }
+    if carried {
+        return Ok(Stored::Cursor);
+    }
+    if stored_any && moved {
+        // Something was stored without the cursor (the last was stale): move it now, so a
+        // restart does not read it all back.
+        m.save_since(&state.id, &answer.next_batch);
+        return Ok(Stored::Cursor);
+    }
+    Ok(Stored::Nothing)
+}
+
+/// Whether an event is one to store: a message (not a notice: bots answer no bot), not the
+/// account's own, not from before its room was bound.
+fn wanted(state: &AccountState, info: &RoomInfo, e: &Event) -> bool {
+    e.sender != state.user_id && e.ts >= info.bound_at && e.message.as_ref().is_some_and(|msg| msg.kind != "notice")
+}
+
+/// Stores one message; `Ok(false)` when it was older than the TTL (counted expired).
+fn store(
+    m: &Matrix,
+    state: &AccountState,
+    source: &Source,
+    info: &RoomInfo,
+    e: &Event,
+    cursors: Vec<Cursor>,
+) -> Result<bool, Stopped> {
+    let Some(msg) = &e.message else {
+        return Ok(false);
+    };
+    let inbound = m.inbound_of(info, e, msg);
+    let fetched_for = source.to_string();
+    let arrival = Arrival {
+        source: source.clone(),
+        file: msg.media.as_ref().map(|media| Fetch {
+            kind: msg.kind.to_string(),
+            fetch: Box::new(move || m.fetch(state, &fetched_for, media)),
+        }),
+        inbound,
+        reply_ref: true,
+        cursors,
+        when_stale: WhenStale::CountExpired,
+    };
+    let ticket = match m.host.intake(arrival) {
+        Intake::Stale => return Ok(false),
+        Intake::Submitted(ticket) => ticket,
+    };
+    match ticket.wait() {
+        Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => Ok(true),
+        Ok(Enqueued::CapacityExceeded) => {
+            // reject_new: the homeserver keeps the messages; the cursor stays (backpressure).
+            m.full_queue(source);
+            Err(Stopped(Duration::from_secs(5)))
+        }
+        Err(err) => {
+            log::debug!(
+                "matrix: {source}: cannot store {}: {err}",
+                crate::quiet::shown(&e.event_id)
+            );
+            Err(Stopped(Duration::from_secs(1)))
+        }
+    }
+}
+
+/// Reads a room's history back from `from` to its last stored message (or its binding, or the
+/// TTL) and stores what lies after it, oldest first. One page is held at a time: the way back
+/// keeps only the pages' tokens, and each newer page is read again on the way forward.
+fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, from: &str) -> Result<bool, Stopped> {
+    let last = m.last_stored(source);
+    let oldest_wanted = info.bound_at.max(crate::ids::now_ms().saturating_sub(m.host.ttl_ms()));
+    let acct = state.account();
+    // The way back: the tokens of the pages read, up to the page that holds the edge.
+    let mut tokens = vec![from.to_string()];
+    let (oldest, edge) = loop {
+        let token = tokens.last().map_or(from, String::as_str);
+        let page = page(m, &acct, info, token)?;
+        let edge = page
+            .events
+            .iter()
+            .position(|e| Some(e.event_id.as_str()) == last.as_deref() || e.ts < oldest_wanted);
+        if let Some(i) = edge {
+            break (page, i);
+        }
+        let n = page.events.len();
+        match page.end.clone() {
+            Some(end) if n > 0 && tokens.len() < MAX_PAGES => tokens.push(end),
+            Some(_) if n > 0 => {
+                m.gap_too_long(source, MAX_PAGES as u64 * PAGE);
+                break (page, n);
+            }
+            // The start of the room's history.
+            _ => break (page, n),
+        }
+    };
+    // The way forward: the oldest page (held), then each newer one read again.
+    let mut stored = store_page(m, state, source, info, &oldest, edge)?;
+    drop(oldest);
+    for token in tokens.iter().rev().skip(1) {
+        let p = page(m, &acct, info, token)?;
+        stored |= store_page(m, state, source, info, &p, p.events.len())?;
+    }
+    Ok(stored)
+}
+
+/// Stores the events of a page (newest first) before index `edge`, oldest first.
+fn store_page(
+    m: &Matrix,
+    state: &AccountState,
+    source: &Source,
+    info: &RoomInfo,
+    page: &Page,
+    edge: usize,
+) -> Result<bool, Stopped> {
+    m.learn_names(&info.room_id, &page.names);
+    let mut stored = false;
+    let newer = &page.events[..edge.min(page.events.len())];
+    for e in newer.iter().rev().filter(|e| wanted(state, info, e)) {
+        stored |= store(
+            m,
+            state,
+            source,
+            info,
+            e,
+            vec![Cursor::Set(last_key(source), e.event_id.clone())],
+        )?;
+    }
+    Ok(stored)
+}
+
+/// One page of the room's messages before `from`, newest first.
+fn page(m: &Matrix, acct: &Account, info: &RoomInfo, from: &str) -> Result<Page, Stopped> {
+    let filter = json::obj([
+        ("types", json::strs(["m.room.message"])),
+        ("lazy_load_members", json::b(true)),
+    ]);
+    let path = format!(
+        "/rooms/{}/messages?dir=b&limit={PAGE}&from={}&filter={}",
+        seg(&info.room_id),
+        crate::upstream::query_value(from),
+        crate::upstream::query_value(&json::to_string(&filter))
+    );
+    match m.api.get(acct, &path, PAGE_DEADLINE) {
+        Ok(o) => Ok(event::read_page(&o)),
+        Err(e) => {
+            m.history_failed(&info.room_id, &e);
+            Err(Stopped(peer_wait::retry_after(e.retry_after, Duration::from_secs(5))))
+        }
+    }
+}
+
+impl Matrix {
+    /// What the room's batch says about its members.
+    fn learn(&self, room: &RoomBatch) {
+        self.learn_names(&room.room_id, &room.names);
+        if let Some(n) = room.members {
+            self.set_members(&room.room_id, n);
+        }
+    }
+}
