@@ -430,19 +430,23 @@ fn wechat_bot_idle_beside_a_webhook() {
     }
 }
 
-/// A bot of a provider with a long connection (Slack's Socket Mode, Discord's Gateway) beside
+/// A bot of a provider with a long connection (Slack's Socket Mode, Discord's Gateway,
+/// DingTalk's Stream mode) or a long poll (Matrix's /sync) beside
 /// the webhook channel, against its simulator.
 enum Bot {
     None,
     Slack(common::slack::SlackSim),
     Discord(common::discord::DiscordSim, String, common::discord::User),
     DingTalk(common::dingtalk::DingTalkSim),
+    Matrix(common::matrix::MatrixSim),
 }
 
 impl Bot {
     const SLACK_CHANNEL: &str = "C0BUDGET1";
     const DINGTALK_APP: &str = "dingbudget0000000001";
     const DINGTALK_GROUP: &str = "cidBudget0001==";
+    const MATRIX_ROOM: &str = "!budget:sim";
+    const MATRIX_TOKEN: &str = "syt_budget_bot";
 
     fn start(kind: &str) -> Bot {
         match kind {
@@ -469,6 +473,13 @@ impl Bot {
                 sim.add_group(Self::DINGTALK_GROUP, "Budget");
                 Bot::DingTalk(sim)
             }
+            "matrix" => {
+                let sim = common::matrix::MatrixSim::start();
+                sim.add_user("@bot:sim", Self::MATRIX_TOKEN);
+                sim.add_user("@ann:sim", "ann-token");
+                sim.add_room(Self::MATRIX_ROOM, &["@bot:sim", "@ann:sim"], false);
+                Bot::Matrix(sim)
+            }
             _ => Bot::None,
         }
     }
@@ -482,6 +493,7 @@ impl Bot {
                 "[dingtalk]\napi_base = {}\noapi_base = {}\n",
                 sim.api_base, sim.oapi_base
             ),
+            Bot::Matrix(_) => "[matrix]\n".into(),
         }
     }
 
@@ -501,6 +513,10 @@ impl Bot {
                 "dingtalk_robot_binding",
                 serde_json::json!({"client_id": Self::DINGTALK_APP, "client_secret": "budget-secret", "conversation_id": Self::DINGTALK_GROUP}),
             ),
+            Bot::Matrix(sim) => (
+                "matrix_room_binding",
+                serde_json::json!({"homeserver": sim.base, "access_token": Self::MATRIX_TOKEN, "room_id": Self::MATRIX_ROOM}),
+            ),
         };
         let (cch, _) = x.open(None);
         let a = x.request(
@@ -513,19 +529,22 @@ impl Bot {
             Bot::Slack(sim) => sim.wait_connected("xapp-budget", 1, Duration::from_secs(10)),
             Bot::Discord(sim, ..) => sim.wait_until(Duration::from_secs(10), |r| r.ready >= 1),
             Bot::DingTalk(sim) => sim.wait_connected(Self::DINGTALK_APP, 1, Duration::from_secs(10)),
+            Bot::Matrix(sim) => sim.wait_polling(Duration::from_secs(10)),
             Bot::None => true,
         };
         assert!(up, "the bot is connected");
         Some(cch)
     }
 
-    /// Its keepalives so far (Slack's and DingTalk's pings, Discord's heartbeats).
+    /// Its keepalives so far (Slack's and DingTalk's pings, Discord's heartbeats, Matrix's syncs).
     fn keepalives(&self) -> u64 {
         match self {
             Bot::None => 0,
             Bot::Slack(sim) => sim.pings("xapp-budget") as u64,
             Bot::Discord(sim, ..) => sim.records(|r| r.heartbeats),
             Bot::DingTalk(sim) => sim.ws_pings(Self::DINGTALK_APP) as u64,
+            // A long poll's answer (every 30 s when idle).
+            Bot::Matrix(sim) => sim.syncs() as u64,
         }
     }
 
@@ -540,6 +559,9 @@ impl Bot {
             }
             Bot::DingTalk(sim) => {
                 sim.send_text(Self::DINGTALK_APP, Self::DINGTALK_GROUP, "0100001", text);
+            }
+            Bot::Matrix(sim) => {
+                sim.post_text(Self::MATRIX_ROOM, "@ann:sim", text);
             }
         }
     }
@@ -562,7 +584,7 @@ fn a_bot_idle_and_a_catch_up_beside_webhooks() {
     const N: usize = 1000;
     let text = "a message of a busy channel, about two hundred bytes long, as people write them: ".repeat(2);
     let mut rows = Vec::new();
-    for kind in ["webhook", "slack", "discord", "dingtalk"] {
+    for kind in ["webhook", "slack", "discord", "dingtalk", "matrix"] {
         let bot = Bot::start(kind);
         let dir = temp_dir(&format!("budgets-bot-{kind}"));
         let conf =

@@ -613,7 +613,7 @@ fn metrics_problems(text: &str) -> Vec<String> {
 fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
     // Every provider whose section needs no account, so their families are in too.
     let extra = "[slack]\napi_base = http://127.0.0.1:9\n[discord]\napi_base = http://127.0.0.1:9\n\
-                 [dingtalk]\napi_base = http://127.0.0.1:9\noapi_base = http://127.0.0.1:9\n[wechat]\n";
+                 [dingtalk]\napi_base = http://127.0.0.1:9\noapi_base = http://127.0.0.1:9\n[wechat]\n[matrix]\n";
     let dir = temp_dir("metrics-lint");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, extra));
     let (mut x, _) = d.bound_xagent();
@@ -634,6 +634,7 @@ fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
         "imgate_discord_sessions",
         "imgate_dingtalk_connections",
         "imgate_wechat_receivers",
+        "imgate_matrix_sync_loops",
         "imgate_channel_pending",
     ] {
         assert!(text.contains(&format!("# TYPE {family} ")), "{family} missing:\n{text}");

@@ -16,6 +16,8 @@ mod edge;
 #[cfg(feature = "feishu")]
 mod feishu;
 mod limits;
+#[cfg(feature = "matrix")]
+mod matrix;
 mod outbox;
 mod secrets;
 mod service;

@@ -375,10 +375,10 @@ impl Matrix {
         }
     }
 
-    fn gap_too_long(&self, source: &Source, read: u64) {
+    fn gap_too_long(&self, source: &Source, pages: u64) {
         self.counts.gap_unread.fetch_add(1, Ordering::Relaxed);
         log::warn!(
-            "matrix: {source}: more than {read} messages arrived while imgate was away; the older ones are not fetched"
+            "matrix: {source}: more messages arrived while imgate was away than {pages} pages of history hold; the older ones are not fetched"
         );
     }
 

@@ -29,10 +29,10 @@ use crate::source::Source;
 
 /// The filter's timeline limit: events per room per answer (Synapse's own default).
 const MAX_TIMELINE: u64 = 10;
-/// A gap is read back at most this many pages of `PAGE` events; what lies before is not
-/// fetched (logged and counted).
-const MAX_PAGES: usize = 50;
-const PAGE: u64 = 10;
+/// A gap is read back at most this many pages of up to `PAGE` events (fewer when a page's answer
+/// passes the cap); what lies before is not fetched (logged and counted).
+const MAX_PAGES: usize = 200;
+const PAGE: u64 = 50;
 /// An idle account stores its sync cursor at most this often.
 const SAVE_EVERY: Duration = Duration::from_secs(300);
 /// A page of history is asked for within this.
@@ -377,11 +377,13 @@ fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, 
     let last = m.last_stored(source);
     let oldest_wanted = info.bound_at.max(crate::ids::now_ms().saturating_sub(m.host.ttl_ms()));
     let acct = state.account();
-    // The way back: the tokens of the pages read, up to the page that holds the edge.
-    let mut tokens = vec![from.to_string()];
+    // The way back: the tokens of the pages read (with the size each was read at), up to the
+    // page that holds the edge.
+    let mut tokens: Vec<(String, u64)> = Vec::new();
+    let mut from = (from.to_string(), PAGE);
     let (oldest, edge) = loop {
-        let token = tokens.last().map_or(from, String::as_str);
-        let page = page(m, &acct, info, token)?;
+        let (page, limit) = page(m, &acct, info, &from.0, from.1)?;
+        tokens.push((std::mem::take(&mut from.0), limit));
         let edge = page
             .events
             .iter()
@@ -391,9 +393,9 @@ fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, 
         }
         let n = page.events.len();
         match page.end.clone() {
-            Some(end) if n > 0 && tokens.len() < MAX_PAGES => tokens.push(end),
+            Some(end) if n > 0 && tokens.len() < MAX_PAGES => from = (end, limit),
             Some(_) if n > 0 => {
-                m.gap_too_long(source, MAX_PAGES as u64 * PAGE);
+                m.gap_too_long(source, MAX_PAGES as u64);
                 break (page, n);
             }
             // The start of the room's history.
@@ -403,8 +405,12 @@ fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, 
     // The way forward: the oldest page (held), then each newer one read again.
     let mut stored = store_page(m, state, source, info, &oldest, edge)?;
     drop(oldest);
-    for token in tokens.iter().rev().skip(1) {
-        let p = page(m, &acct, info, token)?;
+    for (token, limit) in tokens.iter().rev().skip(1) {
+        let (p, fitted) = page(m, &acct, info, token, *limit)?;
+        if fitted != *limit {
+            // Not the page read on the way back: the events between would be skipped.
+            return Err(Stopped(Duration::from_secs(5)));
+        }
         stored |= store_page(m, state, source, info, &p, p.events.len())?;
     }
     Ok(stored)
@@ -435,23 +441,27 @@ fn store_page(
     Ok(stored)
 }
 
-/// One page of the room's messages before `from`, newest first.
-fn page(m: &Matrix, acct: &Account, info: &RoomInfo, from: &str) -> Result<Page, Stopped> {
+/// One page of the room's messages before `from`, newest first, of at most `limit` events:
+/// fewer when the answer passes the cap. The page and the limit it was read at.
+fn page(m: &Matrix, acct: &Account, info: &RoomInfo, from: &str, mut limit: u64) -> Result<(Page, u64), Stopped> {
     let filter = json::obj([
         ("types", json::strs(["m.room.message"])),
         ("lazy_load_members", json::b(true)),
     ]);
-    let path = format!(
-        "/rooms/{}/messages?dir=b&limit={PAGE}&from={}&filter={}",
-        seg(&info.room_id),
-        crate::upstream::query_value(from),
-        crate::upstream::query_value(&json::to_string(&filter))
-    );
-    match m.api.get(acct, &path, PAGE_DEADLINE) {
-        Ok(o) => Ok(event::read_page(&o)),
-        Err(e) => {
-            m.history_failed(&info.room_id, &e);
-            Err(Stopped(peer_wait::retry_after(e.retry_after, Duration::from_secs(5))))
+    let filter = crate::upstream::query_value(&json::to_string(&filter));
+    loop {
+        let path = format!(
+            "/rooms/{}/messages?dir=b&limit={limit}&from={}&filter={filter}",
+            seg(&info.room_id),
+            crate::upstream::query_value(from),
+        );
+        match m.api.get(acct, &path, PAGE_DEADLINE) {
+            Ok(o) => return Ok((event::read_page(&o), limit)),
+            Err(e) if e.too_large && limit > 1 => limit /= 2,
+            Err(e) => {
+                m.history_failed(&info.room_id, &e);
+                return Err(Stopped(peer_wait::retry_after(e.retry_after, Duration::from_secs(5))));
+            }
         }
     }
 }
