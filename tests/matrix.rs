@@ -62,20 +62,25 @@ fn raw_texts(x: &mut Sim, n: usize) -> Vec<String> {
 #[test]
 fn a_gap_while_polling_is_read_back_in_order_and_the_filter_asks_only_for_the_bound_room() {
     let (d, sim) = matrix("mx-gap");
+    sim.post_text(ROOM, ALICE, "said before the binding");
     let (mut x, _) = bound(&d, &sim);
     let filter = sim.filters().last().cloned().expect("a filter");
     assert_eq!(filter["room"]["rooms"], json!([ROOM]), "{filter}");
     assert_eq!(filter["room"]["timeline"]["limit"], 10, "{filter}");
     assert_eq!(
         filter["room"]["timeline"]["types"],
-        json!(["m.room.message"]),
+        json!(["m.room.message", "m.room.encryption"]),
         "{filter}"
     );
     assert_eq!(filter["presence"]["types"], json!([]), "no presence: {filter}");
 
     let first = sim.post_text(ROOM, ALICE, "one");
     let push = x.next_push(WAIT).expect("a message in");
-    assert_eq!(push["payload"]["message_id"], first.as_str());
+    assert_eq!(
+        push["payload"]["message_id"],
+        first.as_str(),
+        "what was said before the binding is not pushed"
+    );
     assert_eq!(push["payload"]["sender_name"], "Alice");
     assert_eq!(push["payload"]["chat_type"], "group", "three members");
     let paged = sim.paginations().len();
@@ -185,4 +190,28 @@ fn a_token_revoked_under_the_loop_expires_the_channel_and_stops_polling() {
         .contains("bind this channel again"));
     assert_eq!(sim.syncs(), syncs, "no more polling with a token the server refused");
     assert_no_secret(&d.log(), &[TOKEN], "imgate's log at trace level");
+}
+
+#[test]
+fn a_room_that_turns_on_encryption_stops_its_channel_and_gets_nothing_in_the_clear() {
+    let (d, sim) = matrix("mx-encrypted");
+    let (mut x, cch) = bound(&d, &sim);
+    sim.post_event(
+        ROOM,
+        ALICE,
+        "m.room.encryption",
+        json!({"algorithm": "m.megolm.v1.aes-sha2"}),
+    );
+    let pushed = x.next_of("connection.descriptor.push", WAIT).expect("xAgent is told");
+    let connection = &pushed["payload"]["connection_descriptor"]["connection"];
+    assert_eq!(connection["status"], "error", "{pushed}");
+    let tool = x.tool(&cch, "imgate_message_send", json!({"text": "in the clear?"}), "enc-1");
+    assert_eq!(tool["error"]["code"], "connector_channel_unavailable", "{tool}");
+    assert!(
+        tool["error"]["message"].as_str().unwrap().contains("encryption"),
+        "{tool}"
+    );
+    assert!(sim.sent(ROOM).is_empty(), "nothing sent into the encrypted room");
+    assert!(d.log_shows("turned on end-to-end encryption", WAIT));
+    metrics_once(&d, "imgate_matrix_sync_loops 0", WAIT);
 }

@@ -62,6 +62,15 @@ impl ApiError {
         ApiError::refused(413, e.to_string())
     }
 
+    /// The error with `token` shown as `<token>`: a server (or a proxy) may echo a request's
+    /// header in its error text.
+    fn hiding(mut self, token: &str) -> ApiError {
+        if !token.is_empty() {
+            self.message = self.message.replace(token, "<token>");
+        }
+        self
+    }
+
     /// The token was revoked (logged out, deactivated): nothing works until a new binding.
     pub fn token_gone(&self) -> bool {
         self.status == 401 && self.errcode == "M_UNKNOWN_TOKEN"
@@ -85,10 +94,16 @@ impl crate::providers::Transient for ApiError {
 
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The server's words, escaped: they reach log lines and tool results.
+        let message = crate::quiet::shown(&self.message);
         match (self.status, self.errcode.is_empty()) {
-            (0, _) => write!(f, "homeserver unreachable: {}", self.message),
-            (s, true) => write!(f, "homeserver answered {s}: {}", self.message),
-            (s, false) => write!(f, "homeserver answered {s} {}: {}", self.errcode, self.message),
+            (0, _) => write!(f, "homeserver unreachable: {message}"),
+            (s, true) => write!(f, "homeserver answered {s}: {message}"),
+            (s, false) => write!(
+                f,
+                "homeserver answered {s} {}: {message}",
+                crate::quiet::shown(&self.errcode)
+            ),
         }
     }
 }
@@ -136,7 +151,7 @@ impl Api {
         let mut resp = authorized(req, acct.token)
             .call()
             .map_err(|e| ApiError::unreachable(e.into()))?;
-        answer(&mut resp, MAX_ANSWER)
+        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token))
     }
 
     /// `/sync` (`query` is its whole query string): a long poll of up to `POLL_MS`.
@@ -145,7 +160,7 @@ impl Api {
         let mut resp = authorized(self.poll.get(&url), acct.token)
             .call()
             .map_err(|e| ApiError::unreachable(e.into()))?;
-        answer(&mut resp, MAX_ANSWER)
+        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token))
     }
 
     /// A PUT or POST of a JSON body to the client API, within `timeout`.
@@ -168,7 +183,7 @@ impl Api {
             .header("Content-Type", "application/json")
             .send(json::to_string(body).as_bytes())
             .map_err(|e| ApiError::unreachable(e.into()))?;
-        answer(&mut resp, MAX_ANSWER)
+        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token))
     }
 
     /// Uploads a file from the cache (`POST /_matrix/media/v3/upload`), streamed from disk;
@@ -188,7 +203,7 @@ impl Api {
             .header("Content-Length", &file.size.to_string())
             .send(ureq::SendBody::from_reader(&mut bytes))
             .map_err(|e| ApiError::unreachable(e.into()))?;
-        let o = answer(&mut resp, MAX_ERROR_ANSWER)?;
+        let o = answer(&mut resp, MAX_ERROR_ANSWER).map_err(|e| e.hiding(acct.token))?;
         json::get_str(&o, "content_uri")
             .filter(|u| u.starts_with("mxc://"))
             .map(str::to_string)
@@ -224,7 +239,9 @@ impl Api {
             resp = req.call().map_err(|e| ApiError::unreachable(e.into()))?;
         }
         if resp.status().as_u16() != 200 {
-            return answer(&mut resp, MAX_ERROR_ANSWER).and(Err(ApiError::refused(502, "file download refused")));
+            return answer(&mut resp, MAX_ERROR_ANSWER)
+                .and(Err(ApiError::refused(502, "file download refused")))
+                .map_err(|e| e.hiding(acct.token));
         }
         let served = resp
             .headers()

@@ -54,6 +54,9 @@ pub struct RoomBatch {
     pub names: Vec<(String, String)>,
     /// `summary.m.joined_member_count`, when the server says.
     pub members: Option<u64>,
+    /// The room turned on end-to-end encryption (an `m.room.encryption` state event): its
+    /// messages can no longer be read.
+    pub encrypted: bool,
 }
 
 #[derive(Debug)]
@@ -96,6 +99,13 @@ pub fn read_sync(o: &Object, wanted: impl Fn(&str) -> bool) -> Option<SyncAnswer
             continue;
         }
         let timeline = json::get_obj(room, "timeline");
+        let state = json::get_obj(room, "state").and_then(|s| array(s, "events"));
+        let raw_timeline = timeline.and_then(|t| array(t, "events"));
+        let encrypted = [state, raw_timeline]
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| json::as_object(e).and_then(|e| json::get_str(e, "type")) == Some("m.room.encryption"));
         let events = timeline
             .and_then(|t| array(t, "events"))
             .map(read_events)
@@ -105,11 +115,9 @@ pub fn read_sync(o: &Object, wanted: impl Fn(&str) -> bool) -> Option<SyncAnswer
             events,
             limited: timeline.is_some_and(|t| matches!(t.get("limited"), Some(Value::Bool(true)))),
             prev_batch: timeline.and_then(|t| token(t, "prev_batch")),
-            names: json::get_obj(room, "state")
-                .and_then(|s| array(s, "events"))
-                .map(member_names)
-                .unwrap_or_default(),
+            names: state.map(member_names).unwrap_or_default(),
             members: json::get_obj(room, "summary").and_then(|s| json::get_u64(s, "m.joined_member_count")),
+            encrypted,
         });
     }
     Some(SyncAnswer { next_batch, rooms })
@@ -259,6 +267,11 @@ mod tests {
         );
         assert!(r.events[2].message.is_none(), "no msgtype: not a message");
         assert!(r.events[3].message.is_none(), "a reaction is not a message");
+        assert!(!r.encrypted);
+        let turned = r#"{"next_batch":"s2","rooms":{"join":{"!a:hs":{"timeline":{"events":[
+            {"type":"m.room.encryption","event_id":"$5","sender":"@ada:hs","state_key":"","content":{"algorithm":"m.megolm.v1.aes-sha2"}}]}}}}}"#;
+        let s = read_sync(&parse(turned).expect("json"), |_| true).expect("a next_batch");
+        assert!(s.rooms[0].encrypted, "encryption turned on is seen");
     }
 
     #[test]

@@ -27,6 +27,7 @@ use self::api::{seg, Account, Api, ApiError};
 use self::event::{valid_id, Event, Media, Message};
 use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
+use super::intake::Recent;
 use super::keyfiles::KeyFiles;
 use super::{
     field, send_id, served_mime, split_text, with_retry, Activity, AuthStep, Declaration, Description, Failure, Host,
@@ -64,6 +65,10 @@ const TYPING_BUSY_MS: u64 = 60_000;
 const TYPING_EVERY: Duration = Duration::from_secs(20);
 /// Display names remembered (room, user); the cache starts over when full.
 const NAMES: usize = 512;
+/// Recently stored events remembered: a message read again is not fetched again.
+const RECENT: usize = 256;
+/// Rooms one account may have bound: the sync filter names each in every poll's URL.
+const MAX_ROOMS: usize = 100;
 
 pub const REGISTRATION: Registration = Registration {
     reader: Reader {
@@ -110,9 +115,12 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         names: Mutex::default(),
         members: Mutex::default(),
         typing: Mutex::default(),
+        recent: Recent::new(RECENT),
+        newest: Mutex::default(),
         counts: Counts::default(),
         full_log: Site::new(),
         history_log: Site::new(),
+        gap_log: Site::new(),
     })))
 }
 
@@ -131,6 +139,15 @@ pub struct RoomInfo {
     pub bound_at: u64,
     /// The homeserver said the token is gone (`M_UNKNOWN_TOKEN`): expired until bound again.
     pub revoked: bool,
+    /// The room turned on end-to-end encryption after it was bound: its messages can no longer
+    /// be read, and nothing is sent in the clear into it.
+    pub encrypted: bool,
+}
+
+impl RoomInfo {
+    fn usable(&self) -> bool {
+        !self.revoked && !self.encrypted
+    }
 }
 
 /// An account as its sync loop and its sends use it.
@@ -178,9 +195,13 @@ pub struct Matrix {
     members: Mutex<HashMap<String, u64>>,
     /// room → when "typing" was last asked for while busy.
     typing: Mutex<HashMap<String, Instant>>,
+    recent: Recent,
+    /// source → the newest event of its room the last answer had: handled, as all before it.
+    newest: Mutex<HashMap<String, String>>,
     counts: Counts,
     full_log: Site,
     history_log: Site,
+    gap_log: Site,
 }
 
 /// `account` of a user on a homeserver: 16 hex digits, safe as a key and a file name.
@@ -233,7 +254,7 @@ impl Matrix {
         let rooms: Vec<(Source, RoomInfo)> = self
             .bound_rooms()
             .into_iter()
-            .filter(|(_, i)| i.account == account && !i.revoked)
+            .filter(|(_, i)| i.account == account && i.usable())
             .collect();
         let first = rooms.first()?.1.clone();
         Some(AccountState {
@@ -264,6 +285,43 @@ impl Matrix {
 
     fn last_stored(&self, source: &Source) -> Option<String> {
         self.host.outbox.cursor(&sync::last_key(source)).ok().flatten()
+    }
+
+    /// Whether an event of `source`'s room was handled lately: stored, or as old as the newest
+    /// one the previous answer had.
+    fn handled(&self, source: &Source, event_id: &str) -> bool {
+        self.recent.seen(event_id, event_id)
+            || self
+                .newest
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(source.as_str())
+                .is_some_and(|n| n == event_id)
+    }
+
+    fn saw_newest(&self, source: &Source, event_id: &str) {
+        let mut newest = self.newest.lock().unwrap_or_else(|e| e.into_inner());
+        if newest.len() >= NAMES && !newest.contains_key(source.as_str()) {
+            newest.clear();
+        }
+        newest.insert(source.to_string(), event_id.to_string());
+    }
+
+    /// The room of `source` turned on end-to-end encryption: its channel shows why (xAgent is
+    /// told), its messages are no longer asked for, nothing is sent into it.
+    fn room_encrypted(&self, source: &Source) {
+        {
+            let mut bound = self.bound.lock().unwrap_or_else(|e| e.into_inner());
+            let Some((_, info)) = bound.iter_mut().find(|(s, i)| s == source && !i.encrypted) else {
+                return;
+            };
+            info.encrypted = true;
+            if let Err(e) = ROOMS.put(&self.host.db, source.as_str(), &*info) {
+                log::error!("matrix: cannot mark the binding of {source} encrypted: {e}");
+            }
+        }
+        log::warn!("matrix: {source}: the room turned on end-to-end encryption, which imgate does not support; its channel stops");
+        self.host.binding_state_changed(source);
     }
 
     /// The homeserver said the account's token is gone: its rooms are expired (xAgent is told)
@@ -377,9 +435,11 @@ impl Matrix {
 
     fn gap_too_long(&self, source: &Source, pages: u64) {
         self.counts.gap_unread.fetch_add(1, Ordering::Relaxed);
-        log::warn!(
-            "matrix: {source}: more messages arrived while imgate was away than {pages} pages of history hold; the older ones are not fetched"
-        );
+        if let Some(more) = self.gap_log.admit() {
+            log::warn!(
+                "matrix: {source}: more messages arrived while imgate was away than {pages} pages of history hold; the older ones are not fetched{more}"
+            );
+        }
     }
 
     fn history_failed(&self, room: &str, e: &ApiError) {
@@ -402,6 +462,9 @@ impl Matrix {
                 code::CONNECTION_NOT_AUTHENTICATED,
                 "the homeserver no longer accepts the access token: bind this channel again with a new one",
             ));
+        }
+        if info.encrypted {
+            return Err(Failure::new(code::CHANNEL_UNAVAILABLE, ENCRYPTED));
         }
         let token = self
             .token_files()
@@ -445,7 +508,10 @@ impl Matrix {
             self.api.send(&acct, "PUT", &path, content, left)
         })
         .map_err(|e| self.failed(state, &e))?;
-        Ok(json::get_str(&sent, "event_id").unwrap_or_default().to_string())
+        Ok(json::get_str(&sent, "event_id")
+            .filter(|id| valid_id(id, b'$'))
+            .unwrap_or_default()
+            .to_string())
     }
 
     /// Asks the homeserver to show "typing" for `ms` (0: stop), within its own deadline.
@@ -463,14 +529,18 @@ impl Matrix {
     /// Whether "typing" was asked for in `room` within `TYPING_EVERY` (else it is noted now).
     fn typing_recently(&self, room: &str) -> bool {
         let mut typing = self.typing.lock().unwrap_or_else(|e| e.into_inner());
-        typing.retain(|_, t| t.elapsed() < TYPING_EVERY);
-        if typing.contains_key(room) {
+        // Kept while the homeserver may still show it, so `idle` knows to stop it.
+        typing.retain(|_, t| t.elapsed() < Duration::from_millis(TYPING_BUSY_MS));
+        if typing.get(room).is_some_and(|t| t.elapsed() < TYPING_EVERY) {
             return true;
         }
         typing.insert(room.to_string(), Instant::now());
         false
     }
 }
+
+const ENCRYPTED: &str =
+    "the room turned on end-to-end encryption, which imgate does not support: bind the channel to a room without it";
 
 const DECLARATION: Declaration = Declaration {
     name: NAME,
@@ -561,7 +631,8 @@ impl Matrix {
             .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "whoami gave no user ID"))?
             .to_string();
         let room_id = self.room_id_of(&acct, room_given)?;
-        self.join(&acct, &room_id)?;
+        // By the alias when one was given: it names the servers to join through.
+        self.join(&acct, &room_id, room_given)?;
         let state_of = |kind: &str| {
             self.api
                 .get(&acct, &format!("/rooms/{}/state/{kind}/", seg(&room_id)), t)
@@ -573,14 +644,18 @@ impl Matrix {
                     "this room is end-to-end encrypted, which imgate does not support: use a room without encryption",
                 ))
             }
-            Err(e) if e.status == 404 => {}
+            Err(e) if e.status == 404 && e.errcode == "M_NOT_FOUND" => {}
             Err(e) => return Err(cannot("check the room's encryption", &e)),
         }
-        let members = self
+        let members = match self
             .api
             .get(&acct, &format!("/rooms/{}/joined_members", seg(&room_id)), t)
-            .map_err(|e| cannot("read the room's members", &e))?;
-        let members = json::get_obj(&members, "joined").map_or(0, |j| j.len() as u64);
+        {
+            Ok(m) => json::get_obj(&m, "joined").map_or(0, |j| j.len() as u64),
+            // Too many members to list: a group, whatever their number.
+            Err(e) if e.too_large => u64::MAX,
+            Err(e) => return Err(cannot("read the room's members", &e)),
+        };
         let name = state_of("m.room.name")
             .ok()
             .and_then(|o| json::get_str(&o, "name").map(str::to_string))
@@ -589,13 +664,34 @@ impl Matrix {
             .unwrap_or_default();
         let account = account_of(&homeserver, &user_id);
         let source = Source::new(NAME, &format!("{account}:{room_id}"));
-        self.token_files()
-            .store(&account, token)
-            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the access token: {e}")))?;
-        // Bound again (a new token after a revocation): messages since the first binding count.
+        let others = self
+            .bound_rooms()
+            .iter()
+            .filter(|(s, i)| i.account == account && *s != source)
+            .count();
+        if others >= MAX_ROOMS {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                format!("this account has {MAX_ROOMS} bound rooms already, the most one account may have"),
+            ));
+        }
+        // What the room said before this binding is not pushed: its newest message is where
+        // reading starts. A binding renewed after its token was revoked catches up instead.
         let before = ROOMS
             .get::<RoomInfo>(&self.host.db, source.as_str())
             .map_err(Failure::storage)?;
+        let renewed =
+            before.as_ref().is_some_and(|b| b.revoked) && self.bound_rooms().iter().any(|(s, _)| *s == source);
+        if !renewed {
+            let newest = self.newest_message(&acct, &room_id)?;
+            self.host
+                .outbox
+                .move_cursors(&[crate::outbox::Cursor::Set(sync::last_key(&source), newest)])
+                .map_err(Failure::storage)?;
+        }
+        self.token_files()
+            .store(&account, token)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the access token: {e}")))?;
         let info = RoomInfo {
             account: account.clone(),
             homeserver,
@@ -603,8 +699,12 @@ impl Matrix {
             room_id,
             name,
             members,
-            bound_at: before.map_or_else(crate::ids::now_ms, |b| b.bound_at),
+            bound_at: match (renewed, before) {
+                (true, Some(b)) => b.bound_at,
+                _ => crate::ids::now_ms(),
+            },
             revoked: false,
+            encrypted: false,
         };
         ROOMS
             .put(&self.host.db, source.as_str(), &info)
@@ -661,8 +761,24 @@ impl Matrix {
             .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "the alias resolved to no room ID"))
     }
 
-    /// The account is in the room, or joins it (an invitation, a public room).
-    fn join(&self, acct: &Account, room_id: &str) -> Result<(), Failure> {
+    /// The ID of the room's newest message (empty when it has none).
+    fn newest_message(&self, acct: &Account, room_id: &str) -> Result<String, Failure> {
+        let filter = crate::upstream::query_value(r#"{"types":["m.room.message"]}"#);
+        let path = format!("/rooms/{}/messages?dir=b&limit=1&filter={filter}", seg(room_id));
+        let page = self
+            .api
+            .get(acct, &path, TOOL_DEADLINE)
+            .map_err(|e| cannot("read the room's newest message", &e))?;
+        Ok(event::read_page(&page)
+            .events
+            .first()
+            .map(|e| e.event_id.clone())
+            .unwrap_or_default())
+    }
+
+    /// The account is in the room, or joins it (an invitation, a public room), by `given` (the
+    /// room's ID or the alias it was given by).
+    fn join(&self, acct: &Account, room_id: &str, given: &str) -> Result<(), Failure> {
         let joined = self
             .api
             .get(acct, "/joined_rooms", TOOL_DEADLINE)
@@ -674,13 +790,10 @@ impl Matrix {
         if member {
             return Ok(());
         }
-        match self.api.send(
-            acct,
-            "POST",
-            &format!("/join/{}", seg(room_id)),
-            &obj([]),
-            TOOL_DEADLINE,
-        ) {
+        match self
+            .api
+            .send(acct, "POST", &format!("/join/{}", seg(given)), &obj([]), TOOL_DEADLINE)
+        {
             Ok(_) => Ok(()),
             Err(e) if matches!(e.status, 403 | 404) => Err(Failure::new(
                 code::CONNECTION_NOT_AUTHENTICATED,
@@ -760,14 +873,15 @@ impl Provider for Matrix {
                     &info.name
                 };
                 let target = DECLARATION.target_of(shown.clone(), Some(info.user_id.clone()));
-                match info.revoked {
-                    true => Description::unusable(
+                match (info.revoked, info.encrypted) {
+                    (true, _) => Description::unusable(
                         "expired",
                         target,
                         TOOLS,
                         "the homeserver no longer accepts the access token: bind again with a new one",
                     ),
-                    false => Description::connected(target, TOOLS),
+                    (_, true) => Description::unusable("error", target, TOOLS, ENCRYPTED),
+                    _ => Description::connected(target, TOOLS),
                 }
             }
         })
@@ -828,28 +942,32 @@ impl Provider for Matrix {
     /// Busy: "typing" for up to a minute (renewed at most every 20 s); idle: stopped.
     fn activity(&self, source: &Source, activity: Activity) {
         let Some(me) = self.me.upgrade() else { return };
-        let source = source.clone();
-        crate::runtime::spawn_blocking(move || {
-            let Ok((info, state)) = me.route(&source) else { return };
-            match activity {
-                Activity::Busy if me.typing_recently(&info.room_id) => {}
-                Activity::Busy => me.typing(&state, &info.room_id, TYPING_BUSY_MS),
-                Activity::Idle => {
-                    me.typing
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&info.room_id);
-                    me.typing(&state, &info.room_id, 0);
+        let Ok((info, state)) = self.route(source) else { return };
+        // Decided here, so a peer that flips busy and idle queues no work: one notice per room
+        // per 20 s while busy, and "stopped" only after one was shown.
+        let ms = match activity {
+            Activity::Busy if self.typing_recently(&info.room_id) => return,
+            Activity::Busy => TYPING_BUSY_MS,
+            Activity::Idle => {
+                let shown = self
+                    .typing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&info.room_id);
+                if shown.is_none() {
+                    return;
                 }
+                0
             }
-        });
+        };
+        crate::runtime::spawn_blocking(move || me.typing(&state, &info.room_id, ms));
     }
 
     /// Loops follow the bindings; tokens no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
         let rooms = ROOMS.of_bound::<RoomInfo>(&self.host.db, bound, NAME);
         let mut wanted: Vec<(String, String)> = Vec::new();
-        for (_, info) in rooms.iter().filter(|(_, i)| !i.revoked) {
+        for (_, info) in rooms.iter().filter(|(_, i)| i.usable()) {
             if !wanted.iter().any(|(a, _)| a == &info.account) {
                 wanted.push((info.account.clone(), info.user_id.clone()));
             }
@@ -866,13 +984,11 @@ impl Provider for Matrix {
     /// own deadline, so a stalled homeserver never holds up delivery.
     fn delivered(&self, source: &Source) {
         let Some(me) = self.me.upgrade() else { return };
-        let source = source.clone();
-        crate::runtime::spawn_blocking(move || {
-            let Ok((info, state)) = me.route(&source) else { return };
-            if !me.typing_recently(&info.room_id) {
-                me.typing(&state, &info.room_id, TYPING_AFTER_DELIVERY_MS);
-            }
-        });
+        let Ok((info, state)) = self.route(source) else { return };
+        if self.typing_recently(&info.room_id) {
+            return;
+        }
+        crate::runtime::spawn_blocking(move || me.typing(&state, &info.room_id, TYPING_AFTER_DELIVERY_MS));
     }
 
     fn metrics(&self, out: &mut String) {

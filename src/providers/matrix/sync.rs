@@ -87,6 +87,10 @@ impl Syncers {
     }
 }
 
+/// What a room's timeline is asked for: its messages, and encryption turned on (after which
+/// its messages can no longer be read).
+const WATCHED: [&str; 2] = ["m.room.message", "m.room.encryption"];
+
 /// The `/sync` query: the bound rooms' messages and their senders' member events, nothing else.
 fn query(since: Option<&str>, rooms: &[String], limit: u64) -> String {
     let filter = json::obj([
@@ -98,12 +102,12 @@ fn query(since: Option<&str>, rooms: &[String], limit: u64) -> String {
                 ("rooms", json::strs(rooms.iter().map(String::as_str))),
                 (
                     "timeline",
-                    json::obj([("limit", json::n(limit)), ("types", json::strs(["m.room.message"]))]),
+                    json::obj([("limit", json::n(limit)), ("types", json::strs(WATCHED))]),
                 ),
                 (
                     "state",
                     json::obj([
-                        ("types", json::strs(["m.room.member"])),
+                        ("types", json::strs(["m.room.member", "m.room.encryption"])),
                         ("lazy_load_members", json::b(true)),
                     ]),
                 ),
@@ -137,7 +141,11 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
             if stop.is_stopped() {
                 return None;
             }
-            let state = m.account_state(&account)?;
+            let Some(state) = m.account_state(&account) else {
+                // Its rooms are gone or expired, or its token: a later binding starts a new loop.
+                m.syncers.forget(&account);
+                return None;
+            };
             if since.is_none() {
                 since = m.stored_since(&account);
                 saved.clone_from(&since);
@@ -209,6 +217,17 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
                 m.token_revoked(&account);
                 return;
             }
+            Err(e) if e.status == 400 && since.is_some() => {
+                // A cursor the server no longer takes (a restored backup, a migrated server):
+                // start from now; every room is read back to its last stored message.
+                log::warn!(
+                    "matrix: account {account}: the homeserver refused the sync cursor ({e}); reading each room back from now"
+                );
+                since = None;
+                saved = None;
+                synced.clear();
+                Some(backoff)
+            }
             Err(e) if e.too_large && limit > 1 => {
                 limit /= 2;
                 log::debug!("matrix: account {account}: a /sync answer too large; asking for {limit} events per room");
@@ -267,20 +286,23 @@ fn accept(
             continue;
         };
         m.learn(room);
+        if room.encrypted {
+            m.room_encrypted(source);
+            continue;
+        }
         if !synced.contains(&room.room_id) {
             continue;
         }
-        if room.limited {
+        // What an earlier try of this answer (stopped part-way) or the previous answer already
+        // handled: the events after it are new.
+        let known = room.events.iter().rposition(|e| m.handled(source, &e.event_id));
+        if room.limited && known.is_none() {
             if let Some(prev) = &room.prev_batch {
                 stored_any |= backfill(m, state, source, info, prev)?;
             }
         }
-        todo.extend(
-            room.events
-                .iter()
-                .filter(|e| wanted(state, info, e))
-                .map(|e| (source, info, e)),
-        );
+        let new = &room.events[known.map_or(0, |i| i + 1)..];
+        todo.extend(new.iter().filter(|e| wanted(state, e)).map(|e| (source, info, e)));
     }
     // Rooms this loop has not synced: read back from the answer's cursor to their last stored
     // message (their timeline in this answer is part of what is read back).
@@ -290,6 +312,9 @@ fn accept(
         .filter(|(_, i)| !synced.contains(&i.room_id))
         .collect();
     for (source, info) in fresh {
+        if answer.rooms.iter().any(|r| r.room_id == info.room_id && r.encrypted) {
+            continue;
+        }
         stored_any |= backfill(m, state, source, info, &answer.next_batch)?;
         synced.insert(info.room_id.clone());
     }
@@ -306,6 +331,13 @@ fn accept(
             carried |= carries;
         }
     }
+    // Every room's newest event is handled now: a `limited` gap in the next answer is read
+    // back to it at most.
+    for room in &answer.rooms {
+        if let (Some((source, _)), Some(newest)) = (state.room(&room.room_id), room.events.last()) {
+            m.saw_newest(source, &newest.event_id);
+        }
+    }
     if carried {
         return Ok(Stored::Cursor);
     }
@@ -319,12 +351,14 @@ fn accept(
 }
 
 /// Whether an event is one to store: a message (not a notice: bots answer no bot), not the
-/// account's own, not from before its room was bound.
-fn wanted(state: &AccountState, info: &RoomInfo, e: &Event) -> bool {
-    e.sender != state.user_id && e.ts >= info.bound_at && e.message.as_ref().is_some_and(|msg| msg.kind != "notice")
+/// account's own. (What was said before the binding lies behind the room's last stored event,
+/// which the binding set.)
+fn wanted(state: &AccountState, e: &Event) -> bool {
+    e.sender != state.user_id && e.message.as_ref().is_some_and(|msg| msg.kind != "notice")
 }
 
-/// Stores one message; `Ok(false)` when it was older than the TTL (counted expired).
+/// Stores one message; `Ok(false)` when nothing was stored now: older than the TTL (counted
+/// expired), stored lately already (its file is not fetched again), or its room unbound since.
 fn store(
     m: &Matrix,
     state: &AccountState,
@@ -336,6 +370,17 @@ fn store(
     let Some(msg) = &e.message else {
         return Ok(false);
     };
+    if m.recent.seen(&e.event_id, &e.event_id) {
+        return Ok(false);
+    }
+    match m.host.channels.bound_channel(source.as_str()) {
+        Ok(Some(_)) => {}
+        Ok(None) => return Ok(false),
+        Err(err) => {
+            log::debug!("matrix: {source}: cannot read the binding: {err}");
+            return Err(Stopped(Duration::from_secs(1)));
+        }
+    }
     let inbound = m.inbound_of(info, e, msg);
     let fetched_for = source.to_string();
     let arrival = Arrival {
@@ -354,7 +399,10 @@ fn store(
         Intake::Submitted(ticket) => ticket,
     };
     match ticket.wait() {
-        Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => Ok(true),
+        Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
+            m.recent.stored(e.event_id.clone(), e.event_id.clone());
+            Ok(true)
+        }
         Ok(Enqueued::CapacityExceeded) => {
             // reject_new: the homeserver keeps the messages; the cursor stays (backpressure).
             m.full_queue(source);
@@ -382,14 +430,21 @@ fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, 
     let mut tokens: Vec<(String, u64)> = Vec::new();
     let mut from = (from.to_string(), PAGE);
     let (oldest, edge) = loop {
-        let (page, limit) = page(m, &acct, info, &from.0, from.1)?;
+        let Some((page, limit)) = page(m, &acct, info, &from.0, from.1)? else {
+            return Ok(false);
+        };
         tokens.push((std::mem::take(&mut from.0), limit));
-        let edge = page
+        // The edge is an event already handled. A timestamp is the sending server's to choose,
+        // so it ends the way back only when a whole page is older than what is wanted.
+        let handled = page
             .events
             .iter()
-            .position(|e| Some(e.event_id.as_str()) == last.as_deref() || e.ts < oldest_wanted);
-        if let Some(i) = edge {
+            .position(|e| Some(e.event_id.as_str()) == last.as_deref() || m.handled(source, &e.event_id));
+        if let Some(i) = handled {
             break (page, i);
+        }
+        if !page.events.is_empty() && page.events.iter().all(|e| e.ts < oldest_wanted) {
+            break (page, 0);
         }
         let n = page.events.len();
         match page.end.clone() {
@@ -406,7 +461,9 @@ fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, 
     let mut stored = store_page(m, state, source, info, &oldest, edge)?;
     drop(oldest);
     for (token, limit) in tokens.iter().rev().skip(1) {
-        let (p, fitted) = page(m, &acct, info, token, *limit)?;
+        let Some((p, fitted)) = page(m, &acct, info, token, *limit)? else {
+            return Ok(stored);
+        };
         if fitted != *limit {
             // Not the page read on the way back: the events between would be skipped.
             return Err(Stopped(Duration::from_secs(5)));
@@ -428,7 +485,7 @@ fn store_page(
     m.learn_names(&info.room_id, &page.names);
     let mut stored = false;
     let newer = &page.events[..edge.min(page.events.len())];
-    for e in newer.iter().rev().filter(|e| wanted(state, info, e)) {
+    for e in newer.iter().rev().filter(|e| wanted(state, e)) {
         stored |= store(
             m,
             state,
@@ -442,8 +499,16 @@ fn store_page(
 }
 
 /// One page of the room's messages before `from`, newest first, of at most `limit` events:
-/// fewer when the answer passes the cap. The page and the limit it was read at.
-fn page(m: &Matrix, acct: &Account, info: &RoomInfo, from: &str, mut limit: u64) -> Result<(Page, u64), Stopped> {
+/// fewer when the answer passes the cap. The page and the limit it was read at; `None` when the
+/// server refuses the room's history for good (the account left it, the room is gone): the
+/// room is skipped, not the account's other rooms with it.
+fn page(
+    m: &Matrix,
+    acct: &Account,
+    info: &RoomInfo,
+    from: &str,
+    mut limit: u64,
+) -> Result<Option<(Page, u64)>, Stopped> {
     let filter = json::obj([
         ("types", json::strs(["m.room.message"])),
         ("lazy_load_members", json::b(true)),
@@ -456,11 +521,14 @@ fn page(m: &Matrix, acct: &Account, info: &RoomInfo, from: &str, mut limit: u64)
             crate::upstream::query_value(from),
         );
         match m.api.get(acct, &path, PAGE_DEADLINE) {
-            Ok(o) => return Ok((event::read_page(&o), limit)),
+            Ok(o) => return Ok(Some((event::read_page(&o), limit))),
             Err(e) if e.too_large && limit > 1 => limit /= 2,
             Err(e) => {
                 m.history_failed(&info.room_id, &e);
-                return Err(Stopped(peer_wait::retry_after(e.retry_after, Duration::from_secs(5))));
+                if e.token_gone() || crate::providers::Transient::temporary(&e) {
+                    return Err(Stopped(peer_wait::retry_after(e.retry_after, Duration::from_secs(5))));
+                }
+                return Ok(None);
             }
         }
     }
