@@ -6,7 +6,8 @@
 //! - the sync cursor (`next_batch`) is stored in the transaction of the batch's last stored
 //!   message (a `Cursor::Set`); a crash before it syncs again from the previous cursor, and what
 //!   was stored already is a duplicate by its `event_id`;
-//! - each stored message also keeps its room's last stored event, so a gap is filled up to it:
+//! - each stored message also keeps its room's last stored event (a binding sets it to the
+//!   room's newest message), so a gap is filled up to it, or to an event handled lately:
 //!   a `limited` timeline (more events than the filter's limit since the last sync), and every
 //!   room the loop has not synced yet (its first answer after a start, or a room bound while a
 //!   poll was under way), read back from the answer's `next_batch` with `/messages`;
@@ -295,7 +296,11 @@ fn accept(
         }
         // What an earlier try of this answer (stopped part-way) or the previous answer already
         // handled: the events after it are new.
-        let known = room.events.iter().rposition(|e| m.handled(source, &e.event_id));
+        let last = m.last_stored(source);
+        let known = room
+            .events
+            .iter()
+            .rposition(|e| Some(e.event_id.as_str()) == last.as_deref() || m.handled(source, &e.event_id));
         if room.limited && known.is_none() {
             if let Some(prev) = &room.prev_batch {
                 stored_any |= backfill(m, state, source, info, prev)?;
