@@ -215,3 +215,30 @@ fn a_room_that_turns_on_encryption_stops_its_channel_and_gets_nothing_in_the_cle
     assert!(d.log_shows("turned on end-to-end encryption", WAIT));
     metrics_once(&d, "imgate_matrix_sync_loops 0", WAIT);
 }
+
+#[test]
+fn a_room_bound_again_after_an_unbinding_gets_nothing_said_while_it_was_unbound() {
+    let (d, sim) = matrix("mx-rebind");
+    let (mut x, cch) = bound(&d, &sim);
+    let first = sim.post_text(ROOM, ALICE, "while bound");
+    let push = x.next_push(WAIT).expect("a message in");
+    assert_eq!(push["payload"]["message_id"], first.as_str());
+    let logout = x.request("auth.logout", Some(&cch), json!({}));
+    assert_eq!(logout["payload"]["status"], "ok", "{logout}");
+    metrics_once(&d, "imgate_matrix_sync_loops 0", WAIT);
+    sim.post_text(ROOM, ALICE, "said while unbound");
+    let a = x.request(
+        "auth.start",
+        Some(&cch),
+        json!({"flow_id": "matrix_room_binding",
+               "input": {"homeserver": sim.base, "access_token": TOKEN, "room_id": ROOM}}),
+    );
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    let after = sim.post_text(ROOM, ALICE, "bound again");
+    let push = x.next_push(WAIT).expect("a message in");
+    assert_eq!(
+        push["payload"]["message_id"],
+        after.as_str(),
+        "nothing said while unbound: {push}"
+    );
+}

@@ -898,25 +898,16 @@ impl Provider for Matrix {
         let (info, state) = self.route(source)?;
         let deadline = Instant::now() + TOOL_DEADLINE;
         let tool_file = out.message_id.is_none() && out.files.len() == 1;
-        let mut part = 0;
-        let mut last = String::new();
-        let mut reply_to = out.reply_to;
-        if !out.text.is_empty() && !tool_file {
-            for chunk in split_text(out.text, MAX_TEXT) {
-                let content = obj([("msgtype", s("m.text")), ("body", s(chunk))]);
-                let content = with_reply(content, reply_to.take());
-                last = self.put_event(
-                    &state,
-                    &info.room_id,
-                    &content,
-                    &send_id(out.idempotency_key, part, 16),
-                    deadline,
-                )?;
-                part += 1;
-            }
-        }
+        let texts = match out.text.is_empty() || tool_file {
+            true => Vec::new(),
+            false => split_text(out.text, MAX_TEXT),
+        };
         let acct = state.account();
-        for (rec, path) in out.files {
+        let texts = texts
+            .into_iter()
+            .map(|chunk| Ok(obj([("msgtype", s("m.text")), ("body", s(chunk))])));
+        // Each file is uploaded when its turn comes, after the parts before it were sent.
+        let files = out.files.iter().map(|(rec, path)| {
             let upload = Upload {
                 filename: &rec.filename,
                 mime: &rec.mime_type,
@@ -926,15 +917,14 @@ impl Provider for Matrix {
             let mxc = with_retry("matrix: upload", deadline, |left| self.api.upload(&acct, &upload, left))
                 .map_err(|e| self.failed(&state, &e))?;
             let caption = if tool_file { out.text } else { "" };
-            let content = with_reply(Self::file_content(rec, &mxc, caption), reply_to.take());
-            last = self.put_event(
-                &state,
-                &info.room_id,
-                &content,
-                &send_id(out.idempotency_key, part, 16),
-                deadline,
-            )?;
-            part += 1;
+            Ok(Self::file_content(rec, &mxc, caption))
+        });
+        let mut last = String::new();
+        let mut reply_to = out.reply_to;
+        for (part, content) in texts.chain(files).enumerate() {
+            let content = with_reply(content?, reply_to.take());
+            let txn = send_id(out.idempotency_key, part, 16);
+            last = self.put_event(&state, &info.room_id, &content, &txn, deadline)?;
         }
         Ok(last)
     }

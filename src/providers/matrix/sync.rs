@@ -186,6 +186,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
                     let next = answer.next_batch.clone();
                     match accept(
                         &m,
+                        &stop,
                         &state,
                         &answer,
                         &mut synced,
@@ -275,6 +276,7 @@ struct Stopped(Duration);
 /// carrying the new cursor. `moved`: the answer's cursor is not the stored one.
 fn accept(
     m: &Matrix,
+    stop: &Stop,
     state: &AccountState,
     answer: &event::SyncAnswer,
     synced: &mut HashSet<String>,
@@ -303,7 +305,7 @@ fn accept(
             .rposition(|e| Some(e.event_id.as_str()) == last.as_deref() || m.handled(source, &e.event_id));
         if room.limited && known.is_none() {
             if let Some(prev) = &room.prev_batch {
-                stored_any |= backfill(m, state, source, info, prev)?;
+                stored_any |= backfill(m, stop, state, source, info, prev)?;
             }
         }
         let new = &room.events[known.map_or(0, |i| i + 1)..];
@@ -320,7 +322,7 @@ fn accept(
         if answer.rooms.iter().any(|r| r.room_id == info.room_id && r.encrypted) {
             continue;
         }
-        stored_any |= backfill(m, state, source, info, &answer.next_batch)?;
+        stored_any |= backfill(m, stop, state, source, info, &answer.next_batch)?;
         synced.insert(info.room_id.clone());
     }
     let last = todo.len();
@@ -426,7 +428,19 @@ fn store(
 /// Reads a room's history back from `from` to its last stored message (or its binding, or the
 /// TTL) and stores what lies after it, oldest first. One page is held at a time: the way back
 /// keeps only the pages' tokens, and each newer page is read again on the way forward.
-fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, from: &str) -> Result<bool, Stopped> {
+fn backfill(
+    m: &Matrix,
+    stop: &Stop,
+    state: &AccountState,
+    source: &Source,
+    info: &RoomInfo,
+    from: &str,
+) -> Result<bool, Stopped> {
+    // A long read-back ends with a shutdown or the account's last binding, between pages.
+    let go_on = || match stop.is_stopped() {
+        true => Err(Stopped(Duration::ZERO)),
+        false => Ok(()),
+    };
     let last = m.last_stored(source);
     let oldest_wanted = info.bound_at.max(crate::ids::now_ms().saturating_sub(m.host.ttl_ms()));
     let acct = state.account();
@@ -435,6 +449,7 @@ fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, 
     let mut tokens: Vec<(String, u64)> = Vec::new();
     let mut from = (from.to_string(), PAGE);
     let (oldest, edge) = loop {
+        go_on()?;
         let Some((page, limit)) = page(m, &acct, info, &from.0, from.1)? else {
             return Ok(false);
         };
@@ -466,6 +481,7 @@ fn backfill(m: &Matrix, state: &AccountState, source: &Source, info: &RoomInfo, 
     let mut stored = store_page(m, state, source, info, &oldest, edge)?;
     drop(oldest);
     for (token, limit) in tokens.iter().rev().skip(1) {
+        go_on()?;
         let Some((p, fitted)) = page(m, &acct, info, token, *limit)? else {
             return Ok(stored);
         };
