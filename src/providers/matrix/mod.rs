@@ -676,12 +676,12 @@ impl Matrix {
             ));
         }
         // What the room said before this binding is not pushed: its newest message is where
-        // reading starts. A binding renewed after its token was revoked catches up instead.
+        // reading starts. A room bound already (a new token after a revoked one, the same form
+        // again) keeps where it was and catches up.
         let before = ROOMS
             .get::<RoomInfo>(&self.host.db, source.as_str())
             .map_err(Failure::storage)?;
-        let renewed =
-            before.as_ref().is_some_and(|b| b.revoked) && self.bound_rooms().iter().any(|(s, _)| *s == source);
+        let renewed = before.is_some() && self.bound_rooms().iter().any(|(s, _)| *s == source);
         if !renewed {
             let newest = self.newest_message(&acct, &room_id)?;
             self.host

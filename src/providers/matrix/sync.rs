@@ -131,6 +131,8 @@ fn query(since: Option<&str>, rooms: &[String], limit: u64) -> String {
 /// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
 fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
     let mut since: Option<String> = None;
+    // The stored cursor is read once, at the start (not again after the server refused it).
+    let mut stored = true;
     let mut saved: Option<String> = None;
     let mut saved_at = Instant::now();
     let mut synced: HashSet<String> = HashSet::new();
@@ -147,7 +149,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
                 m.syncers.forget(&account);
                 return None;
             };
-            if since.is_none() {
+            if std::mem::take(&mut stored) {
                 since = m.stored_since(&account);
                 saved.clone_from(&since);
             }
