@@ -33,18 +33,23 @@ fn matrix(tag: &str) -> (Daemon, MatrixSim) {
     (d, sim)
 }
 
+/// Binds `cch` to the bot's room.
+fn bind(x: &mut Sim, cch: &str, sim: &MatrixSim) {
+    let a = x.request(
+        "auth.start",
+        Some(cch),
+        json!({"flow_id": "matrix_room_binding",
+               "input": {"homeserver": sim.base, "access_token": TOKEN, "room_id": ROOM}}),
+    );
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+}
+
 /// Bound, with the loop long-polling (its first answers, and the room read back, are behind it).
 fn bound(d: &Daemon, sim: &MatrixSim) -> (Sim, String) {
     let mut x = d.xagent();
     x.hello("");
     let (cch, _) = x.open(None);
-    let a = x.request(
-        "auth.start",
-        Some(&cch),
-        json!({"flow_id": "matrix_room_binding",
-               "input": {"homeserver": sim.base, "access_token": TOKEN, "room_id": ROOM}}),
-    );
-    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    bind(&mut x, &cch, sim);
     assert!(sim.wait_syncs(2, WAIT), "the account's loop syncs");
     assert!(sim.wait_polling(WAIT), "and long-polls");
     (x, cch)
@@ -227,13 +232,7 @@ fn a_room_bound_again_after_an_unbinding_gets_nothing_said_while_it_was_unbound(
     assert_eq!(logout["payload"]["status"], "ok", "{logout}");
     metrics_once(&d, "imgate_matrix_sync_loops 0", WAIT);
     sim.post_text(ROOM, ALICE, "said while unbound");
-    let a = x.request(
-        "auth.start",
-        Some(&cch),
-        json!({"flow_id": "matrix_room_binding",
-               "input": {"homeserver": sim.base, "access_token": TOKEN, "room_id": ROOM}}),
-    );
-    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    bind(&mut x, &cch, &sim);
     let after = sim.post_text(ROOM, ALICE, "bound again");
     let push = x.next_push(WAIT).expect("a message in");
     assert_eq!(
