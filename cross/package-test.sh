@@ -173,7 +173,9 @@ expect "the binary" "755 root:root" "$(mode_of /usr/bin/imgate)"
 # answers /health only with the generated key.
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 sed "s|^listen = 0.0.0.0:8787$|listen = 127.0.0.1:$port|" /etc/imgate/imgate.conf > "$work/port.conf"
-chmod 0644 "$work/port.conf"
+# As the packaged config: the service and the members of its group read it.
+chown root:imgate "$work/port.conf"
+chmod 0640 "$work/port.conf"
 chmod 0755 "$work"
 setpriv --reuid imgate --regid imgate --init-groups env STATE_DIRECTORY=/var/lib/imgate \
   /usr/bin/imgate run --config "$work/port.conf" 2> "$work/run.log" &
@@ -184,6 +186,20 @@ for _ in $(seq 1 100); do
 done
 expect "/health without the key" 401 "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health")"
 expect "/health with the key" 200 "$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $key" "http://127.0.0.1:$port/health")"
+# An operator in the imgate group runs `imgate status` without root; anyone else is told how
+# to join the group.
+useradd --no-create-home --shell /usr/sbin/nologin imgate-operator
+usermod -aG imgate imgate-operator
+setpriv --reuid imgate-operator --regid imgate-operator --init-groups \
+  /usr/bin/imgate status --config "$work/port.conf" > "$work/status.txt" 2>&1 \
+  || { cat "$work/status.txt"; fail "imgate status as a member of the imgate group"; }
+grep -q "^xAgent   not connected" "$work/status.txt" || fail "imgate status: no xAgent line"
+grep -q "^storage  ok, " "$work/status.txt" || fail "imgate status: no storage line"
+setpriv --reuid nobody --regid nogroup --clear-groups \
+  /usr/bin/imgate status --config "$work/port.conf" > /dev/null 2> "$work/denied.txt" \
+  && fail "imgate status ran for a user outside the imgate group"
+grep -q 'usermod -aG imgate' "$work/denied.txt" || fail "imgate status outside the group: no hint ($(cat "$work/denied.txt"))"
+userdel imgate-operator
 kill -TERM "$pid"
 wait "$pid" || { cat "$work/run.log"; fail "the service user's imgate did not exit cleanly"; }
 [ -f /var/lib/imgate/imgate.redb ] || fail "no database in /var/lib/imgate"

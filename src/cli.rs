@@ -1,9 +1,7 @@
 //! The command line (`run check init status --version`) and the daemon's wiring: logging, the
 //! app, the data plane, the listener, shutdown.
 
-use crate::{
-    app, config, dataplane, front, http, ids, json, maintenance, protocol, providers, runtime, service, tls, y2038,
-};
+use crate::{app, config, dataplane, front, http, ids, maintenance, protocol, providers, runtime, service, tls, y2038};
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -75,7 +73,7 @@ pub fn main() -> ExitCode {
                     eprintln!("imgate: {}", too_late.unwrap_or_default());
                     ExitCode::from(1)
                 }
-                "status" => status(&cfg),
+                "status" => crate::status_view::status(&cfg),
                 _ => run(cfg),
             }
         }
@@ -503,101 +501,6 @@ fn internal_socket(state_dir: &Path) -> PathBuf {
     } else {
         std::env::temp_dir().join(format!("imgate-{}.sock", std::process::id()))
     }
-}
-
-fn status(cfg: &config::Config) -> ExitCode {
-    let listen = cfg.server.listen;
-    let host = if listen.ip().is_unspecified() {
-        "127.0.0.1".to_string()
-    } else {
-        listen.ip().to_string()
-    };
-    let host = if host.contains(':') { format!("[{host}]") } else { host };
-    let url = format!("http://{host}:{}/status", listen.port());
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(std::time::Duration::from_secs(5)))
-        .http_status_as_error(false)
-        .build()
-        .into();
-    let mut req = agent.get(&url);
-    if let Some(k) = &cfg.server.api_key {
-        req = req.header("Authorization", &format!("Bearer {}", k.expose()));
-    }
-    let mut resp = match req.call() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("imgate: cannot reach the daemon at {url}: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    let code = resp.status().as_u16();
-    let body = resp.body_mut().read_to_string().unwrap_or_default();
-    if code != 200 {
-        eprintln!("imgate: {url} answered HTTP {code}: {body}");
-        return ExitCode::from(1);
-    }
-    match json::parse(&body) {
-        Ok(v) => {
-            print!("{}", render_status(&v));
-            ExitCode::SUCCESS
-        }
-        Err(_) => {
-            eprintln!("imgate: {url} did not answer JSON");
-            ExitCode::from(1)
-        }
-    }
-}
-
-/// The human table `imgate status` prints.
-fn render_status(v: &json::Value) -> String {
-    let Some(o) = json::as_object(v) else {
-        return String::new();
-    };
-    let mut out = String::new();
-    let conns = json::get_obj(o, "dataplane")
-        .and_then(|d| json::get_u64(d, "connections"))
-        .unwrap_or(0);
-    out.push_str(&format!(
-        "connector_id {}  data-plane connections {conns}\n",
-        json::get_str(o, "connector_id").unwrap_or("?")
-    ));
-    out.push_str(&format!(
-        "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  last_error\n",
-        "channel", "provider", "status", "pending", "bytes", "delivered", "expired", "evicted", "attempts"
-    ));
-    if let Some(json::Value::Array(chs)) = o.get("channels") {
-        for c in chs.iter().filter_map(json::as_object) {
-            let num = |k: &str| json::get_u64(c, k).unwrap_or(0);
-            out.push_str(&format!(
-                "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  {}\n",
-                json::get_str(c, "connector_channel_id").unwrap_or("?"),
-                json::get_str(c, "provider").unwrap_or("?"),
-                json::get_str(c, "status").unwrap_or("?"),
-                num("pending"),
-                num("pending_bytes"),
-                num("delivered"),
-                num("expired"),
-                num("evicted"),
-                num("attempts"),
-                json::get_str(c, "last_error").unwrap_or("-"),
-            ));
-        }
-    }
-    if let Some(u) = json::get_obj(o, "unbound") {
-        let num = |k: &str| json::get_u64(u, k).unwrap_or(0);
-        out.push_str(&format!(
-            "{:<38} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7}\n",
-            "(unbound)",
-            "-",
-            "-",
-            num("pending"),
-            num("pending_bytes"),
-            "-",
-            num("expired"),
-            num("evicted")
-        ));
-    }
-    out
 }
 
 /// The version line and the providers this build carries (each is a Cargo feature).

@@ -248,10 +248,25 @@ pub fn load(path: Option<&Path>, readers: &[Reader]) -> Result<Config, ConfigErr
         None => parse(TEMPLATE, EMBEDDED, None, readers),
         Some(p) => {
             let name = p.display().to_string();
-            let text = std::fs::read_to_string(p)
-                .map_err(|e| ConfigError(vec![format!("{name}:0: cannot read config file: {e}")]))?;
+            let text = std::fs::read_to_string(p).map_err(|e| {
+                ConfigError(vec![format!(
+                    "{name}:0: cannot read config file: {e}{}",
+                    denied_hint(&e)
+                )])
+            })?;
             parse(&text, &name, p.parent(), readers)
         }
+    }
+}
+
+/// What to do about a file the user may not read: the packages make the config and the key
+/// readable by the `imgate` group, so `imgate status` and `check` work for its members.
+fn denied_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::PermissionDenied => {
+            " (members of the `imgate` group may read it: `sudo usermod -aG imgate $USER`, then log in again; or use sudo)"
+        }
+        _ => "",
     }
 }
 
@@ -438,7 +453,8 @@ impl<'s, 'p> Fields<'s, 'p> {
                 }
             }
             Err(e) => {
-                self.err_at(line, format!("{key}: cannot read `{}`: {e}", path.display()));
+                let hint = denied_hint(&e);
+                self.err_at(line, format!("{key}: cannot read `{}`: {e}{hint}", path.display()));
                 None
             }
         }

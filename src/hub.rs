@@ -149,6 +149,11 @@ impl Hub {
         }
     }
 
+    /// Whether an xAgent is connected: a session completed hello.
+    pub fn xagent_connected(&self) -> bool {
+        !self.lock().authenticated.is_empty()
+    }
+
     pub fn connections(&self) -> usize {
         self.lock().sessions.len()
     }

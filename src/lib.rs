@@ -43,6 +43,7 @@ mod runtime;
 mod scratch;
 mod service;
 mod source;
+mod status_view;
 mod store;
 #[cfg(test)]
 mod testutil;

@@ -35,6 +35,11 @@ pub fn mark_start() {
     let _ = STARTED.set(crate::ids::now_ms() / 1000);
 }
 
+/// When the process started (unix seconds), once `mark_start` ran.
+pub fn started_at() -> Option<u64> {
+    STARTED.get().copied()
+}
+
 /// Linux's `USER_HZ`: `/proc` counts CPU time in these ticks on every architecture.
 const TICKS_PER_SECOND: f64 = 100.0;
 

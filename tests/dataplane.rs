@@ -705,14 +705,42 @@ fn status_requires_the_api_key_and_reports_the_policy() {
     assert!(metrics.contains("imgate_queue_ttl_seconds 600"));
     assert!(metrics.contains("imgate_dataplane_connections 0"));
 
-    let out = std::process::Command::new(bin())
-        .args(["status", "--config"])
-        .arg(&d.config)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let table = String::from_utf8_lossy(&out.stdout);
+    let status = || {
+        let out = std::process::Command::new(bin())
+            .args(["status", "--config"])
+            .arg(&d.config)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let table = status();
     assert!(table.contains("pending") && table.contains("(unbound)"), "{table}");
+    assert!(table.contains(" · up ") && table.contains("storage  ok, "), "{table}");
+    assert!(table.contains("xAgent   not connected for "), "{table}");
+
+    // A bound channel is shown with its name; xAgent gone, the lease counts down.
+    let (x, cch) = d.bound_xagent();
+    let table = status();
+    assert!(
+        table.contains("xAgent   connected (1 data-plane connection(s))"),
+        "{table}"
+    );
+    let row = table.lines().find(|l| l.starts_with(&cch)).unwrap_or_default();
+    assert!(
+        row.contains("Webhook ") && row.contains("webhook") && row.contains("connected"),
+        "{table}"
+    );
+    drop(x);
+    wait_until("the lease runs", || {
+        let s = get_json(&d.url("/status"));
+        s["xagent"]["connected"] == false && s["lease"]["expires_in_ms"].as_u64().is_some_and(|l| l <= 3_600_000)
+    });
+    let table = status();
+    assert!(
+        table.contains("channels are unregistered in ") && table.contains("(lease 1h)"),
+        "{table}"
+    );
 }
 
 /// HMAC-SHA256 as the contract defines `X-Imgate-Signature`, computed independently of imgate.

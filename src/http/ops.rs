@@ -1,7 +1,7 @@
 //! `/status` (JSON, contract section 6) and `/metrics` (Prometheus text).
 
 use crate::app::App;
-use crate::json::{arr, n, obj, opt_s, s, Value};
+use crate::json::{arr, b, n, obj, opt_s, s, Value};
 use crate::outbox::Counters as SourceStats;
 use crate::source::Source;
 use crate::store::StoreError;
@@ -15,6 +15,8 @@ struct Snapshot {
 struct ChannelRow {
     cch: String,
     provider: String,
+    /// What the provider calls its conversation (the Descriptor's `display_name`).
+    name: Option<String>,
     status: &'static str,
     stats: SourceStats,
 }
@@ -33,10 +35,8 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
         };
         // A binding whose sign-in the IM system ended, or that its IM system refuses, shows as
         // its provider describes it.
-        let described = rec
-            .source()
-            .and_then(|src| app.providers.of(&src)?.describe(&src).ok())
-            .map(|d| d.status);
+        let description = rec.source().and_then(|src| app.providers.of(&src)?.describe(&src).ok());
+        let described = description.as_ref().map(|d| d.status);
         let status = match (&rec.source, app.hub.is_open(&cch)) {
             (None, _) => "created",
             (Some(_), _) if described == Some("expired") => "expired",
@@ -50,6 +50,7 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
             provider: rec
                 .source()
                 .map_or_else(|| "none".into(), |s: Source| s.provider().to_string()),
+            name: description.map(|d| d.target.display_name),
             status,
             stats,
         });
@@ -103,6 +104,8 @@ pub fn status(app: &App) -> Value {
             ("connector_id", s(&app.connector_id)),
             ("version", s(crate::protocol::card::VERSION)),
             ("profile", s(app.config.xagent.profile.as_str())),
+            ("uptime_s", n(uptime_s())),
+            ("xagent", obj([("connected", b(app.hub.xagent_connected()))])),
             ("storage", storage_json(&storage(app))),
             ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
             ("outbox", obj([("pending_bytes", n(app.outbox.total_bytes()))])),
@@ -111,14 +114,31 @@ pub fn status(app: &App) -> Value {
     }
 }
 
+/// Seconds since the process started.
+fn uptime_s() -> u64 {
+    let started = crate::metrics::started_at().unwrap_or(0);
+    (crate::ids::now_ms() / 1000).saturating_sub(started)
+}
+
 fn full_status(app: &App) -> Result<Value, StoreError> {
     let snap = snapshot(app)?;
     let q = &app.config.queue;
     let log = app.outbox.log_report();
+    let connected = app.hub.xagent_connected();
+    // The lease runs from when the last xAgent session ended (kept across restarts).
+    let lease_ms = app.config.xagent.lease.as_millis() as u64;
+    let offline_since = if connected { None } else { app.channels.offline_since()? };
+    let lease_left = offline_since.map(|since| since.saturating_add(lease_ms).saturating_sub(crate::ids::now_ms()));
     Ok(obj([
         ("connector_id", s(&app.connector_id)),
         ("version", s(crate::protocol::card::VERSION)),
         ("profile", s(app.config.xagent.profile.as_str())),
+        ("uptime_s", n(uptime_s())),
+        (
+            "xagent",
+            obj([("connected", b(connected))])
+                .with_null_default("offline_since_ms", offline_since.map_or(Value::Null, n)),
+        ),
         ("storage", storage_json(&storage(app))),
         ("dataplane", obj([("connections", n(app.hub.connections() as u64))])),
         (
@@ -146,6 +166,7 @@ fn full_status(app: &App) -> Result<Value, StoreError> {
                 obj([
                     ("connector_channel_id", s(&c.cch)),
                     ("provider", s(&c.provider)),
+                    ("name", opt_s(c.name.clone())),
                     ("status", s(c.status)),
                     ("pending", n(c.stats.pending)),
                     ("pending_bytes", n(c.stats.pending_bytes)),
@@ -162,9 +183,11 @@ fn full_status(app: &App) -> Result<Value, StoreError> {
         (
             "lease",
             obj([
-                ("lease_ms", n(app.config.xagent.lease.as_millis() as u64)),
+                ("lease_ms", n(lease_ms)),
                 ("channels_unregistered", n(app.channels.lease_unregistered()?)),
-            ]),
+            ])
+            // While no xAgent is connected: how long until every channel is unregistered.
+            .with_null_default("expires_in_ms", lease_left.map_or(Value::Null, n)),
         ),
         (
             "unbound_recent",
