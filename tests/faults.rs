@@ -193,6 +193,10 @@ fn a_full_disk_answers_503_loses_nothing_and_recovers_when_space_returns() {
     let (code, metrics) = http_get(&d.url("/metrics"), &auth);
     assert_eq!(code, 200);
     assert!(metrics.contains("\nimgate_storage_up 0\n"), "{metrics}");
+    assert!(
+        !metrics.contains("imgate_intake_messages_total{provider=\"webhook\",outcome=\"failed\"} 0\n"),
+        "the refused write is counted: {metrics}"
+    );
     let (code, health) = http_get(&d.url("/health"), &auth);
     assert_eq!(code, 200, "the endpoint serves: 2xx, as the protocol means it");
     assert!(health.contains("\"storage\":\"failing\""), "{health}");

@@ -620,8 +620,24 @@ fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
     let (code, _) = d.post_hook("alerts", &json!({"message_id": "m1", "sender_id": "u", "text": "hi"}));
     assert_eq!(code, 202);
     assert!(x.next_push(Duration::from_secs(20)).is_some());
+    let (code, _) = d.post_hook("alerts", &json!({"message_id": "m1", "sender_id": "u", "text": "hi"}));
+    assert_eq!(code, 200, "a duplicate");
+    let stale = json!({"message_id": "m2", "sender_id": "u", "event_time": 1_000u64});
+    assert_eq!(d.post_hook("alerts", &stale).0, 409, "stale");
     let (code, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
     assert_eq!(code, 200);
+    // How each provider's messages ended, every outcome from the first scrape.
+    for (provider, outcome, count) in [
+        ("webhook", "accepted", 1),
+        ("webhook", "duplicate", 1),
+        ("webhook", "stale", 1),
+        ("webhook", "full", 0),
+        ("webhook", "failed", 0),
+        ("matrix", "accepted", 0),
+    ] {
+        let line = format!("imgate_intake_messages_total{{provider=\"{provider}\",outcome=\"{outcome}\"}} {count}\n");
+        assert!(text.contains(&line), "{line}{text}");
+    }
     let problems = metrics_problems(&text);
     assert!(problems.is_empty(), "{}\n\n{text}", problems.join("\n"));
     for family in [

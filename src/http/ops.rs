@@ -2,7 +2,7 @@
 
 use crate::app::App;
 use crate::json::{arr, b, n, obj, opt_s, s, Value};
-use crate::outbox::Counters as SourceStats;
+use crate::outbox::{Counters as SourceStats, Outcome};
 use crate::source::Source;
 use crate::store::StoreError;
 
@@ -284,6 +284,7 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> String {
         app.outbox.total_bytes(),
     );
     more(&mut out);
+    intake_metrics(app, &mut out);
     for p in app.providers.all() {
         p.metrics(&mut out);
     }
@@ -291,6 +292,29 @@ pub fn metrics(app: &App, more: super::MoreMetrics) -> String {
         log::debug!("http: /metrics without what the database holds: {e}");
     }
     out
+}
+
+/// How each enabled provider's messages ended since start (every outcome, zeros included, so
+/// a rate is there from the first scrape).
+fn intake_metrics(app: &App, out: &mut String) {
+    crate::metrics::family(
+        out,
+        "imgate_intake_messages_total",
+        "counter",
+        "Messages each provider handed to the outbox, by outcome: accepted (stored), duplicate \
+         (its message_id was known), full (refused by reject_new caps), failed (the store could \
+         not write), stale (older than the TTL on arrival).",
+    );
+    for p in app.providers.all() {
+        let name = p.declaration().name;
+        let counts = app.outbox.intake_counts(name);
+        for (outcome, count) in Outcome::ALL.iter().zip(counts) {
+            out.push_str(&format!(
+                "imgate_intake_messages_total{{provider=\"{name}\",outcome=\"{}\"}} {count}\n",
+                outcome.label()
+            ));
+        }
+    }
 }
 
 fn stored_metrics(app: &App, out: &mut String) -> Result<(), StoreError> {

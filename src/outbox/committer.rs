@@ -9,10 +9,11 @@
 //! that arrive while a group commits just queue up and are taken at once by the next round,
 //! so a burst of senders costs one wake-up per group, not one per sender.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::durable::Shared;
+use super::outcomes::{Outcome, Outcomes};
 use super::queue::{Job, MAX_GROUP, MAX_GROUP_BYTES};
 use super::{enqueue_in, Enqueued};
 
@@ -34,7 +35,7 @@ struct Batcher {
 }
 
 /// The committer's loop, until the outbox is dropped; then a last checkpoint.
-pub fn run(shared: &Shared, counted: &(AtomicUsize, AtomicUsize)) {
+pub fn run(shared: &Shared, counts: &Outcomes) {
     let queue = &*shared.queue;
     let mut batch = Batcher {
         target: 1,
@@ -77,9 +78,9 @@ pub fn run(shared: &Shared, counted: &(AtomicUsize, AtomicUsize)) {
         if !jobs.is_empty() {
             let started = Instant::now();
             let grouped = jobs.len();
-            counted.0.fetch_add(1, Ordering::Relaxed);
-            counted.1.fetch_add(grouped, Ordering::Relaxed);
-            commit_group(shared, jobs);
+            counts.groups.fetch_add(1, Ordering::Relaxed);
+            counts.messages.fetch_add(grouped, Ordering::Relaxed);
+            commit_group(shared, jobs, counts);
             batch.last_commit = started.elapsed();
             batch.target = (grouped + queue.lock().jobs.len()).min(MAX_GROUP);
         }
@@ -96,7 +97,7 @@ pub fn run(shared: &Shared, counted: &(AtomicUsize, AtomicUsize)) {
 
 /// One transaction and one synced log append for a group of enqueues; every job learns the
 /// outcome, then the hook hears of each source that got a message.
-fn commit_group(shared: &Shared, jobs: Vec<Job>) {
+fn commit_group(shared: &Shared, jobs: Vec<Job>, counts: &Outcomes) {
     let policy = shared.policy;
     let result = shared.write(true, |tx, idx| {
         let mut outcomes = Vec::with_capacity(jobs.len());
@@ -112,6 +113,12 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
                 if matches!(outcome, Enqueued::Accepted { .. }) && !woken.contains(&job.message.source) {
                     woken.push(job.message.source.clone());
                 }
+                let counted = match outcome {
+                    Enqueued::Accepted { .. } => Outcome::Accepted,
+                    Enqueued::Duplicate => Outcome::Duplicate,
+                    Enqueued::CapacityExceeded => Outcome::Full,
+                };
+                counts.count(&job.message.source, counted);
                 let _ = job.done.try_send(Ok(outcome));
             }
             if let Some(hook) = shared.on_accept.get() {
@@ -123,6 +130,7 @@ fn commit_group(shared: &Shared, jobs: Vec<Job>) {
         Err(e) => {
             log::debug!("outbox: commit of {} message(s) failed: {e}", jobs.len());
             for job in jobs {
+                counts.count(&job.message.source, Outcome::Failed);
                 let _ = job.done.try_send(Err(e.clone()));
             }
         }

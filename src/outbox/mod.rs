@@ -30,6 +30,7 @@
 mod committer;
 mod durable;
 mod index;
+mod outcomes;
 mod overlay;
 mod queue;
 mod record;
@@ -37,7 +38,6 @@ mod tables;
 mod tx;
 pub mod wal;
 
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::Arc;
 #[cfg(test)]
 use std::time::Duration;
@@ -47,6 +47,8 @@ use miniserde::{Deserialize, Serialize};
 pub use self::durable::LogReport;
 use self::durable::Shared;
 use self::index::{Index, Place};
+pub use self::outcomes::Outcome;
+use self::outcomes::Outcomes;
 use self::overlay::Which;
 use self::queue::{Job, Queue};
 pub use self::record::{Header, StoredMessage};
@@ -175,8 +177,8 @@ type AcceptHook = Box<dyn Fn(&str) + Send + Sync>;
 pub struct Outbox {
     shared: Arc<Shared>,
     thread: Option<std::thread::JoinHandle<()>>,
-    /// Group commits made and messages they carried, for `/metrics`.
-    stats: Arc<(AtomicUsize, AtomicUsize)>,
+    /// Group commits, the messages they carried and how each ended, for `/metrics`.
+    stats: Arc<Outcomes>,
 }
 
 /// Dropping the outbox stops the committer, which checkpoints, and waits for it, so the
@@ -196,7 +198,7 @@ impl Outbox {
     pub fn open(db: Arc<Db>, policy: Policy) -> Result<Outbox> {
         db.write(durable::create_tables)?;
         let shared = Arc::new(Shared::open(db, policy, Arc::new(Queue::default()))?);
-        let stats = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+        let stats = Arc::new(Outcomes::default());
         let (counted, group_shared) = (stats.clone(), shared.clone());
         let thread = std::thread::Builder::new()
             .name("outbox-commit".into())
@@ -227,10 +229,17 @@ impl Outbox {
 
     /// `(group commits, messages carried)` since start.
     pub fn commit_stats(&self) -> (u64, u64) {
-        (
-            self.stats.0.load(AtomicOrdering::Relaxed) as u64,
-            self.stats.1.load(AtomicOrdering::Relaxed) as u64,
-        )
+        self.stats.commits()
+    }
+
+    /// How `provider`'s messages ended since start, in `Outcome::ALL` order.
+    pub fn intake_counts(&self, provider: &str) -> [u64; 5] {
+        self.stats.of(provider)
+    }
+
+    /// A message of `source` was older than the TTL when it arrived (not stored).
+    pub fn count_stale(&self, source: &str) {
+        self.stats.count(source, Outcome::Stale);
     }
 
     /// Commits made to the database since start, the outbox's checkpoints among them.
@@ -998,6 +1007,9 @@ mod tests {
         assert_eq!(s.enqueue(msg("m2", 1000, 60_000)).unwrap(), Enqueued::CapacityExceeded);
         assert!(s.reply_ref("rr_m2").unwrap().is_none());
         assert_eq!(ids_of(&s, "hook:a", 1000), ["m0", "m1"]);
+        assert_eq!(s.enqueue(msg("m1", 1000, 60_000)).unwrap(), Enqueued::Duplicate);
+        // accepted, duplicate, full, failed, stale: what /metrics shows for the provider.
+        assert_eq!(s.intake_counts("hook"), [2, 1, 1, 0, 0]);
         // Not deduped: the sender may retry once there is room.
         drop(s);
         let s = Outbox::open(

@@ -59,6 +59,7 @@ impl Host {
         let ttl = self.ttl_ms();
         let source = a.source;
         if a.inbound.event_time.is_some_and(|t| t.saturating_add(ttl) <= now) {
+            self.outbox.count_stale(source.as_str());
             if a.when_stale == WhenStale::CountExpired {
                 if let Err(e) = self.outbox.record_expired(source.as_str(), 1) {
                     log::error!("{source}: cannot count a stale message: {e}");
