@@ -49,6 +49,7 @@ impl App {
             max_bytes_per_channel: q.max_bytes_per_channel,
             max_bytes_total: q.max_bytes_total,
             overflow: q.overflow,
+            log_file_bytes: q.log_file_size.unwrap_or(crate::outbox::wal::LOG_BYTES),
         };
         let host = Arc::new(Host {
             channels: Channels::open(db.clone())?,

@@ -48,7 +48,7 @@ pub fn main() -> ExitCode {
                 }
             };
             let path = config::locate(explicit.as_deref());
-            let cfg = match config::load(path.as_deref(), &providers::readers()) {
+            let mut cfg = match config::load(path.as_deref(), &providers::readers()) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("{e}");
@@ -59,7 +59,12 @@ pub fn main() -> ExitCode {
             let too_late = y2038::refusal();
             match cmd {
                 "check" => {
+                    let fitted =
+                        crate::fit::measure(&cfg.server.state_dir).and_then(|room| crate::fit::fit(&mut cfg, room));
                     print!("{}", cfg.summary());
+                    if let Some(w) = fitted {
+                        eprintln!("imgate: warning: {w}");
+                    }
                     if let Some(w) = service::volatile_state_warning(&cfg.server.state_dir) {
                         eprintln!("imgate: warning: {w}");
                     }
@@ -266,7 +271,7 @@ fn init_logging(level: &str) {
     }
 }
 
-fn run(cfg: config::Config) -> ExitCode {
+fn run(mut cfg: config::Config) -> ExitCode {
     crate::metrics::mark_start();
     init_logging(&cfg.server.log_level);
     // First of all, so an early SIGTERM or SIGHUP is handled rather than fatal.
@@ -291,6 +296,17 @@ fn run(cfg: config::Config) -> ExitCode {
     );
     if let Some(w) = service::volatile_state_warning(&state_dir) {
         log::warn!("{w}");
+    }
+    match crate::fit::measure(&state_dir) {
+        Some(room) => {
+            if let Some(w) = crate::fit::fit(&mut cfg, room) {
+                log::warn!("{w}");
+            }
+        }
+        None => log::warn!(
+            "state_dir {}: cannot measure its file system; the caps are used as configured",
+            state_dir.display()
+        ),
     }
     // The port first: a start that cannot serve writes nothing to the state dir.
     let listener = match std::net::TcpListener::bind(cfg.server.listen) {

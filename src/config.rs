@@ -126,6 +126,9 @@ pub struct Queue {
     pub overflow: Overflow,
     /// Already clamped to at most `ttl / 2`.
     pub cleanup_interval: Duration,
+    /// The size of each of the outbox's two log files; `None` (`auto`): fitted to the state
+    /// file system at start (`fit.rs`).
+    pub log_file_size: Option<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -775,6 +778,21 @@ fn read_queue(q: &mut Queue, section: &Section, p: &mut Problems) {
     if let Some(d) = f.duration("cleanup_interval") {
         q.cleanup_interval = d;
     }
+    if let Some((value, line)) = f.take("log_file_size") {
+        let (min, max) = (crate::outbox::wal::MIN_LOG_BYTES, crate::outbox::wal::MAX_LOG_BYTES);
+        match parse_size(&value) {
+            _ if value == "auto" => q.log_file_size = None,
+            Some(n) if (min..=max).contains(&n) => q.log_file_size = Some(n),
+            _ => f.err_at(
+                line,
+                format!(
+                    "log_file_size: `{value}` is not `auto` or a size from {} to {}",
+                    fmt_size(min),
+                    fmt_size(max)
+                ),
+            ),
+        }
+    }
     f.finish();
 }
 
@@ -916,6 +934,7 @@ impl Config {
                 max_bytes_total: 64 << 20,
                 overflow: Overflow::DropOldest,
                 cleanup_interval: Duration::from_secs(300),
+                log_file_size: None,
             },
             files: Files {
                 ttl: Duration::from_secs(7200),
@@ -985,6 +1004,15 @@ impl Config {
         ));
         out.push_str(&format!("overflow:          {}\n", q.overflow.as_str()));
         out.push_str(&format!("cleanup_interval:  {}\n", fmt_duration(q.cleanup_interval)));
+        out.push_str(&format!(
+            "log files:         2 x {}\n",
+            q.log_file_size.map_or("auto".into(), fmt_size)
+        ));
+        out.push_str(&format!(
+            "file cache:        {}, files up to {}\n",
+            fmt_size(self.files.max_bytes_total),
+            fmt_size(self.files.max_file_bytes)
+        ));
         for (name, settings) in &self.providers {
             match settings {
                 Some(s) => out.push_str(&s.summary()),

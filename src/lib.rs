@@ -24,6 +24,7 @@ mod cork;
 mod dataplane;
 mod faults;
 mod files;
+mod fit;
 mod front;
 pub mod fuzzing;
 mod heap;

@@ -143,9 +143,12 @@ fn a_disk_turned_read_only_answers_503_loses_nothing_and_recovers_after_repair()
 #[test]
 fn a_full_disk_answers_503_loses_nothing_and_recovers_when_space_returns() {
     let dir = temp_dir("enospc");
-    let fs = Tmpfs::mount(&dir.join("state"), "3m");
+    // Roomy at start, so the caps are taken as configured; then something else takes all
+    // but a few MiB, as when another program fills the disk.
+    let fs = Tmpfs::mount(&dir.join("state"), "4g");
     let queue = "[queue]\nmax_messages_per_channel = 1000000\nmax_bytes_per_channel = 1GiB\nmax_bytes_total = 1GiB\n";
     let d = Daemon::start_env(&dir, &config_text(free_port(), &dir, None, queue), "warn", &[]);
+    fs.resize("6m");
     let (x, cch) = d.bound_xagent();
     x.close();
 
@@ -223,7 +226,8 @@ fn a_disk_filled_and_freed_dozens_of_times_recovers_every_time() {
     const CYCLES: usize = 30;
     let dir = temp_dir("fill-free");
     let state = dir.join("state");
-    let fs = Tmpfs::mount(&state, "256m");
+    // Roomy at start (the caps taken as configured), then as small as the cycles need.
+    let fs = Tmpfs::mount(&state, "4g");
     let run_dir = dir.join("run");
     std::fs::create_dir_all(&run_dir).unwrap();
     let env = [("RUNTIME_DIRECTORY", run_dir.to_str().unwrap())];
@@ -235,6 +239,7 @@ fn a_disk_filled_and_freed_dozens_of_times_recovers_every_time() {
         "warn,imgate::store=debug,imgate::outbox=debug,imgate::maintenance=debug",
         &env,
     );
+    fs.resize("256m");
     let (x, cch) = d.bound_xagent();
     x.close();
     let auth = format!("Bearer {API_KEY}");
@@ -280,6 +285,67 @@ fn a_disk_filled_and_freed_dozens_of_times_recovers_every_time() {
     println!("{CYCLES} fill-and-free cycles; slowest recovery {slowest:?}");
     drop(fs);
     assert_all_delivered(&d, &cch, &accepted);
+}
+
+/// A router's overlay: the default caps (a 64 MiB queue whose database grows to about 2.5
+/// times that, a 256 MiB file cache, two 2 MiB log files) cannot fit a 16 MiB file system.
+/// `imgate check` and the start say so, once, and imgate uses caps and log files that fit, so a
+/// flood with no xAgent evicts old messages instead of filling the disk.
+#[test]
+fn a_small_state_file_system_gets_caps_and_log_files_that_fit() {
+    let dir = temp_dir("small-fs");
+    let state = dir.join("state");
+    let _fs = Tmpfs::mount(&state, "16m");
+    let conf = config_text(free_port(), &dir, None, "");
+    let path = dir.join("check.conf");
+    std::fs::write(&path, &conf).unwrap();
+    let check = Command::new(bin())
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr),
+    );
+    assert!(check.status.success(), "{err}");
+    assert!(
+        err.contains("its file system has room for") && err.contains("[queue] max_bytes_total = "),
+        "{err}"
+    );
+    assert!(out.contains("log files:         2 x 512KiB"), "{out}");
+
+    let d = Daemon::start_env(&dir, &conf, "info", &[]);
+    let auth = format!("Bearer {API_KEY}");
+    let status = || {
+        let (_, s) = http_get(&d.url("/status"), &[("Authorization", &auth)]);
+        serde_json::from_str::<serde_json::Value>(&s).unwrap()
+    };
+    let cap = status()["policy"]["max_bytes_total"].as_u64().unwrap();
+    assert!((1 << 20..8 << 20).contains(&cap), "{cap}");
+    assert_eq!(
+        d.log().matches("its file system has room for").count(),
+        1,
+        "{}",
+        d.log()
+    );
+    for f in ["outbox.log", "outbox.1.log"] {
+        assert_eq!(std::fs::metadata(state.join(f)).unwrap().len(), 512 << 10, "{f}");
+    }
+    // More than the disk holds in messages, nobody to deliver them to: every one accepted,
+    // the oldest evicted, the disk never full.
+    let text = "s".repeat(30_000);
+    for i in 0..700 {
+        let (code, body) = d.post_hook(
+            "alerts",
+            &json!({"message_id": format!("m{i}"), "sender_id": "u", "text": text}),
+        );
+        assert_eq!(code, 202, "message {i}: {body}");
+    }
+    let s = status();
+    assert_eq!(s["storage"]["state"], "ok", "{s}");
+    assert!(s["unbound"]["evicted"].as_u64().unwrap() > 0, "{s}");
+    assert!(s["outbox"]["pending_bytes"].as_u64().unwrap() <= cap, "{s}");
 }
 
 /// Bytes free on the file system holding `path` (`df`'s figure, for the ballast).

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::durable::Shared;
 use super::outcomes::{Outcome, Outcomes};
-use super::queue::{Job, MAX_GROUP, MAX_GROUP_BYTES};
+use super::queue::{Job, MAX_GROUP};
 use super::{enqueue_in, Enqueued};
 
 /// The committer never waits longer than this for a group to fill.
@@ -66,7 +66,7 @@ pub fn run(shared: &Shared, counts: &Outcomes) {
             }
             w.want = 0;
             let (mut n, mut bytes) = (0, 0);
-            while n < w.jobs.len() && n < MAX_GROUP && bytes < MAX_GROUP_BYTES {
+            while n < w.jobs.len() && n < MAX_GROUP && bytes < w.group_bytes {
                 bytes += w.jobs[n].message.payload.len();
                 n += 1;
             }

@@ -23,7 +23,7 @@
 //!   one, and the next checkpoint is made in place (the other file is not free), writes the
 //!   whole overlay and frees both files, as do the checkpoints at shutdown, for a record that
 //!   does not fit, and in recovery.
-//! - Checkpoints run only when they pay: when the log holds `CHECKPOINT_BYTES` (which bounds
+//! - Checkpoints run only when they pay: when the log holds `checkpoint_bytes` (which bounds
 //!   the overlay's memory and replay's work), at clean shutdown (so the next start replays
 //!   nothing), and when a record does not fit in the log (that change is then made durable by
 //!   the checkpoint itself). No timer: an idle outbox, or one whose messages are all delivered,
@@ -58,11 +58,13 @@ use crate::store::{self, Db, Result, StoreError};
 
 /// `meta` key: the last log record redb's tables contain.
 const APPLIED_KEY: &str = "outbox_log_applied";
-/// A checkpoint is due once the log holds this much. It bounds what a start after a crash
-/// replays (this plus one group, `queue::MAX_GROUP_BYTES`) and the overlay's memory; what it no
+/// A checkpoint is due once the log holds this much: a quarter of its file. It bounds what a start after a crash
+/// replays (this plus one group, `Policy::group_bytes`) and the overlay's memory; what it no
 /// longer sets is a pace: at an appliance's message a second the log takes many minutes to
 /// fill, and every message delivered meanwhile never reaches redb.
-pub const CHECKPOINT_BYTES: u64 = wal::LOG_BYTES / 4;
+pub fn checkpoint_bytes(log: &Log) -> u64 {
+    log.size() / 4
+}
 /// After a checkpoint failed for a reason that is not the disk, wait this long to try again.
 const CHECKPOINT_RETRY: Duration = Duration::from_secs(1);
 
@@ -147,7 +149,7 @@ pub(super) struct Shared {
 impl Shared {
     /// Replays the log left by the last run and starts the log again.
     pub fn open(db: Arc<Db>, policy: Policy, queue: Arc<Queue>) -> Result<Shared> {
-        let [log, spare] = wal::FILES.map(|name| Log::new(db.dir().join(name)));
+        let [log, spare] = wal::FILES.map(|name| Log::new(db.dir().join(name), policy.log_file_bytes));
         let shared = Shared {
             db,
             state: Mutex::new(State {
@@ -292,7 +294,7 @@ impl Shared {
                 st.next_seq += 1;
                 // Upkeep has news: a checkpoint is due, or held records start their wait.
                 // (One in flight wakes the committer itself when it ends.)
-                let due = st.inflight.is_none() && st.log.used() >= CHECKPOINT_BYTES;
+                let due = st.inflight.is_none() && st.log.used() >= checkpoint_bytes(&st.log);
                 if due || (!held_before && st.log.held_until().is_some()) {
                     self.queue.wake();
                 }
@@ -336,14 +338,14 @@ impl Shared {
             .map(|at| at.saturating_duration_since(now))
     }
 
-    /// When the next checkpoint is due: once the log holds `CHECKPOINT_BYTES`, or when a
+    /// When the next checkpoint is due: once the log holds `checkpoint_bytes`, or when a
     /// failed one is retried (not before, however full the log); never while one is in flight
     /// (its end wakes the committer).
     fn checkpoint_at(st: &State, now: Instant) -> Option<Instant> {
         match st.retry_checkpoint_at {
             _ if st.inflight.is_some() => None,
             Some(at) => Some(at),
-            None => (st.log.used() >= CHECKPOINT_BYTES).then_some(now),
+            None => (st.log.used() >= checkpoint_bytes(&st.log)).then_some(now),
         }
     }
 
@@ -594,7 +596,7 @@ impl Shared {
             let mut unreadable: Option<String> = None;
             for (_, path, f) in &files {
                 let before = applied_now;
-                let found = wal::scan(f, wal::LOG_BYTES, |seq, payload| {
+                let found = wal::scan(f, wal::replay_capacity(f), |seq, payload| {
                     if seq < next || stopped.is_some() {
                         return Ok(()); // already in redb, or past a stop
                     }

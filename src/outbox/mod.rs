@@ -92,9 +92,17 @@ pub struct Policy {
     pub max_bytes_per_channel: u64,
     pub max_bytes_total: u64,
     pub overflow: Overflow,
+    /// The size of each of the two log files (`[queue] log_file_size`, or fitted).
+    pub log_file_bytes: u64,
 }
 
 impl Policy {
+    /// A group commit stops growing at this many payload bytes, so its log record stays well
+    /// inside the log.
+    pub fn group_bytes(&self) -> usize {
+        (self.log_file_bytes / 8) as usize
+    }
+
     /// Delivered IDs remembered per source for dedupe.
     pub fn delivered_cap(&self) -> usize {
         (self.max_messages_per_channel.saturating_mul(4)).clamp(1000, 100_000) as usize
@@ -197,7 +205,7 @@ impl Outbox {
     /// committer thread.
     pub fn open(db: Arc<Db>, policy: Policy) -> Result<Outbox> {
         db.write(durable::create_tables)?;
-        let shared = Arc::new(Shared::open(db, policy, Arc::new(Queue::default()))?);
+        let shared = Arc::new(Shared::open(db, policy, Arc::new(Queue::new(policy.group_bytes())))?);
         let stats = Arc::new(Outcomes::default());
         let (counted, group_shared) = (stats.clone(), shared.clone());
         let thread = std::thread::Builder::new()
@@ -491,10 +499,14 @@ impl Outbox {
 /// and how many of its records hold changes that parse (the fuzz target's entry point).
 pub fn read_log(bytes: &[u8]) -> (wal::Scanned, u64) {
     let mut parsed = 0;
-    let scanned = wal::scan(bytes, wal::LOG_BYTES, |_, payload| {
-        parsed += u64::from(tx::parse(payload).is_ok());
-        Ok::<_, ()>(())
-    });
+    let scanned = wal::scan(
+        bytes,
+        bytes.len().min(wal::MAX_LOG_BYTES as usize) as u64,
+        |_, payload| {
+            parsed += u64::from(tx::parse(payload).is_ok());
+            Ok::<_, ()>(())
+        },
+    );
     (scanned.unwrap_or_default(), parsed)
 }
 
@@ -758,6 +770,7 @@ mod tests {
         max_bytes_per_channel: 1 << 20,
         max_bytes_total: 1 << 22,
         overflow: Overflow::DropOldest,
+        log_file_bytes: wal::LOG_BYTES,
     };
 
     fn msg(id: &str, now: u64, ttl: u64) -> NewMessage {
@@ -1171,6 +1184,40 @@ mod tests {
         s.mark_attempt_failed("hook:a", &[p[2].seq], "disconnected").unwrap();
         s.shared.flush_log();
         (s, dir)
+    }
+
+    #[test]
+    fn a_log_written_at_another_size_is_replayed_whole_and_made_at_the_new_size() {
+        let (s, dir) = logged_history();
+        let before = ids_of(&s, "hook:a", 1000);
+        let to = crate::scratch::scratch_dir("resized");
+        {
+            let _no_writes = s.shared.lock();
+            for f in ["imgate.redb", wal::FILES[0], wal::FILES[1]] {
+                std::fs::copy(dir.join(f), to.join(f)).unwrap();
+            }
+        }
+        let small = Policy {
+            log_file_bytes: wal::MIN_LOG_BYTES,
+            ..ROOMY
+        };
+        let r = Outbox::open(Db::open(&to).unwrap(), small).unwrap();
+        let same = crash_copy(&s, &dir, None).log_report().replayed;
+        assert!(same >= 50, "{same}");
+        assert_eq!(r.log_report().replayed, same, "every record of the 2 MiB file");
+        assert_eq!(ids_of(&r, "hook:a", 1000), before);
+        // Messages go on: the small log fills, checkpoints and is recycled, each file made
+        // again at the new size when its turn comes.
+        for i in 0..400 {
+            assert!(accepted(r.enqueue(msg(&format!("n{i:03}"), 1000, 60_000))));
+        }
+        assert!(r.log_report().checkpoints > 1);
+        for f in wal::FILES {
+            assert_eq!(std::fs::metadata(to.join(f)).unwrap().len(), wal::MIN_LOG_BYTES, "{f}");
+        }
+        drop(r);
+        let r = Outbox::open(Db::open(&to).unwrap(), small).unwrap();
+        assert_eq!(ids_of(&r, "hook:a", 1000).len(), before.len() + 400);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! had) leaves nothing to write, and never reaches redb.
 //!
 //! Size: every entry came from a log record, and the log is checkpointed at
-//! `durable::CHECKPOINT_BYTES`, so the overlay is bounded by the checkpoint trigger, not by
+//! `durable::checkpoint_bytes`, so the overlay is bounded by the checkpoint trigger, not by
 //! the queue caps.
 
 use std::borrow::Cow;

@@ -9,20 +9,17 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-use super::{wal, Enqueued, NewMessage};
+use super::{Enqueued, NewMessage};
 use crate::store::Result;
 
 /// Most enqueues folded into one transaction.
 pub const MAX_GROUP: usize = 256;
-/// A group stops growing at this many payload bytes, so its log record stays well inside the log.
-pub const MAX_GROUP_BYTES: usize = (wal::LOG_BYTES / 8) as usize;
 pub struct Job {
     pub message: NewMessage,
     pub done: smol::channel::Sender<Result<Enqueued>>,
 }
 
 /// What senders hand the committer.
-#[derive(Default)]
 pub struct Queue {
     waiting: Mutex<Waiting>,
     pub(super) ready: Condvar,
@@ -40,15 +37,30 @@ pub(super) struct Waiting {
     pub(super) upkeep: bool,
     /// The outbox is being dropped: commit what is queued, checkpoint and exit.
     pub(super) stop: bool,
+    /// A group stops growing at this many payload bytes (`Policy::group_bytes`).
+    pub(super) group_bytes: usize,
 }
 
 impl Waiting {
     pub(super) fn full(&self) -> bool {
-        self.jobs.len() >= MAX_GROUP || self.bytes >= MAX_GROUP_BYTES
+        self.jobs.len() >= MAX_GROUP || self.bytes >= self.group_bytes
     }
 }
 
 impl Queue {
+    /// A queue whose groups stop growing at `group_bytes` of payload.
+    pub fn new(group_bytes: usize) -> Queue {
+        Queue {
+            waiting: Mutex::new(Waiting {
+                group_bytes,
+                ..Waiting::default()
+            }),
+            ready: Condvar::new(),
+            #[cfg(test)]
+            wakes: AtomicUsize::new(0),
+        }
+    }
+
     pub(super) fn lock(&self) -> MutexGuard<'_, Waiting> {
         self.waiting.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -107,7 +119,7 @@ mod tests {
 
     #[test]
     fn only_the_push_the_committer_waits_for_wakes_it_and_only_once() {
-        let q = Queue::default();
+        let q = Queue::new(1 << 20);
         let wakes = || q.wakes.load(Ordering::Relaxed);
         q.lock().want = 3;
         assert!(q.push(job("1")) && q.push(job("2")));

@@ -35,9 +35,16 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-/// The size of the file. Appends that would not fit are not logged: that transaction is
-/// committed to redb durably instead, which is itself a checkpoint.
+/// The size of each file, unless `[queue] log_file_size` says otherwise (`Policy`). Appends
+/// that would not fit are not logged: that transaction is committed to redb durably instead,
+/// which is itself a checkpoint.
 pub const LOG_BYTES: u64 = 2 << 20;
+/// The size on a small state file system (`fit.rs`), where two 2 MiB files are a lot.
+pub const SMALL_LOG_BYTES: u64 = 512 << 10;
+/// The sizes `log_file_size` may take: a group of messages must fit well inside the smallest;
+/// the largest bounds what a replay reads from a file of any size.
+pub const MIN_LOG_BYTES: u64 = 128 << 10;
+pub const MAX_LOG_BYTES: u64 = 64 << 20;
 const HEADER: usize = 16;
 const END: [u8; 4] = [0; 4];
 /// The unit a disk writes: a write that fits in one never touches two.
@@ -199,6 +206,14 @@ pub struct Log {
     held: Vec<u8>,
     /// When the oldest held record was appended.
     held_since: Option<Instant>,
+    /// The file's size: made so, appends kept within it.
+    size: u64,
+}
+
+/// How far a replay reads `f`: all of it, whatever size the run that wrote it used, up to
+/// `MAX_LOG_BYTES`.
+pub fn replay_capacity(f: &File) -> u64 {
+    f.metadata().map_or(0, |m| m.len()).min(MAX_LOG_BYTES)
 }
 
 /// An append that does not fit in what is left of the file.
@@ -217,13 +232,14 @@ pub fn first_seq(r: &(impl ReadAt + ?Sized)) -> Option<u64> {
 }
 
 impl Log {
-    pub fn new(path: PathBuf) -> Log {
+    pub fn new(path: PathBuf, size: u64) -> Log {
         Log {
             path,
             file: None,
             offset: 0,
             held: Vec::new(),
             held_since: None,
+            size,
         }
     }
 
@@ -231,8 +247,14 @@ impl Log {
         &self.path
     }
 
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
     /// Opens the file for a scan (a missing file reads as empty).
     pub fn reader(&self) -> io::Result<Option<File>> {
+        // A file another `log_file_size` made is read whole (`replay_capacity`) and rebuilt at
+        // its next `restart`.
         match File::open(&self.path) {
             Ok(f) => Ok(Some(f)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
@@ -240,14 +262,14 @@ impl Log {
         }
     }
 
-    /// After a checkpoint: the file, preallocated to `LOG_BYTES` (created or rebuilt when its
-    /// size is not that), is written again from the start.
+    /// After a checkpoint: the file, preallocated to its size (created or rebuilt when it has
+    /// another: `log_file_size` changed), is written again from the start.
     pub fn restart(&mut self) -> io::Result<()> {
         crate::faults::fail("outbox-log-write")?;
         let file = match self.file.take() {
             Some(f) => f,
             None => match OpenOptions::new().read(true).write(true).open(&self.path) {
-                Ok(f) if f.metadata()?.len() == LOG_BYTES => f,
+                Ok(f) if f.metadata()?.len() == self.size => f,
                 Ok(_) | Err(_) => self.preallocate()?,
             },
         };
@@ -279,7 +301,7 @@ impl Log {
             .truncate(true)
             .open(tmp)?;
         let zeros = vec![0u8; 64 << 10];
-        let mut left = LOG_BYTES;
+        let mut left = self.size;
         while left > 0 {
             let n = left.min(zeros.len() as u64) as usize;
             f.write_all(&zeros[..n])?;
@@ -377,7 +399,7 @@ impl Log {
     pub fn append(&mut self, seq: u64, payload: &[u8], sync: bool) -> io::Result<Result<(), NoRoom>> {
         opened(&self.file)?;
         let with_held = (self.held.len() + HEADER + payload.len()) as u64;
-        let fits = self.place(with_held) + with_held + END.len() as u64 <= LOG_BYTES;
+        let fits = self.place(with_held) + with_held + END.len() as u64 <= self.size;
         if payload.is_empty() || payload.len() > u32::MAX as usize || !fits {
             return Ok(Err(NoRoom));
         }
@@ -464,7 +486,7 @@ mod tests {
 
     fn temp_log(tag: &str) -> Log {
         let dir = crate::scratch::scratch_dir(&format!("log-{tag}"));
-        let mut log = Log::new(dir.join(FILES[0]));
+        let mut log = Log::new(dir.join(FILES[0]), LOG_BYTES);
         log.restart().unwrap();
         log
     }

@@ -24,7 +24,9 @@ impl Ext4 {
     pub fn mount(image: &Path, mnt: &Path) -> Ext4 {
         std::fs::write(image, b"").unwrap();
         let image = image.to_str().unwrap();
-        assert!(run("truncate", &["-s", "64M", image]).status.success());
+        // Sparse, so only what is written takes space; large enough that imgate's default caps
+        // fit it whole (a small state file system gets smaller caps and log files, `fit.rs`).
+        assert!(run("truncate", &["-s", "1G", image]).status.success());
         let mkfs = run("mkfs.ext4", &["-q", "-F", "-b", "4096", image]);
         assert!(mkfs.status.success(), "mkfs.ext4: {mkfs:?}");
         let losetup = run("losetup", &["-f", "--show", image]);
