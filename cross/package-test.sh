@@ -186,6 +186,14 @@ for _ in $(seq 1 100); do
 done
 expect "/health without the key" 401 "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health")"
 expect "/health with the key" 200 "$(curl -s -o /dev/null -w '%{http_code}' -H "Authorization: Bearer $key" "http://127.0.0.1:$port/health")"
+# `check` as root probes as the service user: the state dir it owns, one it cannot write.
+/usr/bin/imgate check --config "$work/port.conf" > "$work/check.txt" 2>&1 || { cat "$work/check.txt"; fail "imgate check"; }
+grep -q "^listen 127.0.0.1:$port as imgate: in use" "$work/check.txt" || fail "check: the port in use ($(cat "$work/check.txt"))"
+grep -q "^state_dir /var/lib/imgate: writable by imgate" "$work/check.txt" || fail "check: the state dir as imgate"
+install -d -m 0700 "$work/rootonly"
+sed "s|^state_dir = .*|state_dir = $work/rootonly|" "$work/port.conf" > "$work/rootonly.conf"
+/usr/bin/imgate check --config "$work/rootonly.conf" > "$work/check.txt" 2>&1 || fail "imgate check (root-only dir)"
+grep -q "^state_dir $work/rootonly: not writable by imgate" "$work/check.txt" || fail "check: a dir imgate cannot write ($(cat "$work/check.txt"))"
 # An operator in the imgate group runs `imgate status` without root; anyone else is told how
 # to join the group.
 useradd --no-create-home --shell /usr/sbin/nologin imgate-operator

@@ -39,6 +39,7 @@ pub fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         "init" => init(rest),
+        crate::probe::COMMAND => crate::probe::run_probe(rest),
         "run" | "check" | "status" => {
             let explicit = match config_flag(rest) {
                 Ok(p) => p,
@@ -62,6 +63,7 @@ pub fn main() -> ExitCode {
                     let fitted =
                         crate::fit::measure(&cfg.server.state_dir).and_then(|room| crate::fit::fit(&mut cfg, room));
                     print!("{}", cfg.summary());
+                    print!("{}", crate::probe::report(cfg.server.listen, &cfg.server.state_dir));
                     if let Some(w) = fitted {
                         eprintln!("imgate: warning: {w}");
                     }

@@ -36,6 +36,7 @@ mod maintenance;
 mod metrics;
 mod outbox;
 mod peer_wait;
+mod probe;
 mod protocol;
 mod providers;
 mod quiet;

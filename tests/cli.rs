@@ -324,3 +324,37 @@ fn a_database_written_by_a_newer_imgate_is_refused_with_a_clear_message() {
         "{err}"
     );
 }
+
+/// `check` says whether the port can be bound and the state dir written (as the `imgate` user
+/// when run as root and there is one: `cross/package-test.sh` checks that on an installed
+/// package).
+#[test]
+fn check_says_whether_the_port_is_free_and_the_state_dir_writable() {
+    let dir = temp_dir("probe");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let conf = dir.join("probe.conf");
+    std::fs::write(&conf, config_text(port, &dir, None, "")).unwrap();
+    let check = || {
+        let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let out = check();
+    assert!(out.contains(&format!("listen 127.0.0.1:{port} as ")), "{out}");
+    assert!(
+        out.contains(": in use (by the running imgate, or another program"),
+        "{out}"
+    );
+    assert!(
+        out.contains("state_dir ") && out.contains("/state: does not exist yet"),
+        "{out}"
+    );
+    drop(taken);
+    std::fs::create_dir_all(dir.join("state")).unwrap();
+    let out = check();
+    assert!(
+        out.contains(": free\n") && out.contains("/state: writable by "),
+        "{out}"
+    );
+}

@@ -1,0 +1,141 @@
+//! What `imgate check` finds out beyond the file: whether the listen port can be bound and the
+//! state dir written, by the user the service runs as. Run as root, `check` asks a copy of
+//! itself running as the `imgate` user (the packages' service user) when there is one, since
+//! root can write anywhere and bind any port and so would prove nothing.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+
+/// The user the packages run imgate as.
+const SERVICE_USER: &str = "imgate";
+/// The hidden command a copy of imgate runs as the service user.
+pub const COMMAND: &str = "__probe";
+
+/// Lines for `check`: the port and the state dir as the service user finds them.
+pub fn report(listen: SocketAddr, state_dir: &Path) -> String {
+    let root = rustix::process::geteuid().is_root();
+    match root.then(|| service_user(&std::fs::read_to_string("/etc/passwd").unwrap_or_default())) {
+        Some(Some((uid, gid))) => as_user(uid, gid, listen, state_dir),
+        Some(None) => format!(
+            "(as root: no `{SERVICE_USER}` user here to check as)\n{}",
+            lines(listen, state_dir, "root")
+        ),
+        None => lines(listen, state_dir, "this user"),
+    }
+}
+
+/// Runs the probe in a copy of imgate as `uid`:`gid`; its lines.
+fn as_user(uid: u32, gid: u32, listen: SocketAddr, state_dir: &Path) -> String {
+    use std::os::unix::process::CommandExt;
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => return format!("cannot check as {SERVICE_USER}: {e}\n"),
+    };
+    let out = Command::new(exe)
+        .arg(COMMAND)
+        .arg(listen.to_string())
+        .arg(state_dir)
+        .uid(uid)
+        .gid(gid)
+        .env_clear()
+        .output();
+    match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        Ok(o) => format!(
+            "cannot check as {SERVICE_USER}: {}\n",
+            crate::quiet::shown(String::from_utf8_lossy(&o.stderr).trim())
+        ),
+        Err(e) => format!("cannot check as {SERVICE_USER}: {e}\n"),
+    }
+}
+
+/// The hidden command: `imgate __probe ADDR DIR` prints the lines for the user it runs as.
+pub fn run_probe(args: &[String]) -> std::process::ExitCode {
+    let (Some(addr), Some(dir)) = (args.first().and_then(|a| a.parse().ok()), args.get(1)) else {
+        eprintln!("usage: imgate {COMMAND} ADDR DIR");
+        return std::process::ExitCode::from(2);
+    };
+    print!("{}", lines(addr, Path::new(dir), SERVICE_USER));
+    std::process::ExitCode::SUCCESS
+}
+
+/// The uid and gid of the service user in `passwd`'s text.
+fn service_user(passwd: &str) -> Option<(u32, u32)> {
+    passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        match f.as_slice() {
+            [name, _, uid, gid, ..] if *name == SERVICE_USER => Some((uid.parse().ok()?, gid.parse().ok()?)),
+            _ => None,
+        }
+    })
+}
+
+/// What `who` finds binding `listen` and writing in `state_dir`.
+fn lines(listen: SocketAddr, state_dir: &Path, who: &str) -> String {
+    let port = match std::net::TcpListener::bind(listen) {
+        Ok(_) => "free".to_string(),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            "in use (by the running imgate, or another program: `ss -ltnp` names it)".to_string()
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            format!("{who} may not bind it ({e}; a port below 1024 needs CAP_NET_BIND_SERVICE, or choose 8787)")
+        }
+        Err(e) => format!("cannot be bound: {e}"),
+    };
+    let dir = state_dir.display();
+    let state = if !state_dir.exists() {
+        format!(
+            "does not exist yet (systemd's StateDirectory= and the init scripts make it; by hand: install -d -o {SERVICE_USER} -g {SERVICE_USER} -m 0700 {dir})"
+        )
+    } else {
+        match write_probe(state_dir) {
+            Ok(()) => format!("writable by {who}"),
+            Err(e) => format!("not writable by {who} ({e}): chown -R {SERVICE_USER}:{SERVICE_USER} {dir}"),
+        }
+    };
+    format!("listen {listen} as {who}: {port}\nstate_dir {dir}: {state}\n")
+}
+
+/// Creates, writes and removes a file in `dir`.
+fn write_probe(dir: &Path) -> std::io::Result<()> {
+    let path = dir.join(format!(".imgate-check-{}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(b"imgate check\n"));
+    let _ = std::fs::remove_file(&path);
+    written
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_service_user_is_read_from_passwd() {
+        let passwd = "root:x:0:0:root:/root:/bin/sh\nimgatex:x:5:5::/:/bin/false\nimgate:x:999:998:imgate daemon:/var/lib/imgate:/usr/sbin/nologin\n";
+        assert_eq!(service_user(passwd), Some((999, 998)));
+        assert_eq!(service_user("imgate:x:nope:1::/:\n"), None);
+        assert_eq!(service_user(""), None);
+    }
+
+    #[test]
+    fn a_taken_port_and_a_missing_or_writable_dir_are_told_apart() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = taken.local_addr().unwrap();
+        let dir = crate::scratch::scratch_dir("probe");
+        let out = lines(addr, &dir, "me");
+        assert!(out.contains(": in use (by the running imgate"), "{out}");
+        assert!(out.contains("writable by me"), "{out}");
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "the probe's file is gone");
+        drop(taken);
+        let out = lines(addr, &dir.join("later"), "me");
+        assert!(
+            out.contains(" as me: free") && out.contains("does not exist yet"),
+            "{out}"
+        );
+    }
+}
