@@ -321,13 +321,38 @@ impl Db {
         }
     }
 
-    /// A write succeeded: logs the end of an outage, if there was one.
+    /// A write succeeded: logs the end of an outage, if there was one. An outage of a full
+    /// disk ends only once `FREE_TO_RECOVER` is free: an append to the preallocated log works on
+    /// a disk still too full for the database to grow, and "writes work again" followed a
+    /// second later by "writes fail" helps nobody.
     fn write_ok(&self) {
         let mut outage = self.outage.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((first, n)) = outage.take() {
-            log::warn!("store: writes work again after {n} failed write(s) (first error: {first})");
+        let Some((first, n)) = outage.as_ref() else {
+            return;
+        };
+        if is_disk_full(first) && self.free_bytes().is_some_and(|free| free < FREE_TO_RECOVER) {
+            return;
         }
+        log::warn!("store: writes work again after {n} failed write(s) (first error: {first})");
+        *outage = None;
     }
+
+    /// Bytes free for imgate on the database's file system.
+    fn free_bytes(&self) -> Option<u64> {
+        let dir = self.path.parent()?;
+        let v = rustix::fs::statvfs(dir).ok()?;
+        Some(v.f_bavail.saturating_mul(v.f_frsize))
+    }
+}
+
+/// Free space a full disk must have again before its outage ends (`Db::write_ok`).
+const FREE_TO_RECOVER: u64 = 1 << 20;
+
+/// Whether an error is the disk's (or the user's quota's) being full: ENOSPC or EDQUOT.
+fn is_disk_full(error: &str) -> bool {
+    let full = [rustix::io::Errno::NOSPC, rustix::io::Errno::DQUOT];
+    full.iter()
+        .any(|e| error.contains(&format!("(os error {})", e.raw_os_error())))
 }
 
 /// A `meta` value in a read transaction.
