@@ -19,6 +19,7 @@ mod limits;
 #[cfg(feature = "matrix")]
 mod matrix;
 mod outbox;
+mod readme;
 mod secrets;
 mod service;
 #[cfg(feature = "slack")]
