@@ -70,10 +70,15 @@ for arch in arm64 armhf amd64 riscv64; do
     "-rwxr-xr-x root/root ./usr/bin/imgate" \
     "-rw-r----- root/root ./etc/imgate/imgate.conf" \
     "-rw-r--r-- root/root ./usr/lib/systemd/system/imgate.service" \
-    "-rw-r--r-- root/root ./usr/share/doc/imgate/copyright"; do
+    "-rw-r--r-- root/root ./usr/share/doc/imgate/copyright" \
+    "-rw-r--r-- root/root ./usr/share/man/man5/imgate.conf.5.gz"; do
     grep -qxF -- "$want" "$work/contents" || { cat "$work/contents"; fail "$deb lacks: $want"; }
   done
   rm -rf "$work/x" && mkdir "$work/x" && dpkg-deb -x "$deb" "$work/x"
+  # The config reference it carries is the repository's, every key of it.
+  for key in '[server] listen' '[queue] log_file_size' '[matrix]'; do
+    zcat "$work/x/usr/share/man/man5/imgate.conf.5.gz" | grep -qF "\fB$key\fR" || fail "$deb: imgate.conf(5) lacks $key"
+  done
   expect "$deb binary's ELF machine" "$(machine_of "$arch")" "$(elf_machine "$work/x/usr/bin/imgate")"
   if [ "$arch" = armhf ]; then
     # Raspberry Pi OS's armhf runs on ARMv6 (Pi Zero, Pi 1): the binary must not need ARMv7.

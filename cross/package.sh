@@ -137,7 +137,8 @@ build_deb() {
   bin=$(binary "$arch")
   rm -rf "$root"
   install -d "$root/DEBIAN" "$root/usr/bin" "$root/usr/lib/systemd/system" "$root/etc/imgate" \
-    "$root/usr/share/doc/imgate" "$root/usr/share/lintian/overrides" "$root/usr/share/man/man1"
+    "$root/usr/share/doc/imgate" "$root/usr/share/lintian/overrides" "$root/usr/share/man/man1" \
+    "$root/usr/share/man/man5"
   install -m 0755 "$bin" "$root/usr/bin/imgate"
   install -m 0644 systemd/imgate.service "$root/usr/lib/systemd/system/imgate.service"
   packaged_config /var/lib/imgate "$root/etc/imgate/imgate.conf"
@@ -145,7 +146,9 @@ build_deb() {
   copyright > "$root/usr/share/doc/imgate/copyright"
   changelog | gzip -9n > "$root/usr/share/doc/imgate/changelog.gz"
   gzip -9n < packaging/imgate.1 > "$root/usr/share/man/man1/imgate.1.gz"
-  chmod 0644 "$root/usr/share/doc/imgate/"* "$root/usr/share/man/man1/imgate.1.gz"
+  # The config reference on the device: `man imgate.conf`.
+  bash cross/config-man.sh | gzip -9n > "$root/usr/share/man/man5/imgate.conf.5.gz"
+  chmod 0644 "$root/usr/share/doc/imgate/"* "$root/usr/share/man/man1/imgate.1.gz" "$root/usr/share/man/man5/imgate.conf.5.gz"
   # A static binary is the point of this package (no libc to depend on), and the config may
   # hold secrets (webhook secrets, tokens), so it is not world-readable.
   printf '%s\n' "imgate: statically-linked-binary [usr/bin/imgate]" \
