@@ -310,10 +310,14 @@ impl Api {
         let token = self.token(app, timeout)?;
         match attempt(&token) {
             Err(e) if e.token_invalid() => {
-                log::info!(
-                    "dingtalk: app {}: DingTalk refused its access token ({e}); fetching a new one",
-                    app.client_id
-                );
+                // DingTalk may refuse every token it issues: a line a minute, not one a call.
+                static REFUSED_TOKEN: crate::quiet::Site = crate::quiet::Site::new();
+                if let Some(more) = REFUSED_TOKEN.admit() {
+                    log::info!(
+                        "dingtalk: app {}: DingTalk refused its access token ({e}); fetching a new one{more}",
+                        app.client_id
+                    );
+                }
                 self.forget_token(&app.client_id);
                 let token = self.token(app, timeout)?;
                 attempt(&token)

@@ -245,7 +245,13 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
             let now_serial = current.as_ref().map_or(0, |c| c.0);
             match signal {
                 Signal::Replace(s) if s == now_serial => {
-                    log::info!("dingtalk: app {app}: DingTalk will close the connection; opening the next one");
+                    // Paced by the socket's minimum age, and still a line a minute at most.
+                    static CLOSING: crate::quiet::Site = crate::quiet::Site::new();
+                    if let Some(more) = CLOSING.admit() {
+                        log::info!(
+                            "dingtalk: app {app}: DingTalk will close the connection; opening the next one{more}"
+                        );
+                    }
                     let age = current.as_ref().map_or(MIN_AGE, |c| c.1.elapsed());
                     if let Some((s, _, old)) = current.take() {
                         leaving.push((s, old));
