@@ -67,7 +67,7 @@ pub fn run(shared: &Shared, counts: &Outcomes) {
             w.want = 0;
             let (mut n, mut bytes) = (0, 0);
             while n < w.jobs.len() && n < MAX_GROUP && bytes < w.group_bytes {
-                bytes += w.jobs[n].message.payload.len();
+                bytes += w.jobs[n].bytes();
                 n += 1;
             }
             w.bytes -= bytes;

@@ -58,8 +58,9 @@ use crate::store::{self, Db, Result, StoreError};
 
 /// `meta` key: the last log record redb's tables contain.
 const APPLIED_KEY: &str = "outbox_log_applied";
-/// A checkpoint is due once the log holds this much: a quarter of its file. It bounds what a start after a crash
-/// replays (this plus one group, `Policy::group_bytes`) and the overlay's memory; what it no
+/// A checkpoint is due once the log holds this much: a quarter of its file. It bounds what a
+/// start after a crash replays (this plus one group, `Policy::group_bytes`; once after
+/// `log_file_size` changed, the old file's whole size) and the overlay's memory; what it no
 /// longer sets is a pace: at an appliance's message a second the log takes many minutes to
 /// fill, and every message delivered meanwhile never reaches redb.
 pub fn checkpoint_bytes(log: &Log) -> u64 {

@@ -1189,7 +1189,17 @@ mod tests {
     #[test]
     fn a_log_written_at_another_size_is_replayed_whole_and_made_at_the_new_size() {
         let (s, dir) = logged_history();
+        let checkpoints = s.log_report().checkpoints;
+        // Past what the new size would read: 300 KB more in the 2 MiB log.
+        for i in 0..150 {
+            let mut m = msg(&format!("big{i:03}"), 1000, 60_000);
+            m.payload = "b".repeat(2000);
+            assert!(accepted(s.enqueue(m)));
+        }
+        s.shared.flush_log();
+        assert_eq!(s.log_report().checkpoints, checkpoints, "all of it only in the log");
         let before = ids_of(&s, "hook:a", 1000);
+        assert!(before.last().is_some_and(|id| id == "big149"), "{before:?}");
         let to = crate::scratch::scratch_dir("resized");
         {
             let _no_writes = s.shared.lock();

@@ -19,6 +19,19 @@ pub struct Job {
     pub done: smol::channel::Sender<Result<Enqueued>>,
 }
 
+/// What a message adds to its group's log record besides its fields: the record's keys, header
+/// line and reply reference, generously, so that a group of the smallest messages still fits the
+/// smallest log.
+const RECORD_OVERHEAD: usize = 512;
+
+impl Job {
+    /// The bytes this job adds to its group's log record, at most.
+    pub fn bytes(&self) -> usize {
+        let m = &self.message;
+        m.payload.len() + m.source.len() + m.message_id.len() + RECORD_OVERHEAD
+    }
+}
+
 /// What senders hand the committer.
 pub struct Queue {
     waiting: Mutex<Waiting>,
@@ -37,7 +50,7 @@ pub(super) struct Waiting {
     pub(super) upkeep: bool,
     /// The outbox is being dropped: commit what is queued, checkpoint and exit.
     pub(super) stop: bool,
-    /// A group stops growing at this many payload bytes (`Policy::group_bytes`).
+    /// A group stops growing at this many bytes of its jobs (`Job::bytes`, `Policy::group_bytes`).
     pub(super) group_bytes: usize,
 }
 
@@ -48,7 +61,7 @@ impl Waiting {
 }
 
 impl Queue {
-    /// A queue whose groups stop growing at `group_bytes` of payload.
+    /// A queue whose groups stop growing at `group_bytes` (`Job::bytes`).
     pub fn new(group_bytes: usize) -> Queue {
         Queue {
             waiting: Mutex::new(Waiting {
@@ -71,7 +84,7 @@ impl Queue {
         if w.stop {
             return false;
         }
-        w.bytes += job.message.payload.len();
+        w.bytes += job.bytes();
         w.jobs.push(job);
         let wake = w.want > 0 && (w.jobs.len() >= w.want || w.full());
         if wake {
