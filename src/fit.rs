@@ -13,8 +13,10 @@ use std::path::Path;
 use crate::config::{fmt_size, Config};
 use crate::outbox::wal;
 
-/// A state file system smaller than this gets the small log files unless `log_file_size` is set.
+/// A state file system smaller than this, or with less room than `SMALL_ROOM`, gets the small
+/// log files unless `log_file_size` is set.
 const SMALL_FILE_SYSTEM: u64 = 256 << 20;
+const SMALL_ROOM: u64 = 64 << 20;
 /// What the database takes besides the messages: its header, tables and free pages.
 const DB_BASE: u64 = 1 << 20;
 /// The database of a full queue, as the month-like run measured it (2 to 2.5 times the
@@ -35,22 +37,29 @@ pub struct Room {
     pub free: u64,
     /// What imgate's files in the state dir take now (database, logs, file cache).
     pub held: u64,
+    /// The database's and the logs' part of `held`: every pending message is in one of them,
+    /// so a queue cap this large drops nothing already accepted.
+    pub stored: u64,
 }
 
 /// Measures the file system of `state_dir` (or of its nearest existing parent, before the
 /// first start made it). `None` when it cannot be asked.
 pub fn measure(state_dir: &Path) -> Option<Room> {
-    let existing = state_dir.ancestors().find(|p| p.exists())?;
+    // A relative state_dir's last ancestor is "": the working directory.
+    let existing = state_dir
+        .ancestors()
+        .map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p })
+        .find(|p| p.exists())?;
     let v = rustix::fs::statvfs(existing).ok()?;
-    let held = ["imgate.redb", wal::FILES[0], wal::FILES[1]]
+    let stored = ["imgate.redb", wal::FILES[0], wal::FILES[1]]
         .iter()
         .map(|f| file_bytes(&state_dir.join(f)))
-        .fold(0u64, u64::saturating_add)
-        .saturating_add(tree_bytes(&state_dir.join("files"), 2));
+        .fold(0u64, u64::saturating_add);
     Some(Room {
         total: v.f_blocks.saturating_mul(v.f_frsize),
         free: v.f_bavail.saturating_mul(v.f_frsize),
-        held,
+        held: stored.saturating_add(tree_bytes(&state_dir.join("files"), 2)),
+        stored,
     })
 }
 
@@ -79,18 +88,15 @@ fn tree_bytes(dir: &Path, depth: u32) -> u64 {
 /// Sets the log files' size (when the config leaves it to imgate) and lowers the caps that do
 /// not fit `room`; the warning to give when any cap was lowered.
 pub fn fit(cfg: &mut Config, room: Room) -> Option<String> {
+    let budget = room.free.saturating_add(room.held) / 10 * 9;
+    let small = room.total < SMALL_FILE_SYSTEM || budget < SMALL_ROOM;
     let log = *cfg
         .queue
         .log_file_size
-        .get_or_insert(if room.total < SMALL_FILE_SYSTEM {
-            wal::SMALL_LOG_BYTES
-        } else {
-            wal::LOG_BYTES
-        });
+        .get_or_insert(if small { wal::SMALL_LOG_BYTES } else { wal::LOG_BYTES });
     let (queue, cache) = (cfg.queue.max_bytes_total, cfg.files.max_bytes_total);
     let fixed = log.saturating_mul(2).saturating_add(DB_BASE);
     let need = fixed.saturating_add(db_need(queue)).saturating_add(cache);
-    let budget = room.free.saturating_add(room.held) / 10 * 9;
     if need <= budget {
         return None;
     }
@@ -99,7 +105,12 @@ pub fn fit(cfg: &mut Config, room: Room) -> Option<String> {
     let left = u128::from(budget.saturating_sub(fixed));
     let wanted = u128::from(db_need(queue)) + u128::from(cache);
     let scaled = |v: u64, min: u64| ((u128::from(v) * left / wanted.max(1)) as u64).clamp(min.min(v), v);
-    let (new_queue, new_cache) = (scaled(queue, MIN_QUEUE), scaled(cache, MIN_CACHE));
+    // Never below what may be pending already: a cap lowered at a restart would evict
+    // messages the senders were told were accepted.
+    let (new_queue, new_cache) = (
+        scaled(queue, MIN_QUEUE).max(room.stored.min(queue)),
+        scaled(cache, MIN_CACHE),
+    );
     cfg.queue.max_bytes_total = new_queue;
     cfg.queue.max_bytes_per_channel = cfg.queue.max_bytes_per_channel.min(new_queue);
     cfg.files.max_bytes_total = new_cache;
@@ -160,6 +171,7 @@ mod tests {
             total: 32 << 30,
             free: 20 << 30,
             held: 0,
+            stored: 0,
         };
         assert_eq!(fit(&mut c, room), None);
         assert_eq!((c.queue.max_bytes_total, c.files.max_bytes_total), before);
@@ -173,6 +185,7 @@ mod tests {
             total: 24 * MIB,
             free: 12 * MIB,
             held: 0,
+            stored: 0,
         };
         let warning = fit(&mut c, room).expect("the defaults do not fit 12 MiB");
         assert_eq!(c.queue.log_file_size, Some(wal::SMALL_LOG_BYTES));
@@ -199,6 +212,7 @@ mod tests {
             total: 100 * MIB,
             free: 10 * MIB,
             held: 90 * MIB,
+            stored: 0,
         };
         fit(&mut c, room).expect("the defaults need about 420 MiB");
         assert_eq!(c.queue.log_file_size, Some(wal::LOG_BYTES));
@@ -213,6 +227,7 @@ mod tests {
             total: 8 * MIB,
             free: 0,
             held: 0,
+            stored: 0,
         };
         let warning = fit(&mut c, room).unwrap();
         assert_eq!(
@@ -223,13 +238,48 @@ mod tests {
     }
 
     #[test]
+    fn what_may_be_pending_is_never_cut() {
+        let mut c = config();
+        let room = Room {
+            total: 100 * MIB,
+            free: MIB,
+            held: 30 * MIB,
+            stored: 30 * MIB,
+        };
+        fit(&mut c, room).unwrap();
+        assert_eq!(
+            c.queue.max_bytes_total,
+            30 * MIB,
+            "all that the database and the logs hold"
+        );
+    }
+
+    #[test]
+    fn a_large_disk_nearly_full_gets_the_small_logs() {
+        let mut c = config();
+        let room = Room {
+            total: 32 << 30,
+            free: 20 * MIB,
+            held: 0,
+            stored: 0,
+        };
+        fit(&mut c, room);
+        assert_eq!(c.queue.log_file_size, Some(wal::SMALL_LOG_BYTES));
+    }
+
+    #[test]
     fn the_state_dir_is_measured_before_it_exists() {
         let dir = crate::scratch::scratch_dir("fit");
         let room = measure(&dir.join("not/yet")).unwrap();
         assert!(room.total > 0 && room.held == 0);
+        assert!(
+            measure(Path::new("imgate-data-not-yet")).is_some(),
+            "a relative state_dir"
+        );
         std::fs::create_dir_all(dir.join("files/ab")).unwrap();
         std::fs::write(dir.join("files/ab/x"), vec![0u8; 5000]).unwrap();
         std::fs::write(dir.join("imgate.redb"), vec![0u8; 3000]).unwrap();
-        assert_eq!(measure(&dir).unwrap().held, 8000);
+        let room = measure(&dir).unwrap();
+        assert_eq!((room.held, room.stored), (8000, 3000));
     }
 }
