@@ -33,10 +33,13 @@ fn as_user(uid: u32, gid: u32, listen: SocketAddr, state_dir: &Path) -> String {
         Ok(p) => p,
         Err(e) => return format!("cannot check as {SERVICE_USER}: {e}\n"),
     };
+    // The child starts in our working directory, which the service user may not search; std
+    // drops root's supplementary groups, and the service user has none of its own by default.
+    let state_dir = std::path::absolute(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
     let out = Command::new(exe)
         .arg(COMMAND)
         .arg(listen.to_string())
-        .arg(state_dir)
+        .arg(&state_dir)
         .uid(uid)
         .gid(gid)
         .env_clear()
@@ -85,15 +88,15 @@ fn lines(listen: SocketAddr, state_dir: &Path, who: &str) -> String {
         Err(e) => format!("cannot be bound: {e}"),
     };
     let dir = state_dir.display();
-    let state = if !state_dir.exists() {
-        format!(
+    let state = match std::fs::metadata(state_dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => format!(
             "does not exist yet (systemd's StateDirectory= and the init scripts make it; by hand: install -d -o {SERVICE_USER} -g {SERVICE_USER} -m 0700 {dir})"
-        )
-    } else {
-        match write_probe(state_dir) {
+        ),
+        Err(e) => format!("cannot be reached by {who} ({e}): a directory on its path is closed to it"),
+        Ok(_) => match write_probe(state_dir) {
             Ok(()) => format!("writable by {who}"),
             Err(e) => format!("not writable by {who} ({e}): chown -R {SERVICE_USER}:{SERVICE_USER} {dir}"),
-        }
+        },
     };
     format!("listen {listen} as {who}: {port}\nstate_dir {dir}: {state}\n")
 }
