@@ -322,7 +322,7 @@ impl Db {
     }
 
     /// A write succeeded: logs the end of an outage, if there was one. An outage of a full
-    /// disk ends only once `FREE_TO_RECOVER` is free: an append to the preallocated log works on
+    /// disk ends only once `free_to_recover` is free: an append to the preallocated log works on
     /// a disk still too full for the database to grow, and "writes work again" followed a
     /// second later by "writes fail" helps nobody.
     fn write_ok(&self) {
@@ -330,23 +330,29 @@ impl Db {
         let Some((first, n)) = outage.as_ref() else {
             return;
         };
-        if is_disk_full(first) && self.free_bytes().is_some_and(|free| free < FREE_TO_RECOVER) {
+        if is_disk_full(first) && self.space().is_some_and(|(free, total)| free < free_to_recover(total)) {
             return;
         }
         log::warn!("store: writes work again after {n} failed write(s) (first error: {first})");
         *outage = None;
     }
 
-    /// Bytes free for imgate on the database's file system.
-    fn free_bytes(&self) -> Option<u64> {
+    /// Bytes free for imgate on the database's file system, and its size.
+    fn space(&self) -> Option<(u64, u64)> {
         let dir = self.path.parent()?;
         let v = rustix::fs::statvfs(dir).ok()?;
-        Some(v.f_bavail.saturating_mul(v.f_frsize))
+        Some((
+            v.f_bavail.saturating_mul(v.f_frsize),
+            v.f_blocks.saturating_mul(v.f_frsize),
+        ))
     }
 }
 
-/// Free space a full disk must have again before its outage ends (`Db::write_ok`).
-const FREE_TO_RECOVER: u64 = 1 << 20;
+/// Free space a full disk must have again before its outage ends (`Db::write_ok`): 1 MiB, or
+/// a thirty-second of a small file system (a tenth of one is what `fit` leaves the system).
+fn free_to_recover(total: u64) -> u64 {
+    (total / 32).min(1 << 20)
+}
 
 /// Whether an error is the disk's (or the user's quota's) being full: ENOSPC or EDQUOT.
 fn is_disk_full(error: &str) -> bool {
