@@ -11,6 +11,7 @@ sed -E -e 's/\\/\\e/g' \
   -e 's/\[([^]]*)\]\([^)]*\)/\1/g' \
   -e 's/`([^`]*)`/\\fB\1\\fR/g' docs/config.md | awk '
 function line(s) {
+  gsub(/-/, "\\-", s)                            # an ASCII hyphen, so --config copies as typed
   if (s ~ /^[.\047]/) s = "\\&" s               # a line may not start a request
   return s
 }
@@ -29,7 +30,7 @@ NR == 1 && /^# / { next }                         # the title is the NAME above
   n = split(row, cell, / \| /)
   print ".TP"
   print line(cell[1])
-  print "Default: " cell[2] "."
+  print "Default: " line(cell[2]) "."
   meaning = cell[3]
   for (i = 4; i <= n; i++) meaning = meaning " | " cell[i]
   print line(meaning)

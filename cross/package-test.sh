@@ -75,7 +75,7 @@ for arch in arm64 armhf amd64 riscv64; do
     grep -qxF -- "$want" "$work/contents" || { cat "$work/contents"; fail "$deb lacks: $want"; }
   done
   rm -rf "$work/x" && mkdir "$work/x" && dpkg-deb -x "$deb" "$work/x"
-  # The config reference it carries is the repository's, every key of it.
+  # The config reference it carries is made from the repository's (a key of each part of it).
   for key in '[server] listen' '[queue] log_file_size' '[matrix]'; do
     zcat "$work/x/usr/share/man/man5/imgate.conf.5.gz" | grep -qF "\fB$key\fR" || fail "$deb: imgate.conf(5) lacks $key"
   done
