@@ -88,9 +88,9 @@ pub fn render(v: &Value, now_ms: u64) -> String {
         for c in chs.iter().filter_map(json::as_object) {
             let num = |k: &str| json::get_u64(c, k).unwrap_or(0);
             out.push_str(&format!(
-                "{:<38} {:<NAME_WIDTH$} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  {}\n",
+                "{:<38} {} {:<9} {:<10} {:>7} {:>10} {:>9} {:>7} {:>7} {:>8}  {}\n",
                 cell(json::get_str(c, "connector_channel_id").unwrap_or("?"), 38),
-                cell(json::get_str(c, "name").unwrap_or("-"), NAME_WIDTH),
+                padded(json::get_str(c, "name").unwrap_or("-"), NAME_WIDTH),
                 cell(json::get_str(c, "provider").unwrap_or("?"), 9),
                 cell(json::get_str(c, "status").unwrap_or("?"), 10),
                 num("pending"),
@@ -165,15 +165,47 @@ fn storage_line(o: &Object) -> String {
 }
 
 /// `text` fit for one table cell: control and reordering characters escaped (a name from an
-/// IM system must not move the cursor or recolour the terminal), at most `width` characters.
+/// IM system must not move the cursor or recolour the terminal), at most `width` columns of a
+/// terminal (a Chinese or Japanese character takes two).
 fn cell(text: &str, width: usize) -> String {
     let shown = crate::quiet::shown(text);
-    if shown.chars().count() <= width {
+    if shown.chars().map(columns).sum::<usize>() <= width {
         return shown;
     }
-    let mut cut: String = shown.chars().take(width.saturating_sub(1)).collect();
+    let mut cut = String::new();
+    let mut used = 0;
+    for c in shown.chars() {
+        if used + columns(c) > width.saturating_sub(1) {
+            break;
+        }
+        used += columns(c);
+        cut.push(c);
+    }
     cut.push('…');
     cut
+}
+
+/// `cell`, then spaces to `width` columns: `format!`'s padding counts characters, and a
+/// conversation's name is often Chinese.
+fn padded(text: &str, width: usize) -> String {
+    let mut out = cell(text, width);
+    let used: usize = out.chars().map(columns).sum();
+    out.extend(std::iter::repeat_n(' ', width.saturating_sub(used)));
+    out
+}
+
+/// The columns a character takes at a terminal: two for East Asian wide and fullwidth
+/// characters (the CJK blocks, Hangul, fullwidth forms, emoji), one for the rest.
+fn columns(c: char) -> usize {
+    let wide = matches!(c as u32,
+        0x1100..=0x115F | 0x2E80..=0x303E | 0x3041..=0x33FF | 0x3400..=0x4DBF | 0x4E00..=0x9FFF
+        | 0xA000..=0xA4CF | 0xAC00..=0xD7A3 | 0xF900..=0xFAFF | 0xFE30..=0xFE4F | 0xFF00..=0xFF60
+        | 0xFFE0..=0xFFE6 | 0x1F300..=0x1F64F | 0x1F900..=0x1F9FF | 0x20000..=0x3FFFD);
+    if wide {
+        2
+    } else {
+        1
+    }
 }
 
 /// A span of time as a person reads it: `45s`, `12m`, `3h12m`, `2d4h`.
@@ -265,8 +297,31 @@ mod tests {
     }
 
     #[test]
+    fn a_chinese_name_keeps_the_columns_in_line() {
+        let row = |cch: &str, name: &str| {
+            format!(r#"{{"connector_channel_id":"{cch}","name":"{name}","provider":"feishu","status":"connected"}}"#)
+        };
+        let v = answer(&format!(
+            r#"{{"channels":[{},{}]}}"#,
+            row("cch_a", "Ops"),
+            row("cch_b", "运维告警群")
+        ));
+        let out = render(&v, 0);
+        let at = |cch: &str| {
+            let line = out.lines().find(|l| l.starts_with(cch)).unwrap();
+            let before = &line[..line.find("feishu").unwrap()];
+            before.chars().map(columns).sum::<usize>()
+        };
+        assert_eq!(at("cch_a"), at("cch_b"), "{out}");
+    }
+
+    #[test]
     fn long_names_are_cut_and_odd_answers_do_not_panic() {
         assert_eq!(cell(&"x".repeat(40), 10), format!("{}…", "x".repeat(9)));
+        // Chinese names take two columns a character: cut and padded by columns.
+        assert_eq!(cell("运维告警群组名称很长", 9), "运维告警…");
+        assert_eq!(padded("运维群", 8), "运维群  ");
+        assert_eq!(padded("ops", 5), "ops  ");
         assert_eq!(span(59_999), "59s");
         assert_eq!(span(90_061_000), "1d1h");
         assert_eq!(size(1023), "1023 B");
