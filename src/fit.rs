@@ -120,7 +120,7 @@ pub fn fit(cfg: &mut Config, room: Room) -> Option<String> {
         false => "",
     };
     Some(format!(
-        "state_dir {}: its file system has room for {} ({} free, {} of it imgate's already, a tenth kept for the system), \
+        "state_dir {}: its file system has room for {} ({} free plus {} in imgate's own files, less a tenth for the system), \
          but the caps need {} (a queue of {} in a database of up to {}, a file cache of {}, two log files of {}); \
          using [queue] max_bytes_total = {} and [files] max_bytes_total = {} instead{short}. \
          Set these (or smaller) in the config to silence this",
