@@ -55,6 +55,14 @@ fn bound(d: &Daemon, sim: &MatrixSim) -> (Sim, String) {
     (x, cch)
 }
 
+/// Alice says `text` in the room: the next push is that event (`why` if it is not); the push.
+fn alice_says(sim: &MatrixSim, x: &mut Sim, text: &str, why: &str) -> Value {
+    let id = sim.post_text(ROOM, ALICE, text);
+    let push = x.next_push(WAIT).expect("a message in");
+    assert_eq!(push["payload"]["message_id"], id.as_str(), "{why}: {push}");
+    push
+}
+
 fn raw_texts(x: &mut Sim, n: usize) -> Vec<String> {
     let mut got = Vec::new();
     while got.len() < n {
@@ -79,13 +87,7 @@ fn a_gap_while_polling_is_read_back_in_order_and_the_filter_asks_only_for_the_bo
     );
     assert_eq!(filter["presence"]["types"], json!([]), "no presence: {filter}");
 
-    let first = sim.post_text(ROOM, ALICE, "one");
-    let push = x.next_push(WAIT).expect("a message in");
-    assert_eq!(
-        push["payload"]["message_id"],
-        first.as_str(),
-        "what was said before the binding is not pushed"
-    );
+    let push = alice_says(&sim, &mut x, "one", "what was said before the binding is not pushed");
     assert_eq!(push["payload"]["sender_name"], "Alice");
     assert_eq!(push["payload"]["chat_type"], "group", "three members");
     let paged = sim.paginations().len();
@@ -99,9 +101,7 @@ fn a_gap_while_polling_is_read_back_in_order_and_the_filter_asks_only_for_the_bo
     // The bot's own messages and notices come back through /sync and are not pushed.
     sim.post_message(ROOM, ALICE, json!({"msgtype": "m.notice", "body": "a notice"}));
     sim.post_text(ROOM, BOT, "my own");
-    let last = sim.post_text(ROOM, ALICE, "last");
-    let push = x.next_push(WAIT).expect("Alice's message");
-    assert_eq!(push["payload"]["message_id"], last.as_str(), "{push}");
+    alice_says(&sim, &mut x, "last", "only Alice's message");
 }
 
 #[test]
@@ -161,9 +161,7 @@ fn an_answer_past_the_cap_asks_for_fewer_events_and_a_failing_server_is_waited_o
     assert!(d.log_shows("syncing works again", WAIT));
     // Each answer that fits doubles the limit again, up to 10.
     for i in 0..3 {
-        let id = sim.post_text(ROOM, ALICE, &format!("more {i}"));
-        let p = x.next_push(WAIT).expect("a message");
-        assert_eq!(p["payload"]["message_id"], id.as_str());
+        alice_says(&sim, &mut x, &format!("more {i}"), "each in turn");
     }
     let limits: Vec<Value> = sim
         .filters()
@@ -225,19 +223,11 @@ fn a_room_that_turns_on_encryption_stops_its_channel_and_gets_nothing_in_the_cle
 fn a_room_bound_again_after_an_unbinding_gets_nothing_said_while_it_was_unbound() {
     let (d, sim) = matrix("mx-rebind");
     let (mut x, cch) = bound(&d, &sim);
-    let first = sim.post_text(ROOM, ALICE, "while bound");
-    let push = x.next_push(WAIT).expect("a message in");
-    assert_eq!(push["payload"]["message_id"], first.as_str());
+    alice_says(&sim, &mut x, "while bound", "pushed while bound");
     let logout = x.request("auth.logout", Some(&cch), json!({}));
     assert_eq!(logout["payload"]["status"], "ok", "{logout}");
     metrics_once(&d, "imgate_matrix_sync_loops 0", WAIT);
     sim.post_text(ROOM, ALICE, "said while unbound");
     bind(&mut x, &cch, &sim);
-    let after = sim.post_text(ROOM, ALICE, "bound again");
-    let push = x.next_push(WAIT).expect("a message in");
-    assert_eq!(
-        push["payload"]["message_id"],
-        after.as_str(),
-        "nothing said while unbound: {push}"
-    );
+    alice_says(&sim, &mut x, "bound again", "nothing said while unbound");
 }
