@@ -892,6 +892,17 @@ pub fn fmt_duration(d: Duration) -> String {
     }
 }
 
+/// A byte count as a person reads it, one decimal (`1.2 GiB`): status lines and warnings, where
+/// `fmt_size`'s exact form would be a long number.
+pub fn approx_size(b: u64) -> String {
+    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        if b >= 1 << shift {
+            return format!("{:.1} {unit}", b as f64 / (1u64 << shift) as f64);
+        }
+    }
+    format!("{b} B")
+}
+
 /// Human form of a byte size.
 pub fn fmt_size(n: u64) -> String {
     for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
@@ -1106,6 +1117,26 @@ mod tests {
             Ok(_) => vec![],
             Err(e) => e.0,
         }
+    }
+
+    #[test]
+    fn the_log_file_size_is_auto_or_a_size_within_its_bounds() {
+        let size = |v: &str| {
+            parse(&format!("[queue]\nlog_file_size = {v}\n"), "t.conf", None, &[]).map(|c| c.queue.log_file_size)
+        };
+        assert_eq!(size("auto").unwrap(), None);
+        assert_eq!(size("512KiB").unwrap(), Some(512 << 10));
+        assert_eq!(size("128KiB").unwrap(), Some(128 << 10));
+        assert_eq!(size("64MiB").unwrap(), Some(64 << 20));
+        for bad in ["64KiB", "65MiB", "big", "0"] {
+            let e = errors(&format!("[queue]\nlog_file_size = {bad}\n"));
+            assert!(
+                e.iter()
+                    .any(|l| l.starts_with("t.conf:2: log_file_size: ") && l.contains("128KiB to 64MiB")),
+                "{bad}: {e:?}"
+            );
+        }
+        assert_eq!(parse(TEMPLATE, "tpl", None, &[]).unwrap().queue.log_file_size, None);
     }
 
     #[test]

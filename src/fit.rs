@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use crate::config::{fmt_size, Config};
+use crate::config::{approx_size as approx, fmt_size, Config};
 use crate::outbox::wal;
 
 /// A state file system smaller than this, or with less room than `SMALL_ROOM`, gets the small
@@ -136,16 +136,6 @@ pub fn fit(cfg: &mut Config, room: Room) -> Option<String> {
         approx_down(new_queue),
         approx_down(new_cache),
     ))
-}
-
-/// A byte count as a person reads it, one decimal.
-fn approx(b: u64) -> String {
-    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if b >= 1 << shift {
-            return format!("{:.1} {unit}", b as f64 / (1u64 << shift) as f64);
-        }
-    }
-    format!("{b} B")
 }
 
 /// A size the config accepts, at most `b`: whole KiB.

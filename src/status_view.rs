@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use crate::config::Config;
+use crate::config::{approx_size, Config};
 use crate::json::{self, Object, Value};
 
 /// Characters of a conversation's name the table shows.
@@ -150,10 +150,11 @@ fn storage_line(o: &Object) -> String {
     let Some(st) = json::get_obj(o, "storage") else {
         return "?".into();
     };
-    let free = json::get_u64(st, "free_bytes").map_or("free space unknown".into(), |b| format!("{} free", size(b)));
+    let free =
+        json::get_u64(st, "free_bytes").map_or("free space unknown".into(), |b| format!("{} free", approx_size(b)));
     let pending = json::get_obj(o, "outbox")
         .and_then(|x| json::get_u64(x, "pending_bytes"))
-        .map_or(String::new(), |b| format!(", {} waiting for xAgent", size(b)));
+        .map_or(String::new(), |b| format!(", {} waiting for xAgent", approx_size(b)));
     match json::get_str(st, "state") {
         Some("ok") => format!("ok, {free}{pending}"),
         state => format!(
@@ -225,16 +226,6 @@ fn two(big: u64, big_unit: &str, small: u64, small_unit: &str) -> String {
         0 => format!("{big}{big_unit}"),
         _ => format!("{big}{big_unit}{small}{small_unit}"),
     }
-}
-
-/// A byte count as a person reads it, one decimal.
-fn size(b: u64) -> String {
-    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if b >= 1 << shift {
-            return format!("{:.1} {unit}", b as f64 / (1u64 << shift) as f64);
-        }
-    }
-    format!("{b} B")
 }
 
 #[cfg(test)]
@@ -324,7 +315,7 @@ mod tests {
         assert_eq!(padded("ops", 5), "ops  ");
         assert_eq!(span(59_999), "59s");
         assert_eq!(span(90_061_000), "1d1h");
-        assert_eq!(size(1023), "1023 B");
+        assert_eq!(approx_size(1023), "1023 B");
         for odd in ["[]", "{}", r#"{"channels":[1,"x",{}],"xagent":7,"lease":{}}"#] {
             render(&answer(odd), 0);
         }
