@@ -131,6 +131,22 @@ mod tests {
     }
 
     #[test]
+    fn a_group_of_tiny_messages_is_bounded_by_their_records_not_their_payloads() {
+        // The smallest log's groups (a policy's eighth of 128 KiB): tiny payloads, whole records.
+        let q = Queue::new((crate::outbox::wal::MIN_LOG_BYTES / 8) as usize);
+        let mut n = 0;
+        while !q.lock().full() {
+            assert!(q.push(job(&format!("m{n}"))));
+            n += 1;
+        }
+        assert!(n < MAX_GROUP, "full after {n} jobs, before the count cap");
+        assert!(
+            q.lock().bytes >= n * RECORD_OVERHEAD,
+            "each counted with its record's overhead"
+        );
+    }
+
+    #[test]
     fn only_the_push_the_committer_waits_for_wakes_it_and_only_once() {
         let q = Queue::new(1 << 20);
         let wakes = || q.wakes.load(Ordering::Relaxed);
