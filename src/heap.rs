@@ -3,8 +3,8 @@
 //! An allocator keeps the memory a burst (a backlog rendered for delivery, a large upload)
 //! made it take from the system: without help, a daemon idles at its last peak until it
 //! restarts. `give_back` returns what is free: glibc's `malloc_trim` (which also releases free
-//! pages in the middle of the heap), or dlmalloc's `trim` on musl, where the heap is ours and
-//! large blocks are not in it.
+//! pages in the middle of the heap), or dlmalloc's `trim` on musl, where the heap is ours,
+//! large blocks are not in it, and the pages in the middle go back as each block is freed.
 
 /// Gives the heap's free memory back to the system. It walks the heap under the allocator's
 /// lock: call it after a burst, on a pool thread, not in a loop.
@@ -21,6 +21,15 @@ pub fn give_back() {
     }
     #[cfg(target_env = "musl")]
     dl::trim();
+}
+
+/// The whole pages inside the block at `start` of `size` bytes, leaving `margin` bytes clear at
+/// either end: its first address and length, if there is a page.
+#[cfg_attr(not(target_env = "musl"), allow(dead_code))]
+fn inner_pages(start: usize, size: usize, margin: usize, page: usize) -> Option<(usize, usize)> {
+    let first = start.checked_add(margin)?.checked_next_multiple_of(page)?;
+    let end = start.checked_add(size)?.checked_sub(margin)? / page * page;
+    (end > first).then(|| (first, end - first))
 }
 
 /// On musl, dlmalloc under a lock of our own, so that it can be trimmed (the crate's own
@@ -70,15 +79,24 @@ mod dl {
         unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
             match layout.size() >= LARGE {
                 true => System.dealloc(ptr, layout),
-                false => self.lock().free(ptr, layout.size(), layout.align()),
+                false => {
+                    release_inside(ptr, layout.size());
+                    self.lock().free(ptr, layout.size(), layout.align());
+                }
             }
         }
 
         unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
             match (layout.size() >= LARGE, new_size >= LARGE) {
                 (true, true) => System.realloc(ptr, layout, new_size),
-                (false, false) => self.lock().realloc(ptr, layout.size(), layout.align(), new_size),
-                // From one owner to the other: a new block, the bytes, the old block freed.
+                // A block of `RELEASED` bytes or more that grows (a buffer doubling) is moved
+                // here rather than by dlmalloc, so that the old one gives its pages back before
+                // it is freed.
+                (false, false) if new_size <= layout.size() || layout.size() < RELEASED => {
+                    self.lock().realloc(ptr, layout.size(), layout.align(), new_size)
+                }
+                // From one owner to the other, or grown: a new block, the bytes, the old block
+                // freed.
                 _ => {
                     let moved = Layout::from_size_align_unchecked(new_size, layout.align());
                     let new = self.alloc(moved);
@@ -92,10 +110,70 @@ mod dl {
         }
     }
 
+    /// Blocks from this size give their whole pages back when freed (fewer pages than this
+    /// are not worth a system call).
+    const RELEASED: usize = 8 * 1024;
+    /// What dlmalloc writes into a block it is given back: its free-list links after the
+    /// start (six words), the block's size in the next one's first word (which an allocated
+    /// block may use as its last). Generous: a page either side is released or not anyway.
+    const BOOKKEEPING: usize = 64;
+
+    /// Hands the whole pages inside a block about to be freed back to the kernel (they read as
+    /// zero when next touched). dlmalloc itself gives back only the top of its heap: without
+    /// this, a buffer freed in the middle (a rendered push, a stored message read for delivery)
+    /// kept its pages after a backlog had drained. Before the free, not after: the block is
+    /// still its owner's, so no other thread can be given it, and it is still mapped (a free
+    /// may trim the heap and unmap it, and the address be mapped again by someone else).
+    unsafe fn release_inside(ptr: *mut u8, size: usize) {
+        if size < RELEASED {
+            return;
+        }
+        if let Some((start, len)) = super::inner_pages(ptr as usize, size, BOOKKEEPING, page_size()) {
+            // SAFETY: the range lies inside a block its owner is freeing, clear of what dlmalloc
+            // writes into a free block. A failure leaves the pages resident, as before.
+            let _ = rustix::mm::madvise(start as *mut _, len, rustix::mm::Advice::LinuxDontNeed);
+        }
+    }
+
+    /// The kernel's page size, from the auxiliary vector musl kept at start (no allocation,
+    /// no lock: it is read inside the allocator).
+    fn page_size() -> usize {
+        const AT_PAGESZ: std::ffi::c_ulong = 6;
+        extern "C" {
+            fn getauxval(kind: std::ffi::c_ulong) -> std::ffi::c_ulong;
+        }
+        // SAFETY: getauxval only reads the vector the kernel gave the process.
+        match usize::try_from(unsafe { getauxval(AT_PAGESZ) }) {
+            Ok(page) if page.is_power_of_two() => page,
+            _ => 4096,
+        }
+    }
+
     pub fn trim() {
         // SAFETY: trimming releases only memory dlmalloc holds free.
         unsafe {
             HEAP.lock().trim(0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::inner_pages;
+
+    #[test]
+    fn inner_pages_leave_the_margins_and_partial_pages_alone() {
+        // A block from 0x1010 to 0x5010: the pages 0x2000..0x5000 are wholly inside it.
+        assert_eq!(inner_pages(0x1010, 0x4000, 64, 4096), Some((0x2000, 0x3000)));
+        // Its first 64 bytes reach into no page of their own; the last 64 keep 0x5000 back.
+        assert_eq!(inner_pages(0x1000, 0x4000, 64, 4096), Some((0x2000, 0x2000)));
+        assert_eq!(inner_pages(0x1000, 0x4040, 64, 4096), Some((0x2000, 0x3000)));
+        // Smaller than a page beyond its margins: nothing.
+        assert_eq!(inner_pages(0x1010, 0x1000, 64, 4096), None);
+        assert_eq!(inner_pages(0x1000, 0x2000 + 63, 64, 4096), None);
+        // 16 KiB pages, and addresses at the end of the range: no overflow, nothing.
+        assert_eq!(inner_pages(0x10, 0x8000, 64, 0x4000), None);
+        assert_eq!(inner_pages(usize::MAX - 0x3000, 0x2000, 64, 4096), None);
+        assert_eq!(inner_pages(usize::MAX - 0x10, 0x4000, 64, 4096), None);
     }
 }

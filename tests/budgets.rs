@@ -697,8 +697,12 @@ fn idle_memory_after_backlogs_drain() {
         x.bind_webhook(&cch, name, HOOK_SECRET);
         channels.push(cch);
     }
-    x.close();
     let rss = || proc_field(d.pid(), "status", "VmRSS:");
+    // Fresh and idle twice: as after the drains below, with xAgent connected (its socket's
+    // buffers included), and with no one connected.
+    std::thread::sleep(Duration::from_secs(5));
+    let fresh_connected = rss();
+    x.close();
     std::thread::sleep(Duration::from_secs(5));
     let fresh = rss();
     let mut after = Vec::new();
@@ -747,7 +751,7 @@ fn idle_memory_after_backlogs_drain() {
     let d = d.restart();
     std::thread::sleep(Duration::from_secs(5));
     let restarted = proc_field(d.pid(), "status", "VmRSS:");
-    println!("fresh idle RSS: {fresh} KiB");
+    println!("fresh idle RSS: {fresh_connected} KiB with xAgent connected, {fresh} KiB with no one");
     for (i, (accepted, drained, later)) in after.iter().enumerate() {
         println!("backlog {i}: {accepted} messages; RSS at the drain {drained} KiB, a minute later {later} KiB");
     }
