@@ -39,7 +39,6 @@ pub fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         "init" => init(rest),
-        crate::probe::COMMAND => crate::probe::run_probe(rest),
         "run" | "check" | "status" => {
             let explicit = match config_flag(rest) {
                 Ok(p) => p,
