@@ -101,6 +101,11 @@ fn config_flag(rest: &[String]) -> Result<Option<PathBuf>, String> {
 
 fn init(rest: &[String]) -> ExitCode {
     let target = rest.first().map(String::as_str).unwrap_or("imgate.conf");
+    // `imgate init --help` must not write a config named `--help`.
+    if target.starts_with('-') && target != "-" {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    }
     if target == "-" {
         // Standard output may end up in a log or a terminal's scrollback: no key there.
         print!("{}", config::TEMPLATE);
