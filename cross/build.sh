@@ -86,11 +86,19 @@ for t in "${targets[@]}"; do
     flags="-C link-self-contained=no -C force-unwind-tables=no"
     case "$t" in mips* | riscv*) flags="$flags -C target-feature=+crt-static" ;; esac
     case "$t" in mips*) flags="$flags -C relocation-model=static" ;; esac
+    # A small build is for small flash, and trades what a panic says for 300 KB on mipsel: a
+    # panic aborts at once, with no message and no place (they print nothing to read; a full
+    # build prints both), and std picks its smaller algorithms.
+    std_features=
+    if [ "$minimal" = 1 ]; then
+      flags="$flags -Zunstable-options -C panic=immediate-abort -Z location-detail=none"
+      std_features=optimize_for_size
+    fi
     var="CARGO_TARGET_$(printf '%s' "$t" | tr 'a-z-' 'A-Z_')_RUSTFLAGS"
     # -Zbuild-std is unstable: RUSTC_BOOTSTRAP lets this stable toolchain use it for this one
-    # build. An empty -Zbuild-std-features leaves out std's default `backtrace`.
+    # build. -Zbuild-std-features without `backtrace` leaves out std's default one.
     env "$var=$flags" RUSTC_BOOTSTRAP=1 cargo zigbuild --release --locked --target "$zt" \
-      "${feature_args[@]}" -Zbuild-std=std,panic_abort -Zbuild-std-features=
+      "${feature_args[@]}" -Zbuild-std=std,panic_abort -Zbuild-std-features=$std_features
   else
     cargo zigbuild --release --locked --target "$zt" "${feature_args[@]}"
   fi
