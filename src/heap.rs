@@ -163,17 +163,18 @@ mod tests {
 
     #[test]
     fn inner_pages_leave_the_margins_and_partial_pages_alone() {
-        // A block from 0x1010 to 0x5010: the pages 0x2000..0x5000 are wholly inside it.
-        assert_eq!(inner_pages(0x1010, 0x4000, 64, 4096), Some((0x2000, 0x3000)));
-        // Its first 64 bytes reach into no page of their own; the last 64 keep 0x5000 back.
+        // A block from 0x1000 to 0x5000: its first and last pages hold the margins.
         assert_eq!(inner_pages(0x1000, 0x4000, 64, 4096), Some((0x2000, 0x2000)));
+        assert_eq!(inner_pages(0x1010, 0x4000, 64, 4096), Some((0x2000, 0x2000)));
+        // Margins that end and start on page boundaries leave every page between them.
         assert_eq!(inner_pages(0x1000, 0x4040, 64, 4096), Some((0x2000, 0x3000)));
-        // Smaller than a page beyond its margins: nothing.
+        assert_eq!(inner_pages(0x0fc0, 0x4080, 64, 4096), Some((0x1000, 0x4000)));
+        // Less than a whole page beyond its margins: nothing.
         assert_eq!(inner_pages(0x1010, 0x1000, 64, 4096), None);
         assert_eq!(inner_pages(0x1000, 0x2000 + 63, 64, 4096), None);
-        // 16 KiB pages, and addresses at the end of the range: no overflow, nothing.
         assert_eq!(inner_pages(0x10, 0x8000, 64, 0x4000), None);
-        assert_eq!(inner_pages(usize::MAX - 0x3000, 0x2000, 64, 4096), None);
+        // At the end of the address space the sums would overflow: nothing, and no panic.
         assert_eq!(inner_pages(usize::MAX - 0x10, 0x4000, 64, 4096), None);
+        assert_eq!(inner_pages(usize::MAX - 0x100, 0x80, 64, 4096), None);
     }
 }
