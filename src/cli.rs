@@ -101,10 +101,17 @@ fn config_flag(rest: &[String]) -> Result<Option<PathBuf>, String> {
 
 fn init(rest: &[String]) -> ExitCode {
     let target = rest.first().map(String::as_str).unwrap_or("imgate.conf");
-    // `imgate init --help` must not write a config named `--help`.
-    if target.starts_with('-') && target != "-" {
-        eprintln!("{USAGE}");
-        return ExitCode::from(2);
+    // An option is not a file name: `imgate init --help` must not write a config named `--help`.
+    match target {
+        "--help" | "-h" => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        option if option.starts_with('-') && option != "-" => {
+            eprintln!("imgate init: unknown option {}\n{USAGE}", crate::quiet::shown(option));
+            return ExitCode::from(2);
+        }
+        _ => {}
     }
     if target == "-" {
         // Standard output may end up in a log or a terminal's scrollback: no key there.
