@@ -26,8 +26,8 @@ pub fn report(listen: SocketAddr, state_dir: &Path) -> String {
 /// Probes on a thread of its own running as `uid`:`gid` with no supplementary groups, as the
 /// service does. Linux keeps credentials per thread: the C library's `setuid` changes every
 /// thread's, the system calls rustix makes change only the caller's, so the rest of `check`
-/// stays root. (A copy of imgate started as the user would do the same, for 35 KB more of
-/// binary: std's process spawning.)
+/// stays root. (A copy of imgate started as the user would do the same, for about 35 KB more
+/// of binary: std's process spawning.)
 fn as_user(uid: u32, gid: u32, listen: SocketAddr, state_dir: &Path) -> String {
     use rustix::thread::{set_thread_groups, set_thread_res_gid, set_thread_res_uid, Gid, Uid};
     let state_dir = state_dir.to_path_buf();
