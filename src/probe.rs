@@ -51,7 +51,10 @@ fn service_user(passwd: &str) -> Option<(u32, u32)> {
     passwd.lines().find_map(|l| {
         let f: Vec<&str> = l.split(':').collect();
         match f.as_slice() {
-            [name, _, uid, gid, ..] if *name == SERVICE_USER => Some((uid.parse().ok()?, gid.parse().ok()?)),
+            // -1 is no id: to setresuid it means "leave it as it is", which would probe as root.
+            [name, _, uid, gid, ..] if *name == SERVICE_USER => {
+                Some((uid.parse().ok()?, gid.parse().ok()?)).filter(|&(u, g)| u != u32::MAX && g != u32::MAX)
+            }
             _ => None,
         }
     })
@@ -104,6 +107,8 @@ mod tests {
         let passwd = "root:x:0:0:root:/root:/bin/sh\nimgatex:x:5:5::/:/bin/false\nimgate:x:999:998:imgate daemon:/var/lib/imgate:/usr/sbin/nologin\n";
         assert_eq!(service_user(passwd), Some((999, 998)));
         assert_eq!(service_user("imgate:x:nope:1::/:\n"), None);
+        assert_eq!(service_user("imgate:x:4294967295:1::/:\n"), None);
+        assert_eq!(service_user("imgate:x:1:4294967295::/:\n"), None);
         assert_eq!(service_user(""), None);
     }
 
