@@ -35,11 +35,15 @@ fn matrix(tag: &str) -> (Daemon, MatrixSim) {
 
 /// Binds `cch` to the bot's room.
 fn bind(x: &mut Sim, cch: &str, sim: &MatrixSim) {
+    bind_room(x, cch, sim, ROOM);
+}
+
+fn bind_room(x: &mut Sim, cch: &str, sim: &MatrixSim, room: &str) {
     let a = x.request(
         "auth.start",
         Some(cch),
         json!({"flow_id": "matrix_room_binding",
-               "input": {"homeserver": sim.base, "access_token": TOKEN, "room_id": ROOM}}),
+               "input": {"homeserver": sim.base, "access_token": TOKEN, "room_id": room}}),
     );
     assert_eq!(a["payload"]["status"], "authenticated", "{a}");
 }
@@ -73,12 +77,12 @@ fn raw_texts(x: &mut Sim, n: usize) -> Vec<String> {
 }
 
 #[test]
-fn a_gap_while_polling_is_read_back_in_order_and_the_filter_asks_only_for_the_bound_room() {
+fn a_gap_while_polling_is_read_back_in_order_and_the_filter_asks_only_for_messages() {
     let (d, sim) = matrix("mx-gap");
     sim.post_text(ROOM, ALICE, "said before the binding");
     let (mut x, _) = bound(&d, &sim);
     let filter = sim.filters().last().cloned().expect("a filter");
-    assert_eq!(filter["room"]["rooms"], json!([ROOM]), "{filter}");
+    assert!(filter["room"].get("rooms").is_none(), "every joined room: {filter}");
     assert_eq!(filter["room"]["timeline"]["limit"], 10, "{filter}");
     assert_eq!(
         filter["room"]["timeline"]["types"],
@@ -230,4 +234,73 @@ fn a_room_bound_again_after_an_unbinding_gets_nothing_said_while_it_was_unbound(
     sim.post_text(ROOM, ALICE, "said while unbound");
     bind(&mut x, &cch, &sim);
     alice_says(&sim, &mut x, "bound again", "nothing said while unbound");
+}
+
+#[test]
+fn a_second_room_bound_while_polling_gets_its_first_message_at_once() {
+    let (d, sim) = matrix("mx-second");
+    let second = "!second:sim";
+    sim.add_room(second, &[BOT, ALICE], false);
+    let (mut x, cch1) = bound(&d, &sim);
+    let (cch2, _) = x.open(None);
+    bind_room(&mut x, &cch2, &sim, second);
+    let bound_at = std::time::Instant::now();
+    // The poll that was under way when the room was bound is ended by this message.
+    let id = sim.post_text(second, ALICE, "to the second room");
+    let push = x
+        .next_push(WAIT)
+        .expect("the second room's first message, within the running poll");
+    eprintln!("binding to the second room's first push: {:?}", bound_at.elapsed());
+    assert_eq!(push["payload"]["message_id"], id.as_str(), "{push}");
+    assert_eq!(push["connector_channel_id"], cch2.as_str(), "{push}");
+    // And an unbinding too: the first room's messages stop at once, the second's go on.
+    let logout = x.request("auth.logout", Some(&cch1), json!({}));
+    assert_eq!(logout["payload"]["status"], "ok", "{logout}");
+    sim.post_text(ROOM, ALICE, "to the unbound first room");
+    let id = sim.post_text(second, ALICE, "the second room goes on");
+    let push = x.next_push(WAIT).expect("the second room's message");
+    assert_eq!(
+        push["payload"]["message_id"],
+        id.as_str(),
+        "nothing from the unbound room: {push}"
+    );
+}
+
+#[test]
+fn a_room_no_binding_names_is_listed_for_the_owner_when_someone_writes_in_it() {
+    let (d, sim) = matrix("mx-unbound");
+    let (dm, invite) = ("!dm:sim", "!invite:sim");
+    sim.add_room(dm, &[BOT, ALICE], false);
+    sim.add_room(invite, &[ALICE], false);
+    let (mut x, _) = bound(&d, &sim);
+    sim.post_text(dm, ALICE, "is anyone there?");
+    sim.invite(invite, BOT);
+    let id = sim.post_text(ROOM, ALICE, "in the bound room");
+    let push = x.next_push(WAIT).expect("the bound room's message");
+    assert_eq!(
+        push["payload"]["message_id"],
+        id.as_str(),
+        "nothing from the unbound room: {push}"
+    );
+    let listed = |status: &Value, room: &str| {
+        status["unbound_recent"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|u| u["provider"] == "matrix" && u["conversation_id"] == room)
+            .cloned()
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    let status = loop {
+        let status = get_json(&d.url("/status"));
+        if listed(&status, dm).is_some() && listed(&status, invite).is_some() || std::time::Instant::now() > deadline {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let seen = listed(&status, dm).unwrap_or_else(|| panic!("the unbound room is listed: {status}"));
+    assert_eq!(seen["kind"], "dm", "two members: {seen}");
+    let seen = listed(&status, invite).unwrap_or_else(|| panic!("the invite is listed: {status}"));
+    assert_eq!(seen["kind"], "invite", "{seen}");
+    assert!(listed(&status, ROOM).is_none(), "a bound room is not: {status}");
 }

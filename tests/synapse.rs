@@ -316,3 +316,63 @@ fn sends_past_synapses_rate_limit_are_waited_out() {
     );
     assert!(d.log_shows("M_LIMIT_EXCEEDED", WAIT), "Synapse's 429s were met");
 }
+
+#[test]
+#[ignore = "needs Synapse from PyPI: run by .ci/run"]
+fn a_second_room_takes_effect_within_the_running_poll_and_unbound_rooms_are_listed() {
+    let (hs, bot, alice, room) = homeserver();
+    let second = alice.create_room(&[&bot.user_id], false);
+    let unbound = alice.create_room(&[&bot.user_id], false);
+    let invited = alice.create_room(&[], false);
+    bot.join(&unbound);
+    let d = imgate("syn-rooms", &[]);
+    let (mut x, _) = bound(&d, &hs, &bot, &room);
+    let first = alice.send_text(&room, "first");
+    let push = x.next_push(WAIT).expect("the first room's message");
+    assert_eq!(push["payload"]["message_id"], first.as_str());
+
+    // Bound while the account's loop long-polls: its first message ends that poll.
+    let (cch2, _) = x.open(None);
+    let ok = bind(&mut x, &cch2, &hs, &bot.access_token, &second);
+    assert_eq!(ok["payload"]["status"], "authenticated", "{ok}");
+    let bound_at = std::time::Instant::now();
+    let id = alice.send_text(&second, "to the second room");
+    let push = x
+        .next_push(Duration::from_secs(15))
+        .expect("the second room's first message within 15 s of its binding");
+    eprintln!("binding to the second room's first push: {:?}", bound_at.elapsed());
+    assert_eq!(push["payload"]["message_id"], id.as_str(), "{push}");
+    assert_eq!(push["connector_channel_id"], cch2.as_str(), "{push}");
+
+    // A joined room no binding names, and an invitation: listed for the owner, never pushed.
+    alice.send_text(&unbound, "is anyone there?");
+    alice.invite(&invited, &bot.user_id);
+    let listed = |status: &Value, room: &str| {
+        status["unbound_recent"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|u| u["provider"] == "matrix" && u["conversation_id"] == room)
+            .cloned()
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    let status = loop {
+        let status = get_json(&d.url("/status"));
+        let both = listed(&status, &unbound).is_some() && listed(&status, &invited).is_some();
+        if both || std::time::Instant::now() > deadline {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let seen = listed(&status, &unbound).unwrap_or_else(|| panic!("the unbound room is listed: {status}"));
+    assert_eq!(seen["kind"], "dm", "Alice and the bot: {seen}");
+    let seen = listed(&status, &invited).unwrap_or_else(|| panic!("the invitation is listed: {status}"));
+    assert_eq!(seen["kind"], "invite", "{seen}");
+    let last = alice.send_text(&room, "last");
+    let push = x.next_push(WAIT).expect("the bound room's next message");
+    assert_eq!(
+        push["payload"]["message_id"],
+        last.as_str(),
+        "nothing from the unbound room: {push}"
+    );
+}

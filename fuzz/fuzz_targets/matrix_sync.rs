@@ -22,8 +22,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
     let Ok(value) = imgate::fuzzing::parse_json(text) else { return };
     let Some(o) = imgate::fuzzing::as_object(&value) else { return };
-    if let Some(answer) = event::read_sync(o, |_| true) {
+    if let Some(answer) = event::read_sync(o) {
         assert!(!answer.next_batch.is_empty() && answer.next_batch.len() <= 1024);
+        assert!(answer.invited.iter().all(|r| event::valid_id(r, b'!')));
         for room in &answer.rooms {
             assert!(event::valid_id(&room.room_id, b'!'));
             room.events.iter().for_each(checked);

@@ -62,7 +62,10 @@ pub struct RoomBatch {
 #[derive(Debug)]
 pub struct SyncAnswer {
     pub next_batch: String,
+    /// Every joined room with news, bound or not: the account's loop sorts them.
     pub rooms: Vec<RoomBatch>,
+    /// Rooms the account was invited to since the last sync.
+    pub invited: Vec<String>,
 }
 
 /// One page of `/messages`.
@@ -87,15 +90,22 @@ fn token(o: &Object, key: &str) -> Option<String> {
         .map(str::to_string)
 }
 
-/// Reads a `/sync` answer; rooms for which `wanted` says no are skipped unread. `None` without a
-/// usable `next_batch` (nothing in it can be confirmed).
-pub fn read_sync(o: &Object, wanted: impl Fn(&str) -> bool) -> Option<SyncAnswer> {
+/// Reads a `/sync` answer. `None` without a usable `next_batch` (nothing in it can be
+/// confirmed).
+pub fn read_sync(o: &Object) -> Option<SyncAnswer> {
     let next_batch = token(o, "next_batch")?;
-    let joined = json::get_obj(o, "rooms").and_then(|r| json::get_obj(r, "join"));
+    let section = |name| json::get_obj(o, "rooms").and_then(|r| json::get_obj(r, name));
+    let invited = section("invite")
+        .into_iter()
+        .flatten()
+        .map(|(room_id, _)| room_id)
+        .filter(|id| valid_id(id, b'!'))
+        .cloned()
+        .collect();
     let mut rooms = Vec::new();
-    for (room_id, room) in joined.into_iter().flatten() {
+    for (room_id, room) in section("join").into_iter().flatten() {
         let Some(room) = json::as_object(room) else { continue };
-        if !valid_id(room_id, b'!') || !wanted(room_id) {
+        if !valid_id(room_id, b'!') {
             continue;
         }
         let timeline = json::get_obj(room, "timeline");
@@ -120,7 +130,11 @@ pub fn read_sync(o: &Object, wanted: impl Fn(&str) -> bool) -> Option<SyncAnswer
             encrypted,
         });
     }
-    Some(SyncAnswer { next_batch, rooms })
+    Some(SyncAnswer {
+        next_batch,
+        rooms,
+        invited,
+    })
 }
 
 /// Reads a `/messages` page.
@@ -235,7 +249,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sync_answer_gives_the_wanted_rooms_events_names_and_gap() {
+    fn a_sync_answer_gives_every_rooms_events_names_gap_and_invites() {
         let text = r#"{"next_batch":"s72_1","rooms":{"join":{
             "!a:hs":{"timeline":{"limited":true,"prev_batch":"t1","events":[
                 {"type":"m.room.message","event_id":"$1","sender":"@ada:hs","origin_server_ts":5,"content":{"msgtype":"m.text","body":"hi"}},
@@ -245,12 +259,15 @@ mod tests {
                 {"type":"m.room.message","event_id":"no sigil","sender":"@bob:hs","content":{"msgtype":"m.text","body":"x"}}]},
              "state":{"events":[{"type":"m.room.member","state_key":"@ada:hs","content":{"displayname":" Ada "}}]},
              "summary":{"m.joined_member_count":2}},
-            "!b:hs":{"timeline":{"events":[{"type":"m.room.message","event_id":"$9","sender":"@x:hs","content":{"msgtype":"m.text","body":"no"}}]}}}}}"#;
+            "!b:hs":{"timeline":{"events":[{"type":"m.room.message","event_id":"$9","sender":"@x:hs","content":{"msgtype":"m.text","body":"two"}}]}}},
+            "invite":{"!c:hs":{"invite_state":{"events":[]}},"no sigil":{}}}}"#;
         let o = parse(text).expect("json");
-        let s = read_sync(&o, |r| r == "!a:hs").expect("a next_batch");
+        let s = read_sync(&o).expect("a next_batch");
         assert_eq!(s.next_batch, "s72_1");
-        assert_eq!(s.rooms.len(), 1, "only the wanted room");
-        let r = &s.rooms[0];
+        assert_eq!(s.invited, ["!c:hs"], "an invite with a valid room ID");
+        let ids: Vec<&str> = s.rooms.iter().map(|r| r.room_id.as_str()).collect();
+        assert_eq!(ids.len(), 2, "every joined room: {ids:?}");
+        let r = s.rooms.iter().find(|r| r.room_id == "!a:hs").expect("room a");
         assert!(r.limited);
         assert_eq!(r.prev_batch.as_deref(), Some("t1"));
         assert_eq!(r.members, Some(2));
@@ -270,7 +287,7 @@ mod tests {
         assert!(!r.encrypted);
         let turned = r#"{"next_batch":"s2","rooms":{"join":{"!a:hs":{"timeline":{"events":[
             {"type":"m.room.encryption","event_id":"$5","sender":"@ada:hs","state_key":"","content":{"algorithm":"m.megolm.v1.aes-sha2"}}]}}}}}"#;
-        let s = read_sync(&parse(turned).expect("json"), |_| true).expect("a next_batch");
+        let s = read_sync(&parse(turned).expect("json")).expect("a next_batch");
         assert!(s.rooms[0].encrypted, "encryption turned on is seen");
     }
 
@@ -283,8 +300,8 @@ mod tests {
             Some(("hs:8448", "aB_-1"))
         );
         let long = format!(r#"{{"next_batch":"{}"}}"#, "a".repeat(2000));
-        assert!(read_sync(&parse(&long).expect("json"), |_| true).is_none());
-        assert!(read_sync(&parse(r#"{"next_batch":"a b"}"#).expect("json"), |_| true).is_none());
+        assert!(read_sync(&parse(&long).expect("json")).is_none());
+        assert!(read_sync(&parse(r#"{"next_batch":"a b"}"#).expect("json")).is_none());
         let file = r#"{"type":"m.room.message","event_id":"$f","sender":"@a:hs","content":{"msgtype":"m.file","body":"x.pdf","url":"mxc://hs/../x"}}"#;
         let e = read_event(&parse(file).expect("json")).expect("an event");
         assert!(
@@ -306,8 +323,9 @@ mod tests {
                 continue;
             };
             let page = read_page(&o);
-            if let Some(s) = read_sync(&o, |_| true) {
+            if let Some(s) = read_sync(&o) {
                 read += 1;
+                assert!(s.invited.iter().all(|r| valid_id(r, b'!')));
                 for r in &s.rooms {
                     assert!(valid_id(&r.room_id, b'!'));
                     assert!(r.events.iter().all(|e| valid_id(&e.event_id, b'$')));

@@ -67,7 +67,7 @@ const TYPING_EVERY: Duration = Duration::from_secs(20);
 const NAMES: usize = 512;
 /// Recently stored events remembered: a message read again is not fetched again.
 const RECENT: usize = 256;
-/// Rooms one account may have bound: the sync filter names each in every poll's URL.
+/// Rooms one account may have bound: each is read back after a start.
 const MAX_ROOMS: usize = 100;
 
 pub const REGISTRATION: Registration = Registration {
@@ -373,6 +373,15 @@ impl Matrix {
         members.insert(room.to_string(), n);
     }
 
+    /// Joined members of a room, as the syncs told.
+    fn members_of(&self, room: &str) -> Option<u64> {
+        self.members
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(room)
+            .copied()
+    }
+
     /// A message as imgate's inbound event.
     fn inbound_of(&self, info: &RoomInfo, e: &Event, msg: &Message) -> Inbound {
         let name = self
@@ -382,13 +391,7 @@ impl Matrix {
             .get(&format!("{}\0{}", info.room_id, e.sender))
             .cloned()
             .unwrap_or_else(|| e.sender.clone());
-        let members = self
-            .members
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&info.room_id)
-            .copied()
-            .unwrap_or(info.members);
+        let members = self.members_of(&info.room_id).unwrap_or(info.members);
         let (message_type, text) = match msg.kind {
             // "/me waves": the name is part of what was said.
             "emote" => ("text", format!("* {name} {}", msg.body)),

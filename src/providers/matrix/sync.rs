@@ -6,6 +6,8 @@
 //! - the sync cursor (`next_batch`) is stored in the transaction of the batch's last stored
 //!   message (a `Cursor::Set`); a crash before it syncs again from the previous cursor, and what
 //!   was stored already is a duplicate by its `event_id`;
+//! - every joined room is in the filter: a room bound while a poll is under way is read back
+//!   from that poll's answer on (it is not synced yet), and an unbound one is only listed;
 //! - each stored message also keeps its room's last stored event (a binding sets it to the
 //!   room's newest message), so a gap is filled up to it, or to an event handled lately:
 //!   a `limited` timeline (more events than the filter's limit since the last sync), and every
@@ -92,15 +94,17 @@ impl Syncers {
 /// its messages can no longer be read).
 const WATCHED: [&str; 2] = ["m.room.message", "m.room.encryption"];
 
-/// The `/sync` query: the bound rooms' messages and their senders' member events, nothing else.
-fn query(since: Option<&str>, rooms: &[String], limit: u64) -> String {
+/// The `/sync` query: every room's messages and their senders' member events, nothing else.
+/// Every room, not only the bound ones: a room bound while a poll is under way ends that poll
+/// with its first message (a filter of the bound rooms would hold it until the poll's timeout),
+/// and a room no binding names yet is seen when someone writes in it (`/status` lists it).
+fn query(since: Option<&str>, limit: u64) -> String {
     let filter = json::obj([
         ("presence", json::obj([("types", json::arr([]))])),
         ("account_data", json::obj([("types", json::arr([]))])),
         (
             "room",
             json::obj([
-                ("rooms", json::strs(rooms.iter().map(String::as_str))),
                 (
                     "timeline",
                     json::obj([("limit", json::n(limit)), ("types", json::strs(WATCHED))]),
@@ -157,9 +161,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
         }) else {
             return;
         };
-        let rooms: Vec<String> = state.rooms.iter().map(|(_, r)| r.room_id.clone()).collect();
-        synced.retain(|r| rooms.contains(r));
-        let q = query(since.as_deref(), &rooms, limit);
+        let q = query(since.as_deref(), limit);
         let api = match mx.upgrade() {
             Some(m) => m.api.clone(),
             None => return,
@@ -169,8 +171,14 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
         if stop.is_stopped() {
             return;
         }
+        // The rooms as they are now: one bound or unbound while the poll was under way is
+        // taken as it is now (the next pass ends the loop if none is left).
+        let Some(state) = m.account_state(&account) else {
+            continue;
+        };
+        synced.retain(|r| state.room(r).is_some());
         let wait = match polled {
-            Ok(o) => match event::read_sync(&o, |r| rooms.iter().any(|b| b == r)) {
+            Ok(o) => match event::read_sync(&o) {
                 None => Some(fail(
                     &mut last_error,
                     &account,
@@ -288,6 +296,7 @@ fn accept(
     let mut todo: Vec<(&Source, &RoomInfo, &Event)> = Vec::new();
     for room in &answer.rooms {
         let Some((source, info)) = state.room(&room.room_id) else {
+            m.unbound_room(state, room);
             continue;
         };
         m.learn(room);
@@ -312,6 +321,9 @@ fn accept(
         }
         let new = &room.events[known.map_or(0, |i| i + 1)..];
         todo.extend(new.iter().filter(|e| wanted(state, e)).map(|e| (source, info, e)));
+    }
+    for room_id in answer.invited.iter().filter(|r| state.room(r).is_none()) {
+        m.host.unbound_seen(super::NAME, room_id, "invite");
     }
     // Rooms this loop has not synced: read back from the answer's cursor to their last stored
     // message (their timeline in this answer is part of what is read back).
@@ -564,5 +576,22 @@ impl Matrix {
         if let Some(n) = room.members {
             self.set_members(&room.room_id, n);
         }
+    }
+
+    /// A room the account is in that no binding names: listed for the owner (`/status`
+    /// `unbound_recent`) when someone else wrote in it, never stored.
+    fn unbound_room(&self, state: &AccountState, room: &RoomBatch) {
+        // Kept even without a message: a server names the count only when it changed.
+        if let Some(n) = room.members {
+            self.set_members(&room.room_id, n);
+        }
+        if !room.events.iter().any(|e| wanted(state, e)) {
+            return;
+        }
+        let kind = match self.members_of(&room.room_id) {
+            Some(2) => "dm",
+            _ => "group",
+        };
+        self.host.unbound_seen(super::NAME, &room.room_id, kind);
     }
 }
