@@ -63,6 +63,7 @@ impl Hub {
             link.stop(reason);
         }
         g.sessions.insert(id, link);
+        crate::changed::raise();
         id
     }
 
@@ -71,6 +72,7 @@ impl Hub {
     pub fn unregister(&self, session: SessionId) -> bool {
         let mut g = self.lock();
         g.sessions.remove(&session);
+        crate::changed::raise();
         g.open.retain(|_, o| o.session != session);
         g.authenticated.remove(&session) && g.authenticated.is_empty()
     }

@@ -17,6 +17,7 @@
 
 mod app;
 mod atomic;
+mod changed;
 mod channels;
 pub mod cli;
 mod config;

@@ -4,7 +4,7 @@
 
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Sends one state line (`READY=1`, `STOPPING=1`, `WATCHDOG=1`, `STATUS=...`) to systemd.
 /// Does nothing outside systemd; a failure is logged once and never stops the daemon.
@@ -44,25 +44,47 @@ pub fn watchdog_interval() -> Option<Duration> {
     (usec > 0).then(|| Duration::from_micros(usec / 2))
 }
 
-/// How often the status line is looked at when systemd asks for no watchdog pings.
+/// How often the status line is looked at besides its changes (for the figures in it, such as
+/// the outbox's bytes) when systemd asks for no watchdog pings.
 const STATUS_EVERY: Duration = Duration::from_secs(30);
+/// Two status lines are at least this far apart: a client that connects and leaves in a loop
+/// costs systemd one datagram a second at most.
+const STATUS_GAP: Duration = Duration::from_secs(1);
 
 /// Keeps systemd informed, from the async executor: `WATCHDOG=1` every `watchdog` when it asks
 /// for pings (so a stuck event loop stops them), and a `STATUS=` line (`systemctl status`
-/// shows it) whenever `summary` says something new, looked at on the same ticks. `summary`
-/// must not block: it reads counters, not the database.
+/// shows it) whenever `summary` says something new: at once when a state it shows changed
+/// (`changed::raise`), and on the ticks for its figures. `summary` must not block: it reads
+/// counters, not the database.
 pub async fn keep_systemd_informed(watchdog: Option<Duration>, summary: impl Fn() -> String) {
     let every = watchdog.unwrap_or(STATUS_EVERY);
     let mut said = String::new();
+    // The next tick stays where it is when a change wakes the loop: pings keep their pace.
+    let mut tick = Instant::now() + every;
     loop {
         let now = summary();
         if now != said {
             notify(&format!("STATUS={now}"));
             said = now;
         }
-        smol::Timer::after(every).await;
-        if watchdog.is_some() {
-            notify("WATCHDOG=1");
+        // What changes within the gap is said after it (the raise waits in the channel).
+        smol::Timer::after(STATUS_GAP.min(every)).await;
+        let ticked = smol::future::or(
+            async {
+                smol::Timer::at(tick).await;
+                true
+            },
+            async {
+                crate::changed::raised().await;
+                false
+            },
+        )
+        .await;
+        if ticked {
+            tick = Instant::now() + every;
+            if watchdog.is_some() {
+                notify("WATCHDOG=1");
+            }
         }
     }
 }

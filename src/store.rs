@@ -167,6 +167,7 @@ impl Db {
     fn seen(&self, e: StoreError) -> StoreError {
         if matches!(e, StoreError::Io(_)) && !self.needs_reopen.swap(true, Ordering::SeqCst) {
             let _ = self.trouble.0.try_send(());
+            crate::changed::raise();
         }
         e
     }
@@ -277,6 +278,7 @@ impl Db {
         match open_file(&self.path) {
             Ok(db) => {
                 self.needs_reopen.store(false, Ordering::SeqCst);
+                crate::changed::raise();
                 *cell = Some(Arc::new(db));
                 self.last_failure.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 log::debug!("store: database reopened after an I/O error");
@@ -313,6 +315,7 @@ impl Db {
             None => {
                 log::error!("store: writes fail: {e}; answering 503 storage_unavailable until the disk works again");
                 *outage = Some((e.to_string(), 1));
+                crate::changed::raise();
             }
             Some((_, n)) => {
                 *n += 1;
@@ -335,6 +338,7 @@ impl Db {
         }
         log::warn!("store: writes work again after {n} failed write(s) (first error: {first})");
         *outage = None;
+        crate::changed::raise();
     }
 
     /// Bytes free for imgate on the database's file system, and its size.

@@ -78,6 +78,29 @@ fn systemd_hears_a_status_line_when_xagent_comes_and_goes() {
     notify.status_with("xAgent: not connected", Duration::from_secs(10));
 }
 
+/// Without watchdog pings the status line is looked at every 30 s for its figures, but a
+/// change of state is said at once.
+#[test]
+fn a_change_of_state_reaches_systemd_at_once_without_watchdog_pings() {
+    let dir = temp_dir("status-change");
+    let notify = NotifySocket::new(&dir);
+    let path = notify.path.to_str().unwrap().to_string();
+    let d = Daemon::start_env(
+        &dir,
+        &config_text(free_port(), &dir, None, ""),
+        "info",
+        &[("NOTIFY_SOCKET", &path)],
+    );
+    notify.status_with("xAgent: not connected", Duration::from_secs(10));
+    let mut x = d.xagent();
+    x.hello("");
+    let took = Instant::now();
+    notify.status_with("xAgent: connected (1)", Duration::from_secs(10));
+    x.close();
+    notify.status_with("xAgent: not connected", Duration::from_secs(10));
+    println!("a connection and its end said within {:?}", took.elapsed());
+}
+
 #[test]
 fn sigterm_closes_websockets_finishes_and_exits_0_after_ready_and_stopping() {
     let dir = temp_dir("sigterm");

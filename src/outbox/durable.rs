@@ -380,6 +380,7 @@ impl Shared {
     /// reopen it waits for was under way, or the log failed) must not wait for the next sweep.
     fn stall(&self, st: &mut State) {
         st.stalled = true;
+        crate::changed::raise();
         self.db.report_trouble();
     }
 
@@ -569,6 +570,7 @@ impl Shared {
             st.stalled = true;
             log::debug!("outbox: checkpoint after a log error failed: {e}");
         }
+        crate::changed::raise();
     }
 
     /// Applies the log past what redb holds to the overlay (both files, the older first: the
