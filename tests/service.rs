@@ -632,6 +632,37 @@ fn metrics_problems(text: &str) -> Vec<String> {
     problems
 }
 
+/// A sender with a wrong secret shows in `/metrics` under its provider: every refusal of a
+/// provider route for what the sender sent is a `refused` message of that provider.
+#[test]
+fn webhook_posts_refused_for_their_secret_signature_body_or_size_are_counted_refused() {
+    let dir = temp_dir("metrics-refused");
+    let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, ""));
+    let url = d.url("/hooks/alerts");
+    let body = json!({"message_id": "m1", "sender_id": "u", "text": "hi"}).to_string();
+    let wrong_secret = http_post(&url, &[("Authorization", "Bearer not-the-secret")], &body);
+    assert_eq!(wrong_secret.0, 401, "{wrong_secret:?}");
+    let wrong_signature = http_post(&url, &[("X-Imgate-Signature", "sha256=00")], &body);
+    assert_eq!(wrong_signature.0, 401, "{wrong_signature:?}");
+    let auth = format!("Bearer {HOOK_SECRET}");
+    let malformed = http_post(&url, &[("Authorization", &auth)], "{\"message_id\":");
+    assert_eq!(malformed.0, 400, "{malformed:?}");
+    let huge = format!(
+        "{{\"message_id\":\"m2\",\"sender_id\":\"u\",\"text\":\"{}\"}}",
+        "x".repeat(1 << 21)
+    );
+    let too_large = http_post(&url, &[("Authorization", &auth)], &huge);
+    assert_eq!(too_large.0, 413, "{too_large:?}");
+    let stale = json!({"message_id": "m3", "sender_id": "u", "event_time": 1_000u64});
+    assert_eq!(d.post_hook("alerts", &stale).0, 409, "stale");
+    let (code, text) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    assert_eq!(code, 200);
+    for (outcome, count) in [("refused", 4), ("stale", 1), ("accepted", 0)] {
+        let line = format!("imgate_intake_messages_total{{provider=\"webhook\",outcome=\"{outcome}\"}} {count}\n");
+        assert!(text.contains(&line), "{line}{text}");
+    }
+}
+
 #[test]
 fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
     // Every provider whose section needs no account, so their families are in too.
@@ -656,6 +687,7 @@ fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
         ("webhook", "stale", 1),
         ("webhook", "full", 0),
         ("webhook", "failed", 0),
+        ("webhook", "refused", 0),
         ("matrix", "accepted", 0),
     ] {
         let line = format!("imgate_intake_messages_total{{provider=\"{provider}\",outcome=\"{outcome}\"}} {count}\n");

@@ -37,7 +37,7 @@ impl Service for StandIn {
         Box::pin(async move { Answer::json(200, format!("{{\"bytes\":{}}}", body.len())) })
     }
 
-    fn refused(&self, _why: Refused) {}
+    fn refused(&self, _why: Refused, _head: Option<&Head>) {}
 }
 
 /// A streamed body's sink: counts the bytes, refuses a body whose first byte is `!`.

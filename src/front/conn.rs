@@ -120,7 +120,8 @@ pub trait Service: Sync {
     fn plan(&self, head: &Head) -> Plan;
     fn answer<'a>(&'a self, head: &'a Head, body: Vec<u8>) -> Reply<'a>;
     /// A request refused by the framing itself.
-    fn refused(&self, why: Refused);
+    /// `head`: the request's, once it was read (a refused body).
+    fn refused(&self, why: Refused, head: Option<&Head>);
 }
 
 /// What the front door follows of one connection (its slot, `front::slots`).
@@ -478,19 +479,19 @@ where
                 if conn.buf.is_empty() && !first {
                     log::debug!("front door: idle keep-alive connection closed after {:?}", limits.idle);
                 } else {
-                    service.refused(Refused::SlowHead);
+                    service.refused(Refused::SlowHead, None);
                     write_answer(&mut conn, Answer::error(408, "timeout").closing(), false, limits).await;
                 }
                 return Outcome::Closed;
             }
             Err(ReadError::TooLarge) => {
-                service.refused(Refused::BadHead(431));
+                service.refused(Refused::BadHead(431), None);
                 let a = Answer::error(431, "header_too_large").closing();
                 write_answer(&mut conn, a, false, limits).await;
                 return Outcome::Closed;
             }
             Err(ReadError::BareLf) => {
-                service.refused(Refused::BadHead(400));
+                service.refused(Refused::BadHead(400), None);
                 write_answer(&mut conn, Answer::error(400, "bad_request").closing(), false, limits).await;
                 return Outcome::Closed;
             }
@@ -499,7 +500,7 @@ where
         let head = match head::parse(&bytes) {
             Ok(h) => h,
             Err(r) => {
-                service.refused(Refused::BadHead(r.status));
+                service.refused(Refused::BadHead(r.status), None);
                 if r.status != 0 {
                     log::debug!("front door: refused a request head: {}", r.why);
                     let code = match r.status {
@@ -542,7 +543,7 @@ where
         };
         if let Framing::Length(n) = head.body {
             if n > cap {
-                service.refused(Refused::BadBody(413));
+                service.refused(Refused::BadBody(413), Some(&head));
                 write_answer(&mut conn, Answer::error(413, "too_large").closing(), head_only, limits).await;
                 conn.linger().await;
                 return Outcome::Closed;
@@ -575,7 +576,7 @@ where
                     }
                     continue;
                 }
-                Err(e) => return refuse_body(&mut conn, service, e, head_only, limits).await,
+                Err(e) => return refuse_body(&mut conn, service, e, &head, limits).await,
             }
         }
         let body = match head.body {
@@ -585,7 +586,7 @@ where
         };
         let body = match body {
             Ok(b) => b,
-            Err(e) => return refuse_body(&mut conn, service, e, head_only, limits).await,
+            Err(e) => return refuse_body(&mut conn, service, e, &head, limits).await,
         };
         let mut answer = service.answer(&head, body).await;
         answer.close |= head.close;
@@ -601,7 +602,7 @@ async fn refuse_body<S, V>(
     conn: &mut Conn<S>,
     service: &V,
     e: Result<BodyError, ReadError>,
-    head_only: bool,
+    head: &Head,
     limits: &Limits,
 ) -> Outcome<S>
 where
@@ -619,12 +620,18 @@ where
         Err(ReadError::TimedOut) => (408, "timeout"),
         Err(ReadError::Closed) => return Outcome::Closed,
     };
-    service.refused(if status == 408 {
-        Refused::SlowBody
-    } else {
-        Refused::BadBody(status)
-    });
-    write_answer(conn, Answer::error(status, code).closing(), head_only, limits).await;
+    let why = match status {
+        408 => Refused::SlowBody,
+        _ => Refused::BadBody(status),
+    };
+    service.refused(why, Some(head));
+    write_answer(
+        conn,
+        Answer::error(status, code).closing(),
+        head.method == "HEAD",
+        limits,
+    )
+    .await;
     if status == 413 {
         conn.linger().await;
     }

@@ -230,7 +230,16 @@ impl FrontDoor {
         if refused.status == 401 {
             stats::note(Cause::Unauthorized, Some(client), &format!("{} {route}", head.method));
         }
+        count_refused(&plane, provider.declaration().name, refused.status);
         Some(Answer::json(refused.status, json::to_string(&refused.body)))
+    }
+
+    /// A provider route's request refused before the provider saw its body (too large).
+    fn count_refusal(&self, head: &Head, route: &str, status: u16) {
+        let Some(plane) = self.plane.upgrade() else { return };
+        if let Some(provider) = plane.providers.for_route(&head.method, route) {
+            count_refused(&plane, provider.declaration().name, status);
+        }
     }
 
     /// Reads a body of at most `max_body` bytes, held against the bodies' budget.
@@ -294,6 +303,7 @@ impl FrontDoor {
         body: Vec<u8>,
         client: IpAddr,
     ) -> Answer {
+        let name = provider.declaration().name;
         let handled = if body.len() <= INLINE_PARSE {
             provider.handle(&HttpRequest {
                 path: route,
@@ -319,6 +329,9 @@ impl FrontDoor {
         };
         if answer.status == 401 {
             stats::note(Cause::Unauthorized, Some(client), &format!("{} {route}", head.method));
+        }
+        if let Some(plane) = self.plane.upgrade() {
+            count_refused(&plane, name, answer.status);
         }
         Answer::json(answer.status, json::to_string(&answer.body))
     }
@@ -412,7 +425,10 @@ impl FrontDoor {
         })
     }
 
-    fn refused(&self, why: Refused, client: IpAddr) {
+    fn refused(&self, why: Refused, head: Option<&Head>, client: IpAddr) {
+        if let (Refused::BadBody(status), Some(head)) = (why, head) {
+            self.count_refusal(head, self.route(&head.path), status);
+        }
         let (cause, detail) = match why {
             Refused::BadHead(0) => (Cause::BadRequest, "HTTP/2 connection preface closed".to_string()),
             Refused::BadHead(status) => (Cause::BadRequest, format!("malformed request head ({status})")),
@@ -421,6 +437,16 @@ impl FrontDoor {
             Refused::SlowBody => (Cause::SlowBody, "request body stalled or too slow".to_string()),
         };
         stats::note(cause, Some(client), &detail);
+    }
+}
+
+/// A provider route's request refused for what the sender sent (a wrong secret or signature,
+/// a malformed or too large body) is counted as the provider's `refused` message: an operator
+/// sees a sender with a wrong secret in `/metrics`. (A stale message is counted `stale` by the
+/// intake; an unknown endpoint names no message.)
+fn count_refused(plane: &Plane, provider: &'static str, status: u16) {
+    if matches!(status, 400 | 401 | 403 | 413) {
+        plane.outbox.count_refused(provider);
     }
 }
 
@@ -440,8 +466,8 @@ impl Service for ForClient<'_> {
         self.door.answer(head, body, self.ip)
     }
 
-    fn refused(&self, why: Refused) {
-        self.door.refused(why, self.ip)
+    fn refused(&self, why: Refused, head: Option<&Head>) {
+        self.door.refused(why, head, self.ip)
     }
 }
 

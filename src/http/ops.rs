@@ -303,7 +303,8 @@ fn intake_metrics(app: &App, out: &mut String) {
         "counter",
         "Messages each provider handed to the outbox, by outcome: accepted (stored), duplicate \
          (its message_id was known), full (refused by reject_new caps), failed (the store could \
-         not write), stale (older than the TTL on arrival).",
+         not write), stale (older than the TTL on arrival), refused (a wrong secret or signature, \
+         a malformed or too large body).",
     );
     for p in app.providers.all() {
         let name = p.declaration().name;

@@ -241,13 +241,18 @@ impl Outbox {
     }
 
     /// How `provider`'s messages ended since start, in `Outcome::ALL` order.
-    pub fn intake_counts(&self, provider: &str) -> [u64; 5] {
+    pub fn intake_counts(&self, provider: &str) -> [u64; outcomes::COUNT] {
         self.stats.of(provider)
     }
 
     /// A message of `source` was older than the TTL when it arrived (not stored).
     pub fn count_stale(&self, source: &str) {
         self.stats.count(source, Outcome::Stale);
+    }
+
+    /// A message for `provider` was refused before it reached the outbox (not stored).
+    pub fn count_refused(&self, provider: &str) {
+        self.stats.count(provider, Outcome::Refused);
     }
 
     /// Commits made to the database since start, the outbox's checkpoints among them.

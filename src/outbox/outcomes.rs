@@ -1,9 +1,13 @@
 //! What the committer did since start, for `/metrics`: group commits, the messages they
 //! carried, and how each provider's messages ended (accepted, duplicate, refused for full caps,
-//! refused for a failed write), plus those the intake found stale before they reached it.
+//! refused for a failed write), plus those the intake found stale before they reached it and
+//! those the front door refused for what the sender sent.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
+
+/// Outcomes counted.
+pub const COUNT: usize = 6;
 
 /// How a message handed to the outbox ended, in `/metrics`' `outcome` label.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -18,15 +22,19 @@ pub enum Outcome {
     Failed,
     /// Older than the TTL when it arrived: not stored.
     Stale,
+    /// Refused before the outbox for what the sender sent (a wrong secret, a malformed or too
+    /// large body): not stored, the sender told so.
+    Refused,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; COUNT] = [
         Outcome::Accepted,
         Outcome::Duplicate,
         Outcome::Full,
         Outcome::Failed,
         Outcome::Stale,
+        Outcome::Refused,
     ];
 
     pub fn label(self) -> &'static str {
@@ -36,6 +44,7 @@ impl Outcome {
             Outcome::Full => "full",
             Outcome::Failed => "failed",
             Outcome::Stale => "stale",
+            Outcome::Refused => "refused",
         }
     }
 }
@@ -51,7 +60,7 @@ pub struct Outcomes {
     /// Messages those commits carried.
     pub messages: AtomicUsize,
     /// provider → a count per `Outcome::ALL`.
-    by_provider: Mutex<Vec<(String, [u64; 5])>>,
+    by_provider: Mutex<Vec<(String, [u64; COUNT])>>,
 }
 
 impl Outcomes {
@@ -62,7 +71,7 @@ impl Outcomes {
         let i = match v.iter().position(|(p, _)| p == provider) {
             Some(i) => i,
             None if v.len() < MAX_PROVIDERS => {
-                v.push((provider.to_string(), [0; 5]));
+                v.push((provider.to_string(), [0; COUNT]));
                 v.len() - 1
             }
             None => return,
@@ -72,9 +81,9 @@ impl Outcomes {
     }
 
     /// The counts of `provider`, in `Outcome::ALL` order (zeros when none came yet).
-    pub fn of(&self, provider: &str) -> [u64; 5] {
+    pub fn of(&self, provider: &str) -> [u64; COUNT] {
         let v = self.by_provider.lock().unwrap_or_else(|e| e.into_inner());
-        v.iter().find(|(p, _)| p == provider).map_or([0; 5], |(_, c)| *c)
+        v.iter().find(|(p, _)| p == provider).map_or([0; COUNT], |(_, c)| *c)
     }
 
     pub fn commits(&self) -> (u64, u64) {
@@ -98,7 +107,7 @@ mod tests {
         t.count("webhook:alerts", Outcome::Stale);
         assert_eq!(t.of("telegram"), [2, 1, 0, 0, 0]);
         assert_eq!(t.of("webhook"), [0, 0, 0, 0, 1]);
-        assert_eq!(t.of("slack"), [0; 5]);
+        assert_eq!(t.of("slack"), [0; COUNT]);
         for i in 0..100 {
             t.count(&format!("p{i}:x"), Outcome::Full);
         }
