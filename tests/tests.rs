@@ -15,6 +15,7 @@ mod discord;
 mod edge;
 #[cfg(feature = "feishu")]
 mod feishu;
+mod layers;
 mod limits;
 #[cfg(feature = "matrix")]
 mod matrix;

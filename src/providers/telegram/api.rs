@@ -49,13 +49,17 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+/// A file is fetched for at most this long (a 5xx or 429 is retried) before the message goes on
+/// with a note instead: one broken file must not hold up the bot's other chats for long.
+pub(super) const FETCH_DEADLINE: Duration = Duration::from_secs(30);
+
 #[derive(Clone)]
 pub struct Api {
     base: String,
     http: ureq::Agent,
     poll: ureq::Agent,
-    /// File downloads: the longest a fetch may take (`poll::FETCH_DEADLINE`), a slow link's
-    /// 20 MiB included.
+    /// File downloads: the longest a fetch may take (`FETCH_DEADLINE`), a slow link's 20 MiB
+    /// included.
     files: ureq::Agent,
 }
 
@@ -97,7 +101,7 @@ impl Api {
             base: base.trim_end_matches('/').to_string(),
             http: upstream::agent(Duration::from_secs(15)),
             poll: upstream::agent(Duration::from_secs(POLL_SECONDS + 10)),
-            files: upstream::agent(super::poll::FETCH_DEADLINE),
+            files: upstream::agent(FETCH_DEADLINE),
         }
     }
 

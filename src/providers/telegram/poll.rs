@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::api::{Api, ApiError, POLL_SECONDS};
+use super::api::{Api, ApiError, FETCH_DEADLINE, POLL_SECONDS};
 use super::{source_of, ChatInfo, Telegram};
 use crate::json::{self, obj, strs, Value};
 use crate::outbox::{Cursor, Enqueued};
@@ -304,10 +304,6 @@ fn media_of(m: &json::Object) -> Option<Media> {
         .iter()
         .find_map(|(field, kind, name, mime)| json::get_obj(m, field).and_then(|o| file(o, kind, name, mime)))
 }
-
-/// A file is fetched for at most this long (a 5xx or 429 is retried) before the message goes on
-/// with a note instead: one broken file must not hold up the bot's other chats for long.
-pub(super) const FETCH_DEADLINE: Duration = Duration::from_secs(30);
 
 /// `getFile` and the download, into the file cache.
 fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<FileItem, String> {
