@@ -22,14 +22,20 @@ fn main() {
                 .unwrap_or(0)
         });
     println!("cargo:rustc-env=IMGATE_GIT_REV={rev}");
-    println!("cargo:rustc-env=IMGATE_BUILD_TIME={}", yymmddhhmm(secs));
+    let (y, m, d, hh, mm) = civil(secs);
+    // The protocol's form for the Card and /health, a person's for `--version`.
+    println!(
+        "cargo:rustc-env=IMGATE_BUILD_TIME={:02}{m:02}{d:02}{hh:02}{mm:02}",
+        y % 100
+    );
+    println!("cargo:rustc-env=IMGATE_BUILT={y:04}-{m:02}-{d:02} {hh:02}:{mm:02}");
     println!("cargo:rerun-if-changed=.git/HEAD");
     println!("cargo:rerun-if-changed=.git/refs");
     println!("cargo:rerun-if-env-changed=SOURCE_DATE_EPOCH");
 }
 
-/// UTC time as `YYMMDDHHMM`, the form the protocol's examples use for `build_time`.
-fn yymmddhhmm(secs: u64) -> String {
+/// UTC time as (year, month, day, hour, minute).
+fn civil(secs: u64) -> (i64, i64, i64, u64, u64) {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     // Civil-from-days (Howard Hinnant's algorithm).
@@ -42,12 +48,5 @@ fn yymmddhhmm(secs: u64) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{:02}{:02}{:02}{:02}{:02}",
-        y % 100,
-        m,
-        d,
-        rem / 3600,
-        (rem % 3600) / 60
-    )
+    (y, m, d, rem / 3600, (rem % 3600) / 60)
 }

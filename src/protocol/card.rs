@@ -5,11 +5,14 @@ use crate::json::{arr, b, obj, s, strs, Value};
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub const GIT_REV: &str = env!("IMGATE_GIT_REV");
+/// The protocol's form (`YYMMDDHHMM`, UTC), for the Card and `/health`.
 pub const BUILD_TIME: &str = env!("IMGATE_BUILD_TIME");
+/// The same time as a person reads it (`2026-12-07 07:25`, UTC).
+const BUILT: &str = env!("IMGATE_BUILT");
 
 /// `imgate --version`.
 pub fn version_line() -> String {
-    format!("imgate {VERSION} (git {GIT_REV}, built {BUILD_TIME} UTC)")
+    format!("imgate {VERSION} (git {GIT_REV}, built {BUILT} UTC)")
 }
 
 /// The `build` object; identical in the Card and `/health` so xAgent sees one build.
