@@ -1027,7 +1027,7 @@ mod tests {
         assert_eq!(ids_of(&s, "hook:a", 1000), ["m0", "m1"]);
         assert_eq!(s.enqueue(msg("m1", 1000, 60_000)).unwrap(), Enqueued::Duplicate);
         // accepted, duplicate, full, failed, stale: what /metrics shows for the provider.
-        assert_eq!(s.intake_counts("hook"), [2, 1, 1, 0, 0]);
+        assert_eq!(s.intake_counts("hook"), [2, 1, 1, 0, 0, 0]);
         // Not deduped: the sender may retry once there is room.
         drop(s);
         let s = Outbox::open(

@@ -105,8 +105,8 @@ mod tests {
         t.count("telegram:bot:2", Outcome::Accepted);
         t.count("telegram:bot:1", Outcome::Duplicate);
         t.count("webhook:alerts", Outcome::Stale);
-        assert_eq!(t.of("telegram"), [2, 1, 0, 0, 0]);
-        assert_eq!(t.of("webhook"), [0, 0, 0, 0, 1]);
+        assert_eq!(t.of("telegram"), [2, 1, 0, 0, 0, 0]);
+        assert_eq!(t.of("webhook"), [0, 0, 0, 0, 1, 0]);
         assert_eq!(t.of("slack"), [0; COUNT]);
         for i in 0..100 {
             t.count(&format!("p{i}:x"), Outcome::Full);
