@@ -333,6 +333,26 @@ impl SlackSim {
         })
     }
 
+    /// A user replies in the thread of `thread_ts` and ticks "Also send to #channel": the reply
+    /// (subtype `thread_broadcast`, its parent as `root`) is in the thread and in the channel's
+    /// history. Returns the ts.
+    pub fn post_broadcast(&self, channel: &str, user: &str, text: &str, thread_ts: &str) -> String {
+        self.with(|s| {
+            let ts = next_ts(s);
+            let root = s.channels[channel]
+                .messages
+                .iter()
+                .find(|m| m["ts"] == thread_ts)
+                .cloned()
+                .expect("a known parent");
+            let m = json!({"type": "message", "subtype": "thread_broadcast", "user": user, "text": text,
+                           "ts": ts, "thread_ts": thread_ts, "root": root, "team": TEAM_ID,
+                           "client_msg_id": uuid(s)});
+            append(s, channel, m);
+            ts
+        })
+    }
+
     /// A user posts `text` with one file (subtype `file_share`, `files: [..]`); the file is
     /// served at its `url_private_download` to a Bearer bot token holding files:read.
     pub fn post_file(
@@ -646,8 +666,8 @@ impl SlackSim {
         self.with(|s| s.channels.get(channel).map(|c| c.messages.clone()).unwrap_or_default())
     }
 
-    /// conversations.history returns at most `n` messages a page whatever `limit` says (Slack
-    /// "may return fewer"); 0 lifts the cap.
+    /// conversations.history and conversations.replies return at most `n` messages a page
+    /// whatever `limit` says (Slack "may return fewer"); 0 lifts the cap.
     pub fn set_history_page_cap(&self, n: usize) {
         self.with(|s| s.history_page_cap = n);
     }
@@ -1543,9 +1563,14 @@ fn history(s: &mut State, app: &App, p: &Map<String, Value>) -> Answer {
     }
 }
 
-/// The thread of `ts` (a parent or a reply), parent first, oldest first.
+/// The thread of `ts` (a parent or a reply), oldest first, `oldest`/`latest`/`inclusive` as the
+/// history takes them ("The earliest messages in the time range are returned first"). The
+/// parent heads the first page even when the range leaves it out (Slack's clients read
+/// `messages[0]` as the parent; a page reached with a cursor does not repeat it). Replies also
+/// sent to the channel are in the thread too, with their `thread_broadcast` subtype. Chosen: the
+/// parent counts toward `limit`.
 fn replies(s: &mut State, app: &App, p: &Map<String, Value>) -> Answer {
-    let msgs = {
+    let (parent, thread) = {
         let (_, c) = match visible(s, app, p) {
             Ok(x) => x,
             Err(a) => return a,
@@ -1568,14 +1593,23 @@ fn replies(s: &mut State, app: &App, p: &Map<String, Value>) -> Answer {
             .or(m["ts"].as_str())
             .unwrap_or_default()
             .to_string();
-        c.messages
+        let parent = c.messages.iter().find(|m| m["ts"] == root.as_str()).cloned();
+        let thread: Vec<Value> = c
+            .messages
             .iter()
-            .filter(|m| m["ts"] == root.as_str() || m["thread_ts"] == root.as_str())
+            .filter(|m| m["ts"] != root.as_str() && m["thread_ts"] == root.as_str())
             .filter(|m| in_range(m["ts"].as_str().unwrap_or("0"), r))
             .cloned()
-            .collect()
+            .collect();
+        (parent, thread)
     };
-    match paginate(s, msgs, p, false, false) {
+    // Not filtered by the range: the parent heads the first page; a cursor's page goes on
+    // after it.
+    let all = match param(p, "cursor") {
+        None => parent.into_iter().chain(thread).collect(),
+        Some(_) => thread,
+    };
+    match paginate(s, all, p, false, true) {
         Ok(v) => ok(v),
         Err(a) => a,
     }
