@@ -3,8 +3,8 @@
 //! cursor, RESUME after a dropped connection (the replay stored once), a new session's
 //! catch-up from the channels' histories, a SIGKILL between an event and its commit, zombie
 //! connections, refusals that stop the bot, IDENTIFYs spaced out under refusals, the daily
-//! session budget, a full queue, replies, files and rate limits, and a token that never leaves
-//! imgate.
+//! session budget, a full queue, replies, files and rate limits (a global one holding every
+//! channel's calls), and a token that never leaves imgate.
 
 use std::time::Duration;
 
@@ -555,5 +555,73 @@ fn messages_a_full_queue_refused_are_read_again_from_the_history() {
     assert_eq!(got, ids, "all five, in order, once");
     let after = w.sim.post(&w.channel, UserMsg::text(&w.ann, "after"));
     assert_eq!(next_ids(&mut x, 1), [after]);
+    assert_stops_cleanly(d);
+}
+
+#[test]
+fn a_global_rate_limit_holds_every_call_of_the_bot_until_it_ends() {
+    let (d, w) = discord("dc-global", &[]);
+    let (mut x, first) = bound(&d, &w);
+    let workshop = w.sim.add_guild("Workshop");
+    let other = w.sim.add_text_channel(&workshop, "lathe");
+    let (second, _) = x.open(None);
+    let a = bind(&mut x, &second, BOT_TOKEN, &other);
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    // Both channels' catch-ups (after READY, and at the heartbeat after the second binding)
+    // are done before the limit starts: the first send is what meets it.
+    for channel in [&w.channel, &other] {
+        let read = format!("/channels/{channel}/messages?after=");
+        assert!(
+            w.sim
+                .wait_until(WAIT, |r| r.calls.iter().any(|c| c.path.contains(&read))),
+            "{channel} caught up"
+        );
+    }
+    let start = w.sim.records(|r| r.calls.len());
+    let ends = w.sim.global_limit(Duration::from_secs(2));
+    let send = |x: &mut Sim, cch: &str, text: &str| {
+        x.send(
+            "tool.invoke",
+            Some(cch),
+            json!({"tool_id": "imgate_message_send", "arguments": {"text": text},
+                   "context": {"session_id": "s1", "tool_call_id": text}}),
+        )
+        .1
+    };
+    let to_first = send(&mut x, &first, "to the first channel");
+    assert!(
+        d.log_shows("discord: send: Discord answered 429", WAIT),
+        "the first send met the global limit"
+    );
+    // The second channel's send starts while the limit holds.
+    let to_second = send(&mut x, &second, "to the second channel");
+    // Answered in either order.
+    let mut waiting = vec![to_first, to_second];
+    while !waiting.is_empty() {
+        let a = x.recv_within(WAIT).expect("both sends are answered");
+        let Some(i) = waiting.iter().position(|r| a["request_id"] == r.as_str()) else {
+            continue;
+        };
+        waiting.swap_remove(i);
+        assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    }
+    let during: Vec<String> = w.sim.records(|r| {
+        r.calls[start..]
+            .iter()
+            .filter(|c| c.at < ends)
+            .map(|c| format!("{} {} {}", c.method, c.path, c.status))
+            .collect()
+    });
+    assert_eq!(
+        during.len(),
+        1,
+        "only the call that met the global limit reached Discord during it: {during:?}"
+    );
+    assert!(
+        !during.iter().any(|c| c.contains(&other)),
+        "nothing for the second channel during the limit: {during:?}"
+    );
+    assert_eq!(w.sim.posted(&w.channel).len(), 1, "each sent once");
+    assert_eq!(w.sim.posted(&other).len(), 1, "each sent once");
     assert_stops_cleanly(d);
 }
