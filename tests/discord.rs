@@ -3,8 +3,8 @@
 //! cursor, RESUME after a dropped connection (the replay stored once), a new session's
 //! catch-up from the channels' histories, a SIGKILL between an event and its commit, zombie
 //! connections, refusals that stop the bot, IDENTIFYs spaced out under refusals, the daily
-//! session budget, a full queue, replies, files and rate limits, and a token that never leaves
-//! imgate.
+//! session budget (and how a spent one is said), a full queue, replies, files and rate limits (a global one holding every
+//! channel's calls), and a token that never leaves imgate.
 
 use std::time::Duration;
 
@@ -445,8 +445,8 @@ fn no_session_is_started_while_the_daily_budget_is_used_up() {
     assert_eq!(a["payload"]["status"], "authenticated", "{a}");
     assert!(d.log_shows("daily budget of new sessions is used up", WAIT));
     assert!(
-        w.sim.wait_until(WAIT, |r| r.calls_to("/gateway/bot").count() >= 2),
-        "asked again after the reset Discord named (at least the IDENTIFY gap)"
+        w.sim.wait_until(WAIT, |r| r.calls_to("/gateway/bot").count() >= 3),
+        "the binding's question, then the session's, asked again after the reset Discord named (at least the IDENTIFY gap)"
     );
     assert_eq!(
         w.sim.records(|r| r.identifies.len()),
@@ -555,5 +555,163 @@ fn messages_a_full_queue_refused_are_read_again_from_the_history() {
     assert_eq!(got, ids, "all five, in order, once");
     let after = w.sim.post(&w.channel, UserMsg::text(&w.ann, "after"));
     assert_eq!(next_ids(&mut x, 1), [after]);
+    assert_stops_cleanly(d);
+}
+
+#[test]
+fn a_global_rate_limit_holds_every_call_of_the_bot_until_it_ends() {
+    let (d, w) = discord("dc-global", &[]);
+    let (mut x, first) = bound(&d, &w);
+    let workshop = w.sim.add_guild("Workshop");
+    let other = w.sim.add_text_channel(&workshop, "lathe");
+    let (second, _) = x.open(None);
+    let a = bind(&mut x, &second, BOT_TOKEN, &other);
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    // Both channels' catch-ups (after READY, and at the heartbeat after the second binding)
+    // are done before the limit starts: the first send is what meets it.
+    for channel in [&w.channel, &other] {
+        let read = format!("/channels/{channel}/messages?after=");
+        assert!(
+            w.sim
+                .wait_until(WAIT, |r| r.calls.iter().any(|c| c.path.contains(&read))),
+            "{channel} caught up"
+        );
+    }
+    let start = w.sim.records(|r| r.calls.len());
+    let ends = w.sim.global_limit(Duration::from_secs(2));
+    let send = |x: &mut Sim, cch: &str, text: &str| {
+        x.send(
+            "tool.invoke",
+            Some(cch),
+            json!({"tool_id": "imgate_message_send", "arguments": {"text": text},
+                   "context": {"session_id": "s1", "tool_call_id": text}}),
+        )
+        .1
+    };
+    let to_first = send(&mut x, &first, "to the first channel");
+    assert!(
+        d.log_shows("discord: send: Discord answered 429", WAIT),
+        "the first send met the global limit"
+    );
+    // The second channel's send starts while the limit holds.
+    let to_second = send(&mut x, &second, "to the second channel");
+    // Answered in either order.
+    let mut waiting = vec![to_first, to_second];
+    while !waiting.is_empty() {
+        let a = x.recv_within(WAIT).expect("both sends are answered");
+        let Some(i) = waiting.iter().position(|r| a["request_id"] == r.as_str()) else {
+            continue;
+        };
+        waiting.swap_remove(i);
+        assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    }
+    let during: Vec<String> = w.sim.records(|r| {
+        r.calls[start..]
+            .iter()
+            .filter(|c| c.at < ends)
+            .map(|c| format!("{} {} {}", c.method, c.path, c.status))
+            .collect()
+    });
+    assert_eq!(
+        during.len(),
+        1,
+        "only the call that met the global limit reached Discord during it: {during:?}"
+    );
+    assert!(
+        !during.iter().any(|c| c.contains(&other)),
+        "nothing for the second channel during the limit: {during:?}"
+    );
+    assert_eq!(w.sim.posted(&w.channel).len(), 1, "each sent once");
+    assert_eq!(w.sim.posted(&other).len(), 1, "each sent once");
+    assert_stops_cleanly(d);
+}
+
+/// `ms` since 1970 as `YYYY-MM-DDTHH:MM:SSZ` (civil from days, proleptic Gregorian).
+fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    let z = days + 719_468;
+    let (era, doe) = (z / 146_097, z % 146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[test]
+fn a_spent_session_budget_is_said_in_the_descriptor_status_and_one_log_line() {
+    let (d, w) = discord("dc-spent", &[]);
+    w.sim.knobs(|k| {
+        k.session_start_remaining = 0;
+        k.session_start_reset_after = 7000;
+    });
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    let before = now_ms();
+    // Bound (the token and channel are good, sends work), and the Descriptor says that no
+    // message arrives until the budget resets.
+    let a = bind(&mut x, &cch, BOT_TOKEN, &w.channel);
+    let after = now_ms();
+    assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    let descriptor = &a["payload"]["connection_descriptor"];
+    assert_descriptor(descriptor);
+    assert_eq!(descriptor["connection"]["status"], "degraded", "{descriptor}");
+    let reason = descriptor["tools"][0]["reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("daily budget of new sessions"), "{descriptor}");
+    // When it resets, as a time: Discord's `reset_after` from the moment it answered.
+    let resets: Vec<String> = ((before + 7000) / 1000..=(after + 7000) / 1000 + 1)
+        .map(|s| utc(s * 1000))
+        .collect();
+    let page = get_json(&d.url("/status"));
+    let row = &page["channels"][0];
+    assert_eq!(row["status"], "degraded", "{page}");
+    let shown = row["reason"].as_str().unwrap_or_default();
+    assert!(
+        resets.iter().any(|t| shown.contains(t.as_str())),
+        "{shown} names none of {resets:?}"
+    );
+    assert!(d.log_shows("daily budget of new sessions is used up", WAIT));
+
+    // Asked again after the reset Discord named (its countdown lower now): no new line.
+    w.sim.knobs(|k| k.session_start_reset_after = 5000);
+    assert!(
+        w.sim
+            .wait_until(Duration::from_secs(30), |r| r.calls_to("/gateway/bot").count() >= 3),
+        "the binding's question and the session's two"
+    );
+    assert_eq!(w.sim.records(|r| r.identifies.len()), 0, "no IDENTIFY meanwhile");
+    assert_eq!(
+        d.log().matches("daily budget of new sessions is used up").count(),
+        1,
+        "one log line, not one per question"
+    );
+
+    // The budget is back: a session, and the channel is connected again.
+    w.sim.knobs(|k| k.session_start_remaining = 1000);
+    assert!(w.sim.wait_until(Duration::from_secs(30), |r| r.ready >= 1));
+    let pushed = x.next_of("connection.descriptor.push", WAIT).expect("xAgent is told");
+    assert_eq!(
+        pushed["payload"]["connection_descriptor"]["connection"]["status"], "connected",
+        "{pushed}"
+    );
+    let page = get_json(&d.url("/status"));
+    assert_eq!(page["channels"][0]["status"], "connected", "{page}");
+    assert!(page["channels"][0].get("reason").is_none(), "{page}");
     assert_stops_cleanly(d);
 }

@@ -18,6 +18,8 @@ struct ChannelRow {
     /// What the provider calls its conversation (the Descriptor's `display_name`).
     name: Option<String>,
     status: &'static str,
+    /// Why the provider describes it as not connected, when it says.
+    reason: Option<String>,
     stats: SourceStats,
 }
 
@@ -37,10 +39,15 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
         // its provider describes it.
         let description = rec.source().and_then(|src| app.providers.of(&src)?.describe(&src).ok());
         let described = description.as_ref().map(|d| d.status);
+        let reason = description
+            .as_ref()
+            .filter(|d| d.status != "connected")
+            .and_then(|d| d.tools.iter().find_map(|(_, t)| t.reason.clone()));
         let status = match (&rec.source, app.hub.is_open(&cch)) {
             (None, _) => "created",
             (Some(_), _) if described == Some("expired") => "expired",
             (Some(_), _) if described == Some("error") => "error",
+            (Some(_), _) if described == Some("degraded") => "degraded",
             (Some(_), true) => "connected",
             (Some(_), false) => "offline",
         };
@@ -52,6 +59,7 @@ fn snapshot(app: &App) -> Result<Snapshot, StoreError> {
                 .map_or_else(|| "none".into(), |s: Source| s.provider().to_string()),
             name: description.map(|d| d.target.display_name),
             status,
+            reason,
             stats,
         });
     }
@@ -168,6 +176,8 @@ fn full_status(app: &App) -> Result<Value, StoreError> {
                     ("provider", s(&c.provider)),
                     ("name", opt_s(c.name.clone())),
                     ("status", s(c.status)),
+                    // Left out (`Null`) unless the provider says why the channel is not connected.
+                    ("reason", opt_s(c.reason.clone())),
                     ("pending", n(c.stats.pending)),
                     ("pending_bytes", n(c.stats.pending_bytes)),
                     ("delivered", n(c.stats.delivered)),

@@ -39,7 +39,8 @@
 //! sync tungstenite serve the Gateway (the `/gateway/bot` URL) and the `resume_gateway_url` (another
 //! port, so tests can tell which one a client used), one thread per socket. Everything lives in one
 //! `State` behind a mutex with a condvar, so tests wait on conditions (`wait_until` over `Records`).
-//! Settings are `Knobs`; Gateway misbehaviour is `gateway(Gw::…)`; REST faults are `fault(…)`.
+//! Settings are `Knobs`; Gateway misbehaviour is `gateway(Gw::…)`; REST faults are `fault(…)`, the
+//! bot's global rate limit for a while `global_limit(…)`.
 //! Choices where the sources are silent are marked "Chosen:". All the sim reads or keeps is bounded.
 //! Not simulated: sharding, compression/ETF, the 120-per-minute Gateway send limit, closing
 //! clients that stop heartbeating, `around`, form-urlencoded bodies, the `_LIMITED` application
@@ -167,6 +168,8 @@ pub struct Call {
     pub content_type: String,
     /// reference.mdx asks for `DiscordBot ($url, $versionNumber)`; recorded, not enforced.
     pub user_agent: String,
+    /// When the call arrived.
+    pub at: Instant,
 }
 
 /// What the newest open Gateway connection is made to do.
@@ -364,6 +367,8 @@ struct State {
     sessions: Vec<Session>,
     identify_times: VecDeque<Instant>,
     faults: Vec<(String, Fault)>,
+    /// Until then every authorised REST call meets the bot's global rate limit (`global_limit`).
+    global_until: Option<Instant>,
     url_generation: u64,
     last_snowflake: u64,
 }
@@ -576,6 +581,16 @@ impl DiscordSim {
     /// Every session so far times out: resuming it gets op 9 false.
     pub fn expire_sessions(&self) {
         self.with(|s| s.sessions.iter_mut().for_each(|x| x.invalid = true));
+    }
+
+    /// The bot meets its global rate limit for `span` from now (rate-limits.mdx "Global Rate
+    /// Limit": per bot, across every route): each authorised REST call meanwhile answers 429 with
+    /// `"global": true`, `X-RateLimit-Global: true`, `X-RateLimit-Scope: global` and `retry_after`
+    /// the time left. When it ends.
+    pub fn global_limit(&self, span: Duration) -> Instant {
+        let until = Instant::now() + span;
+        self.with(|s| s.global_until = Some(until));
+        until
     }
 
     /// The next `times` calls of `route` (see `Records::calls_to`) answer `fault`.
@@ -1582,6 +1597,7 @@ fn serve(state: &Shared, mut req: tiny_http::Request) {
                 auth: auth.clone(),
                 content_type: ctype.clone(),
                 user_agent: agent.clone(),
+                at: Instant::now(),
             };
             push_capped(&mut s.rec.calls, call);
             a.0
@@ -1627,6 +1643,21 @@ fn api(
         err_json(401, 0, "401: Unauthorized")
     } else if too_big {
         err_json(413, 40005, "Request entity too large")
+    } else if let Some(left) = s
+        .global_until
+        .and_then(|t| t.checked_duration_since(Instant::now()))
+        .filter(|left| !left.is_zero())
+    {
+        // Chosen: `retry_after` rounded up to the millisecond, so a client that waits it is past
+        // the window.
+        let retry_after = left.as_micros().div_ceil(1000) as f64 / 1000.0;
+        fault_answer(
+            route,
+            Fault::RateLimit {
+                retry_after,
+                global: true,
+            },
+        )
     } else if let Some(i) = s
         .faults
         .iter()

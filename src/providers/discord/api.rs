@@ -6,15 +6,23 @@
 //! `retry_after` in (fractional) seconds. A route whose bucket answered `X-RateLimit-Remaining:
 //! 0` waits its `X-RateLimit-Reset-After` before the next call, so a burst of sends meets no
 //! 429 (each 401, 403 and 429 counts toward Discord's ban of an address that makes too many).
-//! Attachments download from the CDN with no token: their signed URL is the credential.
+//! A global 429 (`"global": true`, `X-RateLimit-Global`, `X-RateLimit-Scope: global`) limits
+//! the bot on every route: until it ends no call carrying that bot's token is made, whatever
+//! its route or channel; a call meeting it waits within its own deadline, or fails as a
+//! retryable 429 without asking.
+//! Attachments download from the CDN with no token: their signed URL is the credential, and
+//! they are none of the bot's calls.
 
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::files::{FileError, FilePart};
 use crate::json::{self, Value};
+use crate::peer_wait;
 use crate::providers::{StreamedForm, Upload};
+use crate::quiet::Site;
 use crate::upstream::{self, Streamed};
 
 /// An answer larger than this is refused unread: a history page of 100 messages at their
@@ -26,6 +34,10 @@ const MAX_ERROR: usize = 120;
 const MAX_BUCKETS: usize = 256;
 /// The longest bucket wait honoured before a call (a peer's figure, clamped).
 const MAX_BUCKET_WAIT: Duration = Duration::from_secs(60);
+/// Bots whose global rate limit is remembered (one entry per token limited).
+const MAX_HELD: usize = 64;
+/// How long a global 429 that names no wait holds the bot (Discord's limit is per second).
+const GLOBAL_WAIT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -100,6 +112,10 @@ pub struct Api {
     files: ureq::Agent,
     /// Route → when its bucket has room again.
     buckets: Mutex<HashMap<String, Instant>>,
+    /// Bot (`bot_key` of its token) → when its global rate limit ends.
+    held: Mutex<HashMap<u64, Instant>>,
+    /// Global limits met, logged once a minute (Discord decides how often).
+    global_log: Site,
 }
 
 impl Api {
@@ -109,6 +125,8 @@ impl Api {
             http: upstream::agent(Duration::from_secs(15)),
             files: upstream::agent(super::FETCH_DEADLINE),
             buckets: Mutex::default(),
+            held: Mutex::default(),
+            global_log: Site::new(),
         }
     }
 
@@ -138,7 +156,7 @@ impl Api {
     ) -> Result<Value, ApiError> {
         let route = format!("{method} {}", path.split('?').next().unwrap_or(path));
         let deadline = Instant::now() + timeout;
-        self.wait_for_bucket(&route, deadline)?;
+        self.wait_for_room(token, &route, deadline)?;
         let url = format!("{}{path}", self.base);
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -154,7 +172,7 @@ impl Api {
                 .send(b),
         };
         let mut resp = sent.map_err(|e| ApiError::unreachable(e.into()))?;
-        self.answer(&route, &mut resp)
+        self.answer(token, &route, &mut resp)
     }
 
     /// Creates a message with one file: `payload_json` and `files[0]`, streamed from disk.
@@ -168,7 +186,7 @@ impl Api {
     ) -> Result<Value, ApiError> {
         let route = format!("POST {path}");
         let deadline = Instant::now() + timeout;
-        self.wait_for_bucket(&route, deadline)?;
+        self.wait_for_room(token, &route, deadline)?;
         let fields = [("payload_json", Some("application/json"), payload)];
         let mut form = StreamedForm::new(&fields, "files[0]", file)
             .map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
@@ -187,11 +205,12 @@ impl Api {
         .header("Content-Length", &form.length.to_string())
         .send(ureq::SendBody::from_reader(&mut form.body))
         .map_err(|e| ApiError::unreachable(e.into()))?;
-        self.answer(&route, &mut resp)
+        self.answer(token, &route, &mut resp)
     }
 
-    /// Reads an answer: the JSON when it is a success, else Discord's refusal.
-    fn answer(&self, route: &str, resp: &mut upstream::Response) -> Result<Value, ApiError> {
+    /// Reads an answer: the JSON when it is a success, else Discord's refusal. A global 429
+    /// holds every call of the bot of `token` (`hold`).
+    fn answer(&self, token: &str, route: &str, resp: &mut upstream::Response) -> Result<Value, ApiError> {
         let status = resp.status().as_u16();
         let header = |name: &str| {
             resp.headers()
@@ -206,6 +225,8 @@ impl Api {
             }
         }
         let retry_header = seconds(header("Retry-After"));
+        let global_header = header("X-RateLimit-Global").is_some_and(|v| v.eq_ignore_ascii_case("true"))
+            || header("X-RateLimit-Scope").is_some_and(|v| v.eq_ignore_ascii_case("global"));
         let body = upstream::read_body(resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
         if status == 204 {
             return Ok(Value::Null);
@@ -221,6 +242,10 @@ impl Api {
                 _ => None,
             })
             .and_then(seconds_of);
+        let global_body = refusal.is_some_and(|o| matches!(json::get(o, "global"), Some(Value::Bool(true))));
+        if status == 429 && (global_header || global_body) {
+            self.hold(token, peer_wait::retry_after(retry_body.or(retry_header), GLOBAL_WAIT));
+        }
         Err(ApiError {
             status,
             code: refusal.and_then(|o| json::get_u64(o, "code")).unwrap_or(0),
@@ -233,25 +258,58 @@ impl Api {
         })
     }
 
-    /// Waits until the route's bucket has room, unless that passes `deadline` (then a 429
-    /// without asking: the caller's retry knows when).
-    fn wait_for_bucket(&self, route: &str, deadline: Instant) -> Result<(), ApiError> {
-        let until = {
-            let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-            buckets.get(route).copied()
-        };
-        let Some(until) = until else { return Ok(()) };
-        let wait = until.saturating_duration_since(Instant::now());
-        if wait.is_zero() {
-            return Ok(());
+    /// Waits until the bot of `token` is past its global rate limit and the route's bucket has
+    /// room, unless that passes `deadline` (then a 429 without asking: the caller's retry knows
+    /// when). Checked again after a wait: another call may have met a new limit meanwhile.
+    fn wait_for_room(&self, token: &str, route: &str, deadline: Instant) -> Result<(), ApiError> {
+        let bot = bot_key(token);
+        loop {
+            let global = {
+                let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                held.get(&bot).copied()
+            };
+            let bucket = {
+                let buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+                buckets.get(route).copied()
+            };
+            let now = Instant::now();
+            let wait_global = global.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
+            let wait_route = bucket.map_or(Duration::ZERO, |t| t.saturating_duration_since(now));
+            let wait = wait_global.max(wait_route);
+            if wait.is_zero() {
+                return Ok(());
+            }
+            if peer_wait::passes(deadline, wait) {
+                let why = match wait_global >= wait_route {
+                    true => "Discord's global rate limit holds every call of this bot past the deadline",
+                    false => "the route's rate limit has no room before the deadline",
+                };
+                let mut e = ApiError::refused(429, why);
+                e.retry_after = Some(wait);
+                return Err(e);
+            }
+            std::thread::sleep(wait);
         }
-        if crate::peer_wait::passes(deadline, wait) {
-            let mut e = ApiError::refused(429, "the route's rate limit has no room before the deadline");
-            e.retry_after = Some(wait);
-            return Err(e);
+    }
+
+    /// Discord's global rate limit holds the bot of `token` for `wait` (a peer's figure, clamped
+    /// by the caller): no call of it is made before that ends.
+    fn hold(&self, token: &str, wait: Duration) {
+        let now = Instant::now();
+        let until = now.checked_add(wait).unwrap_or(now);
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if held.len() >= MAX_HELD {
+            held.retain(|_, t| *t > now);
+            if held.len() >= MAX_HELD {
+                held.clear();
+            }
         }
-        std::thread::sleep(wait);
-        Ok(())
+        let entry = held.entry(bot_key(token)).or_insert(until);
+        *entry = (*entry).max(until);
+        drop(held);
+        if let Some(more) = self.global_log.admit() {
+            log::warn!("discord: Discord's global rate limit holds every call of a bot for {wait:?}{more}");
+        }
     }
 
     fn bucket_empty(&self, route: &str, wait: Duration) {
@@ -289,6 +347,13 @@ impl Api {
             Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
         }
     }
+}
+
+/// A bot as the global rate limit knows it: its token hashed, so the token is kept in no table.
+fn bot_key(token: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    token.hash(&mut h);
+    h.finish()
 }
 
 fn authorized<B>(req: ureq::RequestBuilder<B>, auth: &str) -> ureq::RequestBuilder<B> {
@@ -332,5 +397,25 @@ mod tests {
         for bad in [f64::NAN, f64::INFINITY, -1.0] {
             assert_eq!(seconds_of(bad), None);
         }
+    }
+
+    #[test]
+    fn a_global_limit_holds_every_route_of_its_bot_only_and_a_call_past_its_deadline_fails_retryable() {
+        let api = Api::new("http://127.0.0.1:9");
+        // Any figure, clamped where it is named; the clock is never overflowed.
+        api.hold("a.b.c", Duration::MAX);
+        api.hold("a.b.c", peer_wait::retry_after(Some(Duration::MAX), GLOBAL_WAIT));
+        let soon = Instant::now() + Duration::from_millis(50);
+        for route in [
+            "POST /channels/1/messages",
+            "GET /channels/2/messages",
+            "GET /gateway/bot",
+        ] {
+            let e = api.wait_for_room("a.b.c", route, soon).unwrap_err();
+            assert_eq!(e.status, 429);
+            assert!(crate::providers::Transient::temporary(&e));
+            assert!(e.retry_after.is_some_and(|w| w <= peer_wait::RETRY_AFTER_MAX), "{e:?}");
+        }
+        assert!(api.wait_for_room("d.e.f", "POST /channels/1/messages", soon).is_ok());
     }
 }

@@ -14,9 +14,11 @@
 //! IDENTIFY is rationed: Discord allows 1,000 a day per bot and then resets its token. So
 //! IDENTIFYs are at least `IDENTIFY_MIN` apart, the gap doubles (to `IDENTIFY_MAX`) whenever a
 //! new session ends within `SHORT_LIVED` or never becomes ready, and none is sent while
-//! `session_start_limit.remaining` is 0. A close that says the configuration is wrong (4004 bad
-//! token, 4010–4013, 4014 the Message Content intent) stops the bot: its channels'
-//! Descriptors and `/status` say why, and nothing is tried until it is bound again.
+//! `session_start_limit.remaining` is 0: the bot's channels are then `degraded` (no messages
+//! arrive; sends work), their Descriptors and `/status` say until when, and one log line says
+//! it, however often the budget is asked for meanwhile. A close that says the configuration is
+//! wrong (4004 bad token, 4010–4013, 4014 the Message Content intent) stops the bot: its
+//! channels' Descriptors and `/status` say why, and nothing is tried until it is bound again.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -72,6 +74,8 @@ const RESUME_TRIES: u32 = 3;
 /// The longest wait for the daily session budget honoured at once (Discord names when it
 /// resets; asked again after this).
 const BUDGET_WAIT_MAX: Duration = Duration::from_secs(3600);
+/// The longest `reset_after` believed: the budget is daily.
+const BUDGET_RESET_MAX: Duration = Duration::from_secs(86_400);
 /// A close frame is written within this long, or the connection is dropped.
 const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
@@ -88,7 +92,21 @@ struct Shared {
     up: Arc<AtomicUsize>,
     /// Bots Discord refuses, and why.
     refused: Mutex<HashMap<String, String>>,
+    /// Bots whose daily budget of new sessions is spent, and when it resets (ms since 1970).
+    spent: Mutex<HashMap<String, u64>>,
     identifies: AtomicU64,
+}
+
+impl Shared {
+    /// Notes that `bot`'s session budget is spent until `resets_ms` (or, `None`, that it is
+    /// not); whether that changed the bot's state (spent or not).
+    fn set_spent(&self, bot: &str, resets_ms: Option<u64>) -> bool {
+        let mut spent = self.spent.lock().unwrap_or_else(|e| e.into_inner());
+        match resets_ms {
+            Some(at) => spent.insert(bot.to_string(), at).is_none(),
+            None => spent.remove(bot).is_some(),
+        }
+    }
 }
 
 impl Default for Sessions {
@@ -109,6 +127,9 @@ impl Sessions {
         });
         let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
         refused.retain(|bot, _| wanted.contains(bot));
+        drop(refused);
+        let mut spent = self.shared.spent.lock().unwrap_or_else(|e| e.into_inner());
+        spent.retain(|bot, _| wanted.contains(bot));
     }
 
     /// Stops the session of `bot` (a refused one, bound again): the next `sync` starts anew.
@@ -116,6 +137,8 @@ impl Sessions {
         self.running.forget(&bot.to_string());
         let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
         refused.remove(bot);
+        drop(refused);
+        self.shared.set_spent(bot, None);
     }
 
     pub fn stop_all(&self) {
@@ -139,6 +162,56 @@ impl Sessions {
         let refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
         refused.get(bot).cloned()
     }
+
+    /// When `bot`'s spent budget of new sessions resets (ms since 1970), while it is spent.
+    pub fn spent_until(&self, bot: &str) -> Option<u64> {
+        let spent = self.shared.spent.lock().unwrap_or_else(|e| e.into_inner());
+        spent.get(bot).copied()
+    }
+
+    /// What a binding's `GET /gateway/bot` said of `bot`'s session budget, so the binding's own
+    /// Descriptor tells before its session asks.
+    pub fn budget_seen(&self, bot: &str, answer: &json::Value) {
+        let reset = json::as_object(answer).and_then(spent_for);
+        self.shared.set_spent(bot, reset.map(resets_at));
+    }
+}
+
+/// How long until the session budget resets, when `GET /gateway/bot`'s answer says it is spent
+/// (`session_start_limit.remaining` 0); at most a day, and a day when it does not say.
+pub fn spent_for(answer: &json::Object) -> Option<Duration> {
+    let limit = json::get_obj(answer, "session_start_limit")?;
+    if json::get_u64(limit, "remaining") != Some(0) {
+        return None;
+    }
+    let reset = json::get_u64(limit, "reset_after").map_or(BUDGET_RESET_MAX, Duration::from_millis);
+    Some(reset.min(BUDGET_RESET_MAX))
+}
+
+/// The clock time (ms since 1970) `reset` from now.
+fn resets_at(reset: Duration) -> u64 {
+    ids::now_ms().saturating_add(u64::try_from(reset.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// `ms` since 1970 as `YYYY-MM-DDTHH:MM:SSZ` (UTC), for a reason xAgent and `/status` show.
+pub fn utc(ms: u64) -> String {
+    // Days to a civil date (proleptic Gregorian, from 0000-03-01): all in `u64`, none negative.
+    let secs = ms / 1000;
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    let z = days + 719_468;
+    let (era, doe) = (z / 146_097, z % 146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
 }
 
 /// Logs a bot's session state when it changes.
@@ -222,6 +295,30 @@ impl<H> Bot<H> {
         }
     }
 
+    /// The session budget is spent until `resets_ms`: the channels are told when it is new, and
+    /// `say` (once per spell) logs it.
+    async fn spent(&mut self, resets_ms: u64, say: bool) {
+        if say {
+            self.state.set(
+                format!(
+                    "Discord's daily budget of new sessions is used up; no Gateway session (no messages arrive) until it resets at {}",
+                    utc(resets_ms)
+                ),
+                true,
+            );
+        }
+        if self.shared.set_spent(&self.id, Some(resets_ms)) {
+            tell(&self.discord, &self.id).await;
+        }
+    }
+
+    /// The session budget allows a session again.
+    async fn budget_back(&self) {
+        if self.shared.set_spent(&self.id, None) {
+            tell(&self.discord, &self.id).await;
+        }
+    }
+
     /// Discord took the bot again after refusing it.
     async fn accepted(&self) {
         let was = {
@@ -265,6 +362,8 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
     let mut backoff = MIN_BACKOFF;
     let mut identify_gap = IDENTIFY_MIN;
     let mut next_identify = Instant::now();
+    // The spent budget was logged in this spell (one line, not one per question).
+    let mut spent_said = false;
     loop {
         let Some(token) = token_of(&bot.discord, &bot.id).await else {
             return;
@@ -275,15 +374,20 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
             None => {
                 smol::Timer::at(next_identify).await;
                 match gateway_url(&bot, &token).await {
-                    Ok(url) => url,
+                    Ok(url) => {
+                        spent_said = false;
+                        bot.budget_back().await;
+                        url
+                    }
                     Err(Open::Refused(why)) => {
                         bot.refuse(why).await;
                         return std::future::pending().await;
                     }
-                    Err(Open::Wait(why, wait)) => {
-                        bot.state.set(why, true);
+                    Err(Open::Spent(reset)) => {
+                        bot.spent(resets_at(reset), !spent_said).await;
+                        spent_said = true;
                         // At least the IDENTIFY gap: a peer's 0 must not make a loop.
-                        smol::Timer::after(wait.max(IDENTIFY_MIN)).await;
+                        smol::Timer::after(reset.min(BUDGET_WAIT_MAX).max(IDENTIFY_MIN)).await;
                         continue;
                     }
                     Err(Open::Failed(why, retry_after)) => {
@@ -379,8 +483,8 @@ async fn token_of(discord: &Weak<Discord>, bot: &str) -> Option<String> {
 enum Open {
     /// Discord refuses the token.
     Refused(String),
-    /// The daily session budget is used up: why, and how long to wait.
-    Wait(String, Duration),
+    /// The daily session budget is used up: how long until it resets (at most a day).
+    Spent(Duration),
     /// Could not ask now; the wait Discord asked for, if it did.
     Failed(String, Option<Duration>),
 }
@@ -402,20 +506,8 @@ async fn gateway_url<H>(bot: &Bot<H>, token: &str) -> Result<String, Open> {
         Err(e) => return Err(Open::Failed(e.to_string(), e.retry_after())),
     };
     let o = json::as_object(&answer).cloned().unwrap_or_default();
-    let limit = json::get_obj(&o, "session_start_limit");
-    let remaining = limit.and_then(|l| json::get_u64(l, "remaining"));
-    if remaining == Some(0) {
-        let reset = limit
-            .and_then(|l| json::get_u64(l, "reset_after"))
-            .map_or(BUDGET_WAIT_MAX, Duration::from_millis)
-            .min(BUDGET_WAIT_MAX);
-        return Err(Open::Wait(
-            format!(
-                "Discord's daily budget of new sessions is used up; waiting {}",
-                crate::config::fmt_duration(reset)
-            ),
-            reset,
-        ));
+    if let Some(reset) = spent_for(&o) {
+        return Err(Open::Spent(reset));
     }
     match json::get_str(&o, "url") {
         Some(url) if bot.usable(url) => Ok(url.to_string()),
@@ -807,6 +899,24 @@ mod tests {
         );
         assert_eq!(next_gap(IDENTIFY_MAX, true), IDENTIFY_MIN);
         assert_eq!(next_gap(Duration::MAX, false), IDENTIFY_MAX);
+    }
+
+    #[test]
+    fn a_spent_budget_is_read_bounded_and_its_reset_shown_as_a_utc_time() {
+        let answer = |v: &str| json::as_object(&json::parse(v).unwrap()).cloned().unwrap();
+        let spent = answer(r#"{"session_start_limit":{"total":1000,"remaining":0,"reset_after":7000}}"#);
+        assert_eq!(spent_for(&spent), Some(Duration::from_secs(7)));
+        let silent = answer(r#"{"session_start_limit":{"remaining":0,"reset_after":1e300}}"#);
+        assert_eq!(spent_for(&silent), Some(BUDGET_RESET_MAX));
+        let huge = answer(r#"{"session_start_limit":{"remaining":0,"reset_after":18446744073709551615}}"#);
+        assert_eq!(spent_for(&huge), Some(BUDGET_RESET_MAX));
+        assert_eq!(spent_for(&answer(r#"{"session_start_limit":{"remaining":3}}"#)), None);
+        assert_eq!(spent_for(&answer(r#"{"url":"wss://g"}"#)), None);
+        assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(utc(1_767_225_599_999), "2025-12-31T23:59:59Z");
+        assert!(!utc(u64::MAX).is_empty());
+        assert!(resets_at(Duration::MAX) >= ids::now_ms());
     }
 
     #[test]

@@ -776,6 +776,8 @@ impl Discord {
             chat_type: if dm { "p2p" } else { "group" }.into(),
             from,
         };
+        // The bot's first binding: no session of it runs yet to ask for its session budget.
+        let first_of_bot = self.channels_of(&bot_user).is_empty();
         self.token_files()
             .store(&bot_user, token)
             .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the token: {e}")))?;
@@ -796,6 +798,16 @@ impl Discord {
         // A bot Discord refused (a token, the intent) is tried again now that it is bound again.
         if self.sessions.refused(&bot_user).is_some() {
             self.sessions.forget(&bot_user);
+        }
+        // Bound whatever the daily budget of new sessions (sends work, and what is posted until a
+        // session starts is caught up), but a spent one is said in the first binding's
+        // Descriptor at once, not when the session asks (best effort: the session asks anyway).
+        // A bot with a session running already knows its own state.
+        if first_of_bot {
+            match self.api.get(token, "/gateway/bot", deadline()) {
+                Ok(answer) => self.sessions.budget_seen(&bot_user, &answer),
+                Err(e) => log::debug!("discord: bot {bot_user}: the session budget cannot be read: {e}"),
+            }
         }
         Ok(source)
     }
@@ -829,7 +841,19 @@ impl Provider for Discord {
                 }
                 None => {
                     let hint = Some(inbound::redact(&info.channel));
-                    Description::connected(DECLARATION.target_of(info.channel_name, hint), TOOLS)
+                    let mut d = Description::connected(DECLARATION.target_of(info.channel_name, hint), TOOLS);
+                    // No session: nothing arrives, but the tools work (sends are REST calls).
+                    if let Some(at) = self.sessions.spent_until(&info.bot_user) {
+                        let why = format!(
+                            "Discord's daily budget of new sessions is used up: no messages arrive until it resets at {} (then what was posted meanwhile is read from the history); sending works",
+                            gateway::utc(at)
+                        );
+                        d.status = "degraded";
+                        for (_, tool) in &mut d.tools {
+                            tool.reason = Some(why.clone());
+                        }
+                    }
+                    d
                 }
             },
             None => lost("the Discord binding is gone"),
