@@ -282,25 +282,15 @@ fn a_room_no_binding_names_is_listed_for_the_owner_when_someone_writes_in_it() {
         id.as_str(),
         "nothing from the unbound room: {push}"
     );
-    let listed = |status: &Value, room: &str| {
-        status["unbound_recent"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|u| u["provider"] == "matrix" && u["conversation_id"] == room)
-            .cloned()
-    };
-    let deadline = std::time::Instant::now() + WAIT;
-    let status = loop {
-        let status = get_json(&d.url("/status"));
-        if listed(&status, dm).is_some() && listed(&status, invite).is_some() || std::time::Instant::now() > deadline {
-            break status;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let seen = listed(&status, dm).unwrap_or_else(|| panic!("the unbound room is listed: {status}"));
+    let (found, status) = unbound_listed(&d, "matrix", &[dm, invite], WAIT);
+    let seen = found[0]
+        .as_ref()
+        .unwrap_or_else(|| panic!("the unbound room is listed: {status}"));
     assert_eq!(seen["kind"], "dm", "two members: {seen}");
-    let seen = listed(&status, invite).unwrap_or_else(|| panic!("the invite is listed: {status}"));
+    let seen = found[1]
+        .as_ref()
+        .unwrap_or_else(|| panic!("the invite is listed: {status}"));
     assert_eq!(seen["kind"], "invite", "{seen}");
-    assert!(listed(&status, ROOM).is_none(), "a bound room is not: {status}");
+    let (bound, _) = unbound_listed(&d, "matrix", &[ROOM], Duration::ZERO);
+    assert!(bound[0].is_none(), "a bound room is not: {status}");
 }

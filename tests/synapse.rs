@@ -347,26 +347,14 @@ fn a_second_room_takes_effect_within_the_running_poll_and_unbound_rooms_are_list
     // A joined room no binding names, and an invitation: listed for the owner, never pushed.
     alice.send_text(&unbound, "is anyone there?");
     alice.invite(&invited, &bot.user_id);
-    let listed = |status: &Value, room: &str| {
-        status["unbound_recent"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|u| u["provider"] == "matrix" && u["conversation_id"] == room)
-            .cloned()
-    };
-    let deadline = std::time::Instant::now() + WAIT;
-    let status = loop {
-        let status = get_json(&d.url("/status"));
-        let both = listed(&status, &unbound).is_some() && listed(&status, &invited).is_some();
-        if both || std::time::Instant::now() > deadline {
-            break status;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    };
-    let seen = listed(&status, &unbound).unwrap_or_else(|| panic!("the unbound room is listed: {status}"));
+    let (found, status) = unbound_listed(&d, "matrix", &[&unbound, &invited], WAIT);
+    let seen = found[0]
+        .as_ref()
+        .unwrap_or_else(|| panic!("the unbound room is listed: {status}"));
     assert_eq!(seen["kind"], "dm", "Alice and the bot: {seen}");
-    let seen = listed(&status, &invited).unwrap_or_else(|| panic!("the invitation is listed: {status}"));
+    let seen = found[1]
+        .as_ref()
+        .unwrap_or_else(|| panic!("the invitation is listed: {status}"));
     assert_eq!(seen["kind"], "invite", "{seen}");
     let last = alice.send_text(&room, "last");
     let push = x.next_push(WAIT).expect("the bound room's next message");

@@ -523,6 +523,33 @@ pub fn get_json(url: &str) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
+/// The `/status` `unbound_recent` entries of `provider` for `conversations`, once each is
+/// listed or `timeout` passed (then `None` where one is missing); the last `/status` too.
+pub fn unbound_listed(
+    d: &Daemon,
+    provider: &str,
+    conversations: &[&str],
+    timeout: Duration,
+) -> (Vec<Option<Value>>, Value) {
+    let find = |status: &Value, id: &str| {
+        status["unbound_recent"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|u| u["provider"] == provider && u["conversation_id"] == id)
+            .cloned()
+    };
+    let deadline = Instant::now() + timeout;
+    loop {
+        let status = get_json(&d.url("/status"));
+        let found: Vec<Option<Value>> = conversations.iter().map(|c| find(&status, c)).collect();
+        if found.iter().all(Option::is_some) || Instant::now() > deadline {
+            return (found, status);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 // ---------- load and /proc figures (benchmarks, budgets) ----------
 
 pub fn proc_field(pid: u32, file: &str, key: &str) -> u64 {
