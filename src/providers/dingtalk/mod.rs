@@ -282,7 +282,8 @@ impl DingTalk {
     }
 
     /// A bound conversation's message tells its kind and title: kept in its row when they
-    /// changed (a binding made before its first message knows neither).
+    /// changed (a binding made before its first message knows neither), and xAgent is told,
+    /// as its Descriptor names the conversation by them.
     fn learn(&self, source: &Source, info: &ConversationInfo, m: &RobotMessage) {
         let chat_type = if m.group { "group" } else { "p2p" };
         let title = if m.group { m.title.as_str() } else { "" };
@@ -294,8 +295,9 @@ impl DingTalk {
             title: title.into(),
             ..info.clone()
         };
-        if let Err(e) = CONVERSATIONS.put(&self.host.db, source.as_str(), &row) {
-            log::debug!("dingtalk: {source}: cannot keep the conversation's kind: {e}");
+        match CONVERSATIONS.put(&self.host.db, source.as_str(), &row) {
+            Ok(()) => self.host.binding_state_changed(source),
+            Err(e) => log::debug!("dingtalk: {source}: cannot keep the conversation's kind: {e}"),
         }
     }
 
@@ -729,8 +731,9 @@ impl Provider for DingTalk {
         Ok(match self.info(source)? {
             Some(info) if self.creds(&info.client_id).is_none() => lost("the app's secret is no longer available"),
             Some(info) => {
-                let target =
-                    DECLARATION.target_of(Self::display_name(&info), Some(inbound::redact(&info.conversation)));
+                // A conversation ID is no secret, and it is what tells two bindings apart
+                // before their first message names them.
+                let target = DECLARATION.target_of(Self::display_name(&info), Some(info.conversation.clone()));
                 match self.conns.refused(&info.client_id) {
                     Some(why) => Description::unusable("error", target, TOOLS, &why),
                     None => Description::connected(target, TOOLS),
