@@ -573,3 +573,70 @@ fn two_bound_groups_show_their_ids_and_a_group_its_title_once_a_message_brought_
     assert_eq!(target["display_name"], "Ops room", "{told}");
     assert_eq!(target["account_hint"], GROUP, "{told}");
 }
+
+/// imgate's floor against a server that closes every connection: at most one new one per 10 s.
+const FLOOR: Duration = Duration::from_secs(10);
+/// "At once" on a loaded machine.
+const PROMPT: Duration = Duration::from_secs(4);
+
+/// Asks for the app's next connection by closing the current one once it worked (a ping
+/// answered); how long after the close the next one was up, and the connection's age then.
+fn close_after_work(sim: &DingTalkSim, opened: std::time::Instant, n: u64) -> (Duration, Duration) {
+    let ping = sim.ping(APP);
+    assert!(sim.wait_pong(&ping, WAIT), "connection {n} works");
+    let age = opened.elapsed();
+    let closed = std::time::Instant::now();
+    assert!(sim.close_connection(APP));
+    assert!(
+        sim.wait_connected(APP, n + 1, Duration::from_secs(60)),
+        "connection {} after the close",
+        n + 1
+    );
+    (closed.elapsed(), age)
+}
+
+#[test]
+fn a_connection_that_worked_and_was_closed_by_dingtalk_is_followed_by_the_next_at_once() {
+    let (d, sim) = dingtalk("dt-reconnect", &[]);
+    let (_x, _) = bound_to(&d, &sim, GROUP);
+    let mut opened = std::time::Instant::now();
+    // One connection that lived past the floor: nothing but the clock to wait for.
+    std::thread::sleep(FLOOR.saturating_sub(opened.elapsed()));
+    // Five closes in a minute: the first of a connection that lived, then each as soon as the
+    // new one worked (the floor's pace). Messages sent meanwhile are lost at DingTalk.
+    let mut n = 1;
+    for close in 1..=5 {
+        let (gap, age) = close_after_work(&sim, opened, n);
+        opened = std::time::Instant::now();
+        n += 1;
+        eprintln!("close {close}: connection aged {age:.1?}; the next up {gap:.2?} after the close");
+        let floor = FLOOR.saturating_sub(age);
+        assert!(
+            gap <= floor + PROMPT,
+            "close {close}: the next connection {gap:?} after the close of one that worked (aged {age:?})"
+        );
+    }
+
+    // The next ticket is refused at the handshake: the failed attempt waits a short backoff,
+    // not one grown by the closes before it.
+    let refused = sim.refused_handshakes().len();
+    sim.set_ticket_ttl(Duration::ZERO);
+    let ping = sim.ping(APP);
+    assert!(sim.wait_pong(&ping, WAIT));
+    let age = opened.elapsed();
+    let closed = std::time::Instant::now();
+    assert!(sim.close_connection(APP));
+    assert!(sim.wait_refused_handshakes(refused + 1, Duration::from_secs(60)));
+    sim.set_ticket_ttl(Duration::from_secs(90));
+    assert!(sim.wait_connected(APP, n + 1, Duration::from_secs(60)));
+    let gap = closed.elapsed();
+    eprintln!("close with a refused ticket: connection aged {age:.1?}; the next up {gap:.2?} after the close");
+    assert!(
+        gap < Duration::from_secs(30) && gap <= FLOOR.saturating_sub(age) + PROMPT + Duration::from_secs(2),
+        "a refused ticket after a close left the app down for {gap:?}"
+    );
+    let id = sim.send_text(APP, GROUP, ANN, "after the closes");
+    assert!(sim.delivered(&id), "the last connection carries messages");
+    assert!(sim.wait_answered(&id, WAIT), "and stores them");
+    assert_eq!(sim.reused_ticket_attempts(), 0);
+}

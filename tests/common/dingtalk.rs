@@ -583,6 +583,24 @@ impl DingTalkSim {
         });
     }
 
+    /// The server closes the app's newest open socket: a close frame (1000), then the TCP
+    /// connection ends (as after a `disconnect`'s grace, without the `disconnect`). False with
+    /// no socket.
+    pub fn close_connection(&self, client_id: &str) -> bool {
+        self.with(|s| {
+            let Some(k) = s
+                .sockets
+                .iter()
+                .rposition(|k| k.app == client_id && k.open && !k.close_sent)
+            else {
+                return false;
+            };
+            let _ = s.sockets[k].tx.send(Out::Close(1000));
+            s.sockets[k].close_sent = true;
+            true
+        })
+    }
+
     /// Every open socket of the app stops reading (no pongs, no frames recorded) and writing:
     /// half-open links. Messages pushed to them are lost.
     pub fn go_silent(&self, client_id: &str) {
@@ -639,6 +657,11 @@ impl DingTalkSim {
     /// stream_disabled, path).
     pub fn refused_handshakes(&self) -> Vec<Value> {
         self.with(|s| s.refused.clone())
+    }
+
+    /// Waits until `n` handshakes were refused, counted since the start.
+    pub fn wait_refused_handshakes(&self, n: usize, timeout: Duration) -> bool {
+        self.wait(timeout, |s| s.refused.len() >= n)
     }
 
     /// How long a ticket may wait for its handshake (DingTalk: 90 s).
