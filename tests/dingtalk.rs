@@ -640,3 +640,48 @@ fn a_connection_that_worked_and_was_closed_by_dingtalk_is_followed_by_the_next_a
     assert!(sim.wait_answered(&id, WAIT), "and stores them");
     assert_eq!(sim.reused_ticket_attempts(), 0);
 }
+
+#[test]
+fn a_flow_controlled_user_is_sent_to_again_after_a_second_and_then_told_to_retry() {
+    let (d, sim) = dingtalk("dt-flow", &[]);
+    let (mut x, cch) = bound_to(&d, &sim, P2P);
+    let id = sim.send_text(APP, P2P, ANN, "remind me");
+    x.next_push(WAIT).expect("the one-to-one message is pushed");
+    assert!(sim.wait_answered(&id, WAIT));
+    sim.expire_session_webhooks();
+
+    // DingTalk holds the message back twice: sent on the third call, at least a second apart.
+    sim.flow_control_next(ANN, 2);
+    let started = std::time::Instant::now();
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "it is six"}), "dt-fc1");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let sends = sim.oto_sends();
+    assert_eq!(sends.len(), 3, "{sends:?}");
+    assert_eq!(sends[2]["flowControlledStaffIdList"], json!([]), "{sends:?}");
+    assert_eq!(sends[2]["param"]["content"], "it is six");
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "two waits of a second at least: {:?}",
+        started.elapsed()
+    );
+
+    // Held back for longer than a tool call may take: an error the agent retries, nothing sent.
+    sim.flow_control_next(ANN, 1000);
+    let (a, took) = x.timed_tool(
+        &cch,
+        "imgate_message_send",
+        json!({"text": "and now"}),
+        Duration::from_secs(40),
+    );
+    assert_eq!(a["error"]["code"], "busy", "{a}");
+    assert!(took < Duration::from_secs(25), "within the tool's time: {took:?}");
+    let sends = sim.oto_sends();
+    assert!(sends.len() > 4, "retried: {}", sends.len());
+    assert!(sends.len() < 40, "bounded: {}", sends.len());
+    assert!(
+        sends[3..]
+            .iter()
+            .all(|s| s["flowControlledStaffIdList"] == json!([ANN])),
+        "nothing reached the user"
+    );
+}

@@ -461,24 +461,30 @@ impl DingTalk {
                 ),
             };
         self.counts.openapi_sends.fetch_add(1, Ordering::Relaxed);
-        let sent = once_sent("dingtalk: send", deadline, |left| {
-            self.api.call(creds, path, &body, left)
-        })
-        .map_err(|e| refusal(&e))?;
-        let listed = |k: &str| match json::get(&sent, k) {
+        let listed = |sent: &Object, k: &str| match json::get(sent, k) {
             Some(Value::Array(ids)) => ids.iter().any(|v| matches!(v, Value::String(id) if id == staff)),
             _ => false,
         };
-        if one_to_one && listed("invalidStaffIdList") {
+        // A message held back from its user reached no one: sent again, as a throttled call.
+        let sent = once_sent("dingtalk: send", deadline, |left| {
+            let sent = self.api.call(creds, path, &body, left)?;
+            match one_to_one && listed(&sent, "flowControlledStaffIdList") {
+                true => Err(ApiError::flow_controlled()),
+                false => Ok(sent),
+            }
+        })
+        .map_err(|e| match e.is_flow_controlled() {
+            true => Failure::temporary(
+                code::BUSY,
+                "DingTalk is holding messages to this user back (flow control); nothing was sent: \
+                 make the same call again in a minute",
+            ),
+            false => refusal(&e),
+        })?;
+        if one_to_one && listed(&sent, "invalidStaffIdList") {
             return Err(Failure::new(
                 code::UPSTREAM_REJECTED,
                 "DingTalk does not know the user of this one-to-one chat (invalidStaffIdList)",
-            ));
-        }
-        if one_to_one && listed("flowControlledStaffIdList") {
-            return Err(Failure::temporary(
-                code::UPSTREAM_REJECTED,
-                "DingTalk held the message back (the user is flow-controlled): send again later",
             ));
         }
         Ok(json::get_str(&sent, "processQueryKey")
