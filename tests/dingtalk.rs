@@ -685,3 +685,46 @@ fn a_flow_controlled_user_is_sent_to_again_after_a_second_and_then_told_to_retry
         "nothing reached the user"
     );
 }
+
+#[test]
+fn a_reply_through_the_session_webhook_in_a_group_ats_the_sender_of_the_message_answered() {
+    let (d, sim) = dingtalk("dt-at", &[]);
+    let (mut x, cch) = bound_to(&d, &sim, GROUP);
+    let from_ann = sim.send_text(APP, GROUP, ANN, "who has the keys?");
+    let ann = x.next_push(WAIT).expect("Ann's message");
+    assert_eq!(ann["payload"]["message_id"], from_ann.as_str());
+    let from_bob = sim.send_text(APP, GROUP, BOB, "and the badge?");
+    let bob = x.next_push(WAIT).expect("Bob's message");
+    assert_eq!(bob["payload"]["message_id"], from_bob.as_str());
+
+    // As the SDK's reply_text does: the answer @s whom it answers, even an earlier message's
+    // sender.
+    for (push, who, call) in [(&ann, ANN, "dt-at1"), (&bob, BOB, "dt-at2")] {
+        let a = x.tool(
+            &cch,
+            "imgate_message_reply",
+            json!({"reply_ref": reply_ref(push), "text": "I do"}),
+            call,
+        );
+        assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+        let post = sim.webhook_posts(GROUP).last().cloned().unwrap();
+        assert_eq!(post["errcode"], 0, "{post}");
+        assert_eq!(post["body"]["at"]["atUserIds"], json!([who]), "{post}");
+    }
+    // A message that answers nobody @s nobody; a long reply @s once, with its first part.
+    let a = x.tool(&cch, "imgate_message_send", json!({"text": "noted"}), "dt-at3");
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let post = sim.webhook_posts(GROUP).last().cloned().unwrap();
+    assert!(post["body"]["at"].is_null(), "{post}");
+    let before = sim.webhook_posts(GROUP).len();
+    let a = x.tool(
+        &cch,
+        "imgate_message_reply",
+        json!({"reply_ref": reply_ref(&ann), "text": "k".repeat(3000)}),
+        "dt-at4",
+    );
+    assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
+    let posts = sim.webhook_posts(GROUP);
+    let ats: Vec<&Value> = posts[before..].iter().map(|p| &p["body"]["at"]).collect();
+    assert_eq!(ats, [&json!({"atUserIds": [ANN]}), &Value::Null], "{posts:?}");
+}

@@ -1539,7 +1539,7 @@ fn media_upload(s: &mut State, r: &Req) -> Answer {
 }
 
 /// `POST sessionWebhook` with `{"msgtype":"text","text":{"content"}}` or `markdown` `{title,
-/// text}` (chatbot.py's reply_text / reply_markdown). Chosen: an unknown or expired session
+/// text}`, and an optional `at` (chatbot.py's reply_text / reply_markdown). Chosen: an unknown or expired session
 /// answers 300001 "token is not exist" (the errcode and errmsg DingTalk's robot webhooks give a
 /// token they do not know; none is documented for sessions); a malformed body 40035.
 fn session_send(s: &mut State, r: &Req) -> Answer {
@@ -1559,6 +1559,17 @@ fn session_send(s: &mut State, r: &Req) -> Answer {
         Some("actionCard" | "link" | "feedCard") => true,
         _ => false,
     };
+    // `at`: `{atUserIds: [userId…], atMobiles, isAtAll}` (chatbot.py's reply_text sends
+    // `atUserIds` with the sender's staff ID).
+    let at_ok = match &body["at"] {
+        Value::Null => true,
+        at => match &at["atUserIds"] {
+            Value::Null => true,
+            Value::Array(ids) => ids.iter().all(Value::is_string),
+            _ => false,
+        },
+    };
+    let well_formed = well_formed && at_ok;
     let (errcode, a) = if live.is_none() {
         (300001, oapi_err(300001, "token is not exist"))
     } else if !well_formed {
