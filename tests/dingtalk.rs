@@ -1,9 +1,11 @@
 //! The DingTalk provider against `common/dingtalk.rs`, a simulator of Stream mode and the robot
 //! OpenAPI written from DingTalk's protocol docs and its SDKs: binding and each failure, a
 //! message in and its answer only after the commit (a SIGKILL in between: no answer), pings,
-//! `disconnect` and a new ticket, replies through the session webhook and, once it expired,
-//! through the OpenAPI (group and one-to-one), files both ways, a token renewed when refused,
-//! throttling, and the secret and the webhook URL absent from every log line and packet.
+//! `disconnect` and a new ticket, the next connection at once after one that worked, replies
+//! through the session webhook (a group's @-ing whom they answer) and, once it expired, through
+//! the OpenAPI (group and one-to-one), files both ways, a token renewed when refused,
+//! throttling and flow control, the Descriptor's conversation ID and title, and the secret and
+//! the webhook URL absent from every log line and packet.
 
 use std::time::Duration;
 

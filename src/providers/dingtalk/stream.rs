@@ -234,6 +234,7 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
     let mut current: Option<(u64, smol::Task<()>)> = None;
     let mut leaving: Vec<(u64, smol::Task<()>)> = Vec::new();
     let mut pace = Pace::new();
+    let mut drops = Quiet::new();
     let mut serial = 0u64;
     loop {
         let wait = match open(&dingtalk, &app).await {
@@ -304,7 +305,11 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
                 }
                 Signal::Ended(s, why, heard) if s == now_serial => {
                     current = None;
-                    state.set(format!("Stream connection down ({why}); reconnecting"), true);
+                    // DingTalk may close every connection, now met with one every `MIN_AGE`: a
+                    // line a minute, and "up" is said again only after a "down" was.
+                    if let Some(more) = drops.admit() {
+                        state.set(format!("Stream connection down ({why}); reconnecting{more}"), true);
+                    }
                     let wait = match pace.worked(heard) {
                         true => pace.after_work(),
                         false => pace.after_failure(),
