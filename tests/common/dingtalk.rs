@@ -35,7 +35,11 @@
 //!   `Forbidden.AccessDenied.QpsLimitForAppkeyAndApi` (403), the old oapi errcode 90018.
 //! - Robot send errors: 400 `invalid.openConversationId`, `invalidParameter.robotCode.notExsit`,
 //!   `invalidParameter.msgKey.invalid`, `invalidParameter.msgParam.invalid`,
-//!   `invalidParameter.userIds.empty` (DingTalk's API pages).
+//!   `invalidParameter.userIds.empty` (DingTalk's API pages). batchSend answers 200 with
+//!   `invalidStaffIdList` (unknown users) and `flowControlledStaffIdList` ("被限流的userid列表":
+//!   users the message was held back from) beside `processQueryKey`.
+//! - A session webhook takes `at: {atUserIds}`; the Python SDK's reply_text and reply_markdown
+//!   always name the sender (`incoming_message.sender_staff_id`).
 //! - media/upload: multipart field `type` and file part `media` → `{"errcode":0,"errmsg":"ok",
 //!   "media_id":"@lA…","type":…,"created_at":…}`; a bad type: 40004 "不合法的媒体文件类型".
 
@@ -187,6 +191,8 @@ struct State {
     uploaded: HashMap<String, Vec<u8>>,
     calls: Vec<Value>,
     faults: Vec<Fault>,
+    /// staffId → batchSend calls still to hold back for that user (`flowControlledStaffIdList`).
+    flow_controlled: HashMap<String, usize>,
     next_id: u64,
 }
 
@@ -583,6 +589,24 @@ impl DingTalkSim {
         });
     }
 
+    /// The server closes the app's newest open socket: a close frame (1000), then the TCP
+    /// connection ends (as after a `disconnect`'s grace, without the `disconnect`). False with
+    /// no socket.
+    pub fn close_connection(&self, client_id: &str) -> bool {
+        self.with(|s| {
+            let Some(k) = s
+                .sockets
+                .iter()
+                .rposition(|k| k.app == client_id && k.open && !k.close_sent)
+            else {
+                return false;
+            };
+            let _ = s.sockets[k].tx.send(Out::Close(1000));
+            s.sockets[k].close_sent = true;
+            true
+        })
+    }
+
     /// Every open socket of the app stops reading (no pongs, no frames recorded) and writing:
     /// half-open links. Messages pushed to them are lost.
     pub fn go_silent(&self, client_id: &str) {
@@ -641,6 +665,11 @@ impl DingTalkSim {
         self.with(|s| s.refused.clone())
     }
 
+    /// Waits until `n` handshakes were refused, counted since the start.
+    pub fn wait_refused_handshakes(&self, n: usize, timeout: Duration) -> bool {
+        self.wait(timeout, |s| s.refused.len() >= n)
+    }
+
     /// How long a ticket may wait for its handshake (DingTalk: 90 s).
     pub fn set_ticket_ttl(&self, ttl: Duration) {
         self.with(|s| s.ticket_ttl = ttl);
@@ -690,8 +719,8 @@ impl DingTalkSim {
         })
     }
 
-    /// Accepted oToMessages/batchSend calls: the request body plus `param`, `processQueryKey`
-    /// and `invalidStaffIdList`.
+    /// Accepted oToMessages/batchSend calls: the request body plus `param`, `processQueryKey`,
+    /// `invalidStaffIdList` and `flowControlledStaffIdList` (users the message did not reach).
     pub fn oto_sends(&self) -> Vec<Value> {
         self.with(|s| s.oto_sends.clone())
     }
@@ -733,6 +762,13 @@ impl DingTalkSim {
                 })
             }
         });
+    }
+
+    /// The next `times` batchSend calls naming `staff_id` hold the message back for that user:
+    /// the call succeeds, nothing reaches the user, and the answer lists the user in
+    /// `flowControlledStaffIdList` ("被限流的userid列表").
+    pub fn flow_control_next(&self, staff_id: &str, times: usize) {
+        self.with(|s| s.flow_controlled.insert(staff_id.into(), times));
     }
 
     /// The next `times` calls of `path` are throttled: a v1.0 path answers 403
@@ -1396,15 +1432,24 @@ fn oto_send(s: &mut State, r: &Req) -> Answer {
     };
     let invalid: Vec<&String> = users.iter().filter(|u| !s.users.contains_key(*u)).collect();
     let invalid = json!(invalid);
+    let mut held = Vec::new();
+    for u in &users {
+        if let Some(left) = s.flow_controlled.get_mut(u).filter(|left| **left > 0) {
+            *left -= 1;
+            held.push(u.clone());
+        }
+    }
+    let held = json!(held);
     let key = b64(&rand_bytes(s, 24));
     let mut rec = r.json.clone().unwrap_or_default();
     rec["param"] = param;
     rec["processQueryKey"] = json!(key);
     rec["invalidStaffIdList"] = invalid.clone();
+    rec["flowControlledStaffIdList"] = held.clone();
     s.oto_sends.push(rec);
     answer(
         200,
-        json!({"processQueryKey": key, "invalidStaffIdList": invalid, "flowControlledStaffIdList": []}),
+        json!({"processQueryKey": key, "invalidStaffIdList": invalid, "flowControlledStaffIdList": held}),
     )
 }
 
@@ -1494,7 +1539,7 @@ fn media_upload(s: &mut State, r: &Req) -> Answer {
 }
 
 /// `POST sessionWebhook` with `{"msgtype":"text","text":{"content"}}` or `markdown` `{title,
-/// text}` (chatbot.py's reply_text / reply_markdown). Chosen: an unknown or expired session
+/// text}`, and an optional `at` (chatbot.py's reply_text / reply_markdown). Chosen: an unknown or expired session
 /// answers 300001 "token is not exist" (the errcode and errmsg DingTalk's robot webhooks give a
 /// token they do not know; none is documented for sessions); a malformed body 40035.
 fn session_send(s: &mut State, r: &Req) -> Answer {
@@ -1514,6 +1559,17 @@ fn session_send(s: &mut State, r: &Req) -> Answer {
         Some("actionCard" | "link" | "feedCard") => true,
         _ => false,
     };
+    // `at`: `{atUserIds: [userId…], atMobiles, isAtAll}` (chatbot.py's reply_text sends
+    // `atUserIds` with the sender's staff ID).
+    let at_ok = match &body["at"] {
+        Value::Null => true,
+        at => match &at["atUserIds"] {
+            Value::Null => true,
+            Value::Array(ids) => ids.iter().all(Value::is_string),
+            _ => false,
+        },
+    };
+    let well_formed = well_formed && at_ok;
     let (errcode, a) = if live.is_none() {
         (300001, oapi_err(300001, "token is not exist"))
     } else if !well_formed {

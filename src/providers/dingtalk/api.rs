@@ -29,6 +29,9 @@ const MAX_TOKENS: usize = 64;
 const THROTTLE_WAIT: Duration = Duration::from_secs(1);
 /// The session webhook's `errcode` for a webhook past its life.
 const HOOK_EXPIRED: i64 = 300001;
+/// Not a code DingTalk sends: a batchSend it answered with the user in
+/// `flowControlledStaffIdList` (it held the message back from them).
+const FLOW_CONTROLLED: &str = "flowControlledStaffIdList";
 /// The legacy API's codes for a token that is not (or no longer) valid.
 const LEGACY_TOKEN_CODES: &[i64] = &[40001, 40014, 42001];
 
@@ -75,6 +78,20 @@ impl ApiError {
         }
     }
 
+    /// DingTalk held a one-to-one message back from its user (`flowControlledStaffIdList`):
+    /// nothing was sent, so it is sent again as a throttled call is.
+    pub fn flow_controlled() -> ApiError {
+        ApiError {
+            status: 200,
+            code: FLOW_CONTROLLED.into(),
+            message: "DingTalk held the message back: the user is flow-controlled".into(),
+        }
+    }
+
+    pub fn is_flow_controlled(&self) -> bool {
+        self.code == FLOW_CONTROLLED
+    }
+
     /// DingTalk no longer takes the token (400 or 401 `InvalidAuthentication`, or a legacy
     /// code).
     pub fn token_invalid(&self) -> bool {
@@ -95,9 +112,10 @@ impl ApiError {
     }
 
     /// Too many calls for this app or API (the legacy API's 90018; a session webhook's 130101,
-    /// "send too fast").
+    /// "send too fast"), or for this user (flow control).
     pub fn throttled(&self) -> bool {
         self.status == 429
+            || self.is_flow_controlled()
             || self.code.contains("QpsLimit")
             || self.code.contains("Throttling")
             || self.code == "90018"
@@ -410,6 +428,13 @@ mod tests {
         assert!(qps.temporary() && !qps.credentials_refused());
         assert_eq!(qps.retry_after(), Some(THROTTLE_WAIT));
         assert!(error_text(502, "<html>").temporary());
+        let held = ApiError::flow_controlled();
+        assert!(held.is_flow_controlled() && held.temporary() && !held.credentials_refused());
+        assert_eq!(
+            held.retry_after(),
+            Some(THROTTLE_WAIT),
+            "sent again as a throttled call"
+        );
         let long = format!(r#"{{"code":"x","message":"{}"}}"#, "y".repeat(5000));
         assert!(
             error_text(400, &long).message.chars().count() <= 200,

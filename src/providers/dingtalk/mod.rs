@@ -69,6 +69,8 @@ const HOOK_MARGIN_MS: u64 = 60_000;
 const RECENT: usize = 256;
 /// Conversations without a binding remembered with their kind and title (for the binding).
 const SEEN: usize = 64;
+/// A group's latest messages whose senders a reply can @ (kept with every stored message).
+const SENDERS: usize = 8;
 
 pub const REGISTRATION: Registration = Registration {
     reader: Reader {
@@ -152,6 +154,24 @@ struct ReplyRoute {
     hook_expires: u64,
     /// The last sender's user ID (`senderStaffId`).
     staff: String,
+    /// In a group, the senders of its latest messages (at most `SENDERS`), so a reply @s whom
+    /// it answers. Absent in what older versions kept.
+    senders: Option<Vec<Sender>>,
+}
+
+/// A group message's ID and its sender's user ID.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+struct Sender {
+    msg: String,
+    staff: String,
+}
+
+impl ReplyRoute {
+    /// The user ID of the sender of message `msg_id`, while it is among the latest.
+    fn sender_of(&self, msg_id: &str) -> Option<&str> {
+        let senders = self.senders.as_deref().unwrap_or_default();
+        senders.iter().find(|s| s.msg == msg_id).map(|s| s.staff.as_str())
+    }
 }
 
 pub fn source_of(client_id: &str, conversation: &str) -> Source {
@@ -282,7 +302,8 @@ impl DingTalk {
     }
 
     /// A bound conversation's message tells its kind and title: kept in its row when they
-    /// changed (a binding made before its first message knows neither).
+    /// changed (a binding made before its first message knows neither), and xAgent is told,
+    /// as its Descriptor names the conversation by them.
     fn learn(&self, source: &Source, info: &ConversationInfo, m: &RobotMessage) {
         let chat_type = if m.group { "group" } else { "p2p" };
         let title = if m.group { m.title.as_str() } else { "" };
@@ -294,8 +315,9 @@ impl DingTalk {
             title: title.into(),
             ..info.clone()
         };
-        if let Err(e) = CONVERSATIONS.put(&self.host.db, source.as_str(), &row) {
-            log::debug!("dingtalk: {source}: cannot keep the conversation's kind: {e}");
+        match CONVERSATIONS.put(&self.host.db, source.as_str(), &row) {
+            Ok(()) => self.host.binding_state_changed(source),
+            Err(e) => log::debug!("dingtalk: {source}: cannot keep the conversation's kind: {e}"),
         }
     }
 
@@ -341,6 +363,16 @@ impl DingTalk {
         }
         if !m.staff_id.is_empty() {
             route.staff = m.staff_id.clone();
+            if m.group {
+                let senders = route.senders.get_or_insert_with(Vec::new);
+                if senders.len() >= SENDERS {
+                    senders.remove(0);
+                }
+                senders.push(Sender {
+                    msg: m.msg_id.clone(),
+                    staff: m.staff_id.clone(),
+                });
+            }
         }
         let arrival = Arrival {
             source: source.clone(),
@@ -459,24 +491,30 @@ impl DingTalk {
                 ),
             };
         self.counts.openapi_sends.fetch_add(1, Ordering::Relaxed);
-        let sent = once_sent("dingtalk: send", deadline, |left| {
-            self.api.call(creds, path, &body, left)
-        })
-        .map_err(|e| refusal(&e))?;
-        let listed = |k: &str| match json::get(&sent, k) {
+        let listed = |sent: &Object, k: &str| match json::get(sent, k) {
             Some(Value::Array(ids)) => ids.iter().any(|v| matches!(v, Value::String(id) if id == staff)),
             _ => false,
         };
-        if one_to_one && listed("invalidStaffIdList") {
+        // A message held back from its user reached no one: sent again, as a throttled call.
+        let sent = once_sent("dingtalk: send", deadline, |left| {
+            let sent = self.api.call(creds, path, &body, left)?;
+            match one_to_one && listed(&sent, "flowControlledStaffIdList") {
+                true => Err(ApiError::flow_controlled()),
+                false => Ok(sent),
+            }
+        })
+        .map_err(|e| match e.is_flow_controlled() {
+            true => Failure::temporary(
+                code::BUSY,
+                "DingTalk is holding messages to this user back (flow control); nothing was sent: \
+                 make the same call again in a minute",
+            ),
+            false => refusal(&e),
+        })?;
+        if one_to_one && listed(&sent, "invalidStaffIdList") {
             return Err(Failure::new(
                 code::UPSTREAM_REJECTED,
                 "DingTalk does not know the user of this one-to-one chat (invalidStaffIdList)",
-            ));
-        }
-        if one_to_one && listed("flowControlledStaffIdList") {
-            return Err(Failure::temporary(
-                code::UPSTREAM_REJECTED,
-                "DingTalk held the message back (the user is flow-controlled): send again later",
             ));
         }
         Ok(json::get_str(&sent, "processQueryKey")
@@ -729,8 +767,9 @@ impl Provider for DingTalk {
         Ok(match self.info(source)? {
             Some(info) if self.creds(&info.client_id).is_none() => lost("the app's secret is no longer available"),
             Some(info) => {
-                let target =
-                    DECLARATION.target_of(Self::display_name(&info), Some(inbound::redact(&info.conversation)));
+                // A conversation ID is no secret, and it is what tells two bindings apart
+                // before their first message names them.
+                let target = DECLARATION.target_of(Self::display_name(&info), Some(info.conversation.clone()));
                 match self.conns.refused(&info.client_id) {
                     Some(why) => Description::unusable("error", target, TOOLS, &why),
                     None => Description::connected(target, TOOLS),
@@ -746,17 +785,28 @@ impl Provider for DingTalk {
 
     /// Text (split at 2,000 characters) and files. Through the session webhook while it is
     /// valid (text only), else the OpenAPI. Robots cannot quote: a reply is a message in the
-    /// same conversation.
+    /// same conversation; in a group its first part @s the sender of the message answered, as
+    /// the SDK's `reply_text` does (through the webhook only: the OpenAPI's texts take no @).
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
         let (info, creds) = self.route(source)?;
         let deadline = Instant::now() + TOOL_DEADLINE;
         let route = self.reply_route(source)?;
         let mut hook = self.live_hook(source, &route);
+        let mut at = out
+            .reply_to
+            .filter(|_| info.chat_type == "group")
+            .and_then(|m| route.sender_of(m));
         let mut last = String::new();
         if !out.text.is_empty() {
             for part in split_text(out.text, MAX_TEXT) {
+                let at = at.take();
                 if let Some(url) = hook {
-                    let body = obj([("msgtype", s("text")), ("text", obj([("content", s(&part))]))]);
+                    let at = at.map_or(Value::Null, |staff| obj([("atUserIds", json::strs([staff]))]));
+                    let body = obj([
+                        ("msgtype", s("text")),
+                        ("text", obj([("content", s(&part))])),
+                        ("at", at),
+                    ]);
                     let left = deadline.saturating_duration_since(Instant::now());
                     // One attempt (no idempotency here either); throttled, the OpenAPI sends it.
                     match self.api.post_webhook(url, &body, left) {

@@ -9,16 +9,17 @@
 //! written (`socket::Budget`, the writer's queue and deadline).
 //!
 //! - `disconnect`: DingTalk closes the socket within about 10 s. The next connection is opened
-//!   at once; the old one writes what it owes until DingTalk closes it (at most `DRAIN`).
+//!   at once (`Pace`); the old one writes what it owes until DingTalk closes it (at most
+//!   `DRAIN`).
 //! - A refused `connections/open` (a wrong secret, Stream mode off): the app is disabled (its
 //!   Descriptors and `/status` say why, one log line) and asked again every `REFUSED_WAIT`.
 //! - A socket that says nothing for `SILENT` (a WebSocket ping every `PING_EVERY` is answered
 //!   by any live server) is replaced: half-open links behind NAT are common.
-//! - Other ends: a new connection after a jittered backoff (1 s doubling to 60 s, reset by a
-//!   connection that lived `SHORT_LIVED`), as DingTalk's SDK does.
+//! - Other ends: the next connection when `Pace` says.
 //!
 //! Robot messages are fire-and-forget at DingTalk: what it sends while no socket is open is
-//! not sent again, and there is no history to read it back from.
+//! not sent again, and there is no history to read it back from. Every second without a
+//! connection may lose messages, so a connection that worked is replaced at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -54,15 +55,59 @@ const PING_EVERY: Duration = Duration::from_secs(60);
 const SILENT: Duration = Duration::from_secs(130);
 /// After `disconnect`, the old socket writes what it owes for at most this long, then closes.
 const DRAIN: Duration = Duration::from_secs(15);
-/// A socket is replaced at DingTalk's request no sooner than this after it opened: a server
-/// that says `disconnect` at once gets a new socket every 10 s, not a stream of them.
+/// A connection that worked is followed by the next no sooner than this after it opened, and
+/// one that stayed up this long worked (`Pace`).
 const MIN_AGE: Duration = Duration::from_secs(10);
 /// A refused app is asked again this often.
 const REFUSED_WAIT: Duration = Duration::from_secs(600);
-/// A connection that ends sooner than this counts as a quick drop: the backoff goes on growing.
-const SHORT_LIVED: Duration = Duration::from_secs(30);
 const MIN_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(60);
+
+/// When the app's next connection is opened. The rule: a connection that worked (DingTalk sent
+/// something on it, or it stayed up `MIN_AGE`) and ended, however it ended (DingTalk closed it
+/// or asked for another with `disconnect`, the link dropped, it fell silent), is followed by
+/// the next one at once, as what DingTalk sends meanwhile is lost; the only floor is `MIN_AGE`
+/// from the one before it opened, so a server that closes every connection gets one per
+/// `MIN_AGE`, not a storm. A failed attempt (`connections/open` failed, the handshake failed,
+/// a socket that ended before it worked) waits a jittered backoff, `MIN_BACKOFF` doubling to
+/// `MAX_BACKOFF`, which only a connection that worked resets.
+struct Pace {
+    backoff: Duration,
+    /// When the last connection opened.
+    opened: Option<Instant>,
+}
+
+impl Pace {
+    fn new() -> Pace {
+        Pace {
+            backoff: MIN_BACKOFF,
+            opened: None,
+        }
+    }
+
+    fn opened(&mut self) {
+        self.opened = Some(Instant::now());
+    }
+
+    /// Whether a connection that heard something (`heard`) worked.
+    fn worked(&self, heard: bool) -> bool {
+        heard || self.opened.is_some_and(|t| t.elapsed() >= MIN_AGE)
+    }
+
+    /// The wait after a connection that worked ended.
+    fn after_work(&mut self) -> Duration {
+        self.backoff = MIN_BACKOFF;
+        self.opened
+            .map_or(Duration::ZERO, |t| MIN_AGE.saturating_sub(t.elapsed()))
+    }
+
+    /// The wait after a failed attempt.
+    fn after_failure(&mut self) -> Duration {
+        let wait = socket::jittered(self.backoff);
+        self.backoff = self.backoff.saturating_mul(2).min(MAX_BACKOFF);
+        wait
+    }
+}
 
 /// The running connections, by client ID.
 pub struct Connections {
@@ -171,8 +216,8 @@ async fn tell(dingtalk: &Weak<DingTalk>, app: &str) {
 enum Signal {
     /// DingTalk will close this socket (`disconnect`): open the next one now.
     Replace(u64),
-    /// The session ended, and why.
-    Ended(u64, String),
+    /// The session ended, why, and whether DingTalk sent anything on it.
+    Ended(u64, String, bool),
 }
 
 /// The connection loop of one app: forever, until its task is dropped.
@@ -186,15 +231,17 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
     let (signals, signaled) = smol::channel::unbounded::<Signal>();
     // The session in use, and those told to go that still write what they owe: dropping one
     // cancels it.
-    let mut current: Option<(u64, Instant, smol::Task<()>)> = None;
+    let mut current: Option<(u64, smol::Task<()>)> = None;
     let mut leaving: Vec<(u64, smol::Task<()>)> = Vec::new();
-    let mut backoff = MIN_BACKOFF;
+    let mut pace = Pace::new();
+    let mut drops = Quiet::new();
     let mut serial = 0u64;
     loop {
         let wait = match open(&dingtalk, &app).await {
             None => return,
             Some(Opened::Ws(ws)) => {
-                serial += 1;
+                serial = serial.wrapping_add(1);
+                pace.opened();
                 if state.refused(None) {
                     tell(&dingtalk, &app).await;
                 }
@@ -207,8 +254,8 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
                     signals.clone(),
                     shared.clone(),
                 ));
-                if let Some((s, _, old)) = current.replace((serial, Instant::now(), task)) {
-                    leaving.push((s, old));
+                if let Some(old) = current.replace((serial, task)) {
+                    leaving.push(old);
                 }
                 None
             }
@@ -220,9 +267,7 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
             }
             Some(Opened::Failed(why)) => {
                 state.set(format!("cannot open the Stream connection: {why}; retrying"), true);
-                let wait = socket::jittered(backoff);
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-                Some(wait)
+                Some(pace.after_failure())
             }
         };
         let until = wait.map(|w| Instant::now() + w);
@@ -252,24 +297,27 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
                             "dingtalk: app {app}: DingTalk will close the connection; opening the next one{more}"
                         );
                     }
-                    let age = current.as_ref().map_or(MIN_AGE, |c| c.1.elapsed());
-                    if let Some((s, _, old)) = current.take() {
-                        leaving.push((s, old));
+                    if let Some(old) = current.take() {
+                        leaving.push(old);
                     }
-                    smol::Timer::after(MIN_AGE.saturating_sub(age)).await;
+                    smol::Timer::after(pace.after_work()).await;
                     break;
                 }
-                Signal::Ended(s, why) if s == now_serial => {
-                    let lived = current.take().map_or(Duration::ZERO, |c| c.1.elapsed());
-                    state.set(format!("Stream connection down ({why}); reconnecting"), true);
-                    if lived >= SHORT_LIVED {
-                        backoff = MIN_BACKOFF;
+                Signal::Ended(s, why, heard) if s == now_serial => {
+                    current = None;
+                    // DingTalk may close every connection, now met with one every `MIN_AGE`: a
+                    // line a minute, and "up" is said again only after a "down" was.
+                    if let Some(more) = drops.admit() {
+                        state.set(format!("Stream connection down ({why}); reconnecting{more}"), true);
                     }
-                    smol::Timer::after(socket::jittered(backoff)).await;
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    let wait = match pace.worked(heard) {
+                        true => pace.after_work(),
+                        false => pace.after_failure(),
+                    };
+                    smol::Timer::after(wait).await;
                     break;
                 }
-                Signal::Ended(s, _) => leaving.retain(|l| l.0 != s),
+                Signal::Ended(s, _, _) => leaving.retain(|l| l.0 != s),
                 Signal::Replace(_) => {}
             }
         }
@@ -335,8 +383,9 @@ async fn session(
     shared: Arc<Shared>,
 ) {
     let _up = Up::new(&shared.up);
-    let why = live(dingtalk, app, serial, ws, &signals).await;
-    let _ = signals.send(Signal::Ended(serial, why)).await;
+    let mut heard = false;
+    let why = live(dingtalk, app, serial, ws, &signals, &mut heard).await;
+    let _ = signals.send(Signal::Ended(serial, why, heard)).await;
 }
 
 async fn live(
@@ -345,6 +394,7 @@ async fn live(
     serial: u64,
     ws: wsclient::Ws,
     signals: &smol::channel::Sender<Signal>,
+    heard: &mut bool,
 ) -> String {
     let (sink, mut stream) = ws.split();
     let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
@@ -429,10 +479,12 @@ async fn live(
             Step::Read(Some(Ok(WsMessage::Text(t)))) => t,
             Step::Read(Some(Ok(_))) => {
                 last_heard = now;
+                *heard = true;
                 continue;
             }
         };
         last_heard = now;
+        *heard = true;
         let cost = text.len().max(MIN_FRAME_COST).saturating_add(256);
         let frame = match text.len() <= crate::json::INLINE_PARSE {
             true => event::read_frame(text.as_str()),
@@ -510,4 +562,33 @@ async fn lane(dingtalk: Weak<DingTalk>, app: String, out: smol::channel::Sender<
         }
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_that_worked_resets_the_backoff_and_waits_only_for_the_floor() {
+        let mut pace = Pace::new();
+        let waits: Vec<Duration> = (0..7).map(|_| pace.after_failure()).collect();
+        for (i, w) in waits.iter().enumerate() {
+            let base = MIN_BACKOFF.saturating_mul(1 << i).min(MAX_BACKOFF);
+            assert!(*w >= base && *w <= base.saturating_mul(3) / 2, "failure {i}: {w:?}");
+        }
+        // Opened long ago and closed: the next at once, and the next failure starts over.
+        pace.opened = Instant::now().checked_sub(MIN_AGE);
+        assert!(pace.worked(false), "a connection that lived worked");
+        assert_eq!(pace.after_work(), Duration::ZERO);
+        assert!(pace.after_failure() <= MIN_BACKOFF.saturating_mul(3) / 2);
+        // Opened just now: it worked only if DingTalk sent something, and the next waits for
+        // the floor.
+        pace.opened();
+        assert!(!pace.worked(false) && pace.worked(true));
+        let floor = pace.after_work();
+        assert!(
+            floor > MIN_AGE - Duration::from_secs(1) && floor <= MIN_AGE,
+            "{floor:?}"
+        );
+    }
 }
