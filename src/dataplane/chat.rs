@@ -389,6 +389,7 @@ fn deliver(plane: &Plane, cch: &str, m: &ChatMessage) -> Outcome {
     let out = Outbound {
         text: &m.text,
         reply_to: None,
+        reply_sender: None,
         files: &files,
         idempotency_key: &m.message_id,
         message_id: Some(&m.message_id),

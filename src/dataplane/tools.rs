@@ -11,6 +11,7 @@ use super::Plane;
 use crate::files::FileRecord;
 use crate::ids;
 use crate::json::{self, obj, s, Object, Value};
+use crate::outbox::ReplyRef;
 use crate::protocol::{code, TOOL_FILE_SEND, TOOL_REPLY};
 use crate::providers::{Failure, Outbound};
 use crate::source::Source;
@@ -171,6 +172,7 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
     let mut out = Outbound {
         text: "",
         reply_to: None,
+        reply_sender: None,
         files: &[],
         idempotency_key: &idempotency_key,
         message_id: None,
@@ -195,7 +197,8 @@ pub fn run(plane: &Plane, cch: &str, tool_id: &str, args: &Object, call_id: Opti
         TOOL_REPLY => {
             reply_to = answered(plane, required(args, "reply_ref")?, &source)?;
             can()?;
-            out.reply_to = Some(&reply_to);
+            out.reply_to = Some(&reply_to.message_id);
+            out.reply_sender = reply_to.sender_id.as_deref();
             out.text = text(args)?;
         }
         _ => {
@@ -245,14 +248,13 @@ fn file_of(plane: &Plane, file_ref: &str, source: &Source) -> Result<(FileRecord
         })
 }
 
-/// The provider's ID of the message `reply_ref` answers, if it is this channel's and current.
-fn answered(plane: &Plane, reply_ref: &str, source: &Source) -> Result<String, Failure> {
+/// The message `reply_ref` answers, if it is this channel's and current.
+fn answered(plane: &Plane, reply_ref: &str, source: &Source) -> Result<ReplyRef, Failure> {
     plane
         .outbox
         .reply_ref(reply_ref)
         .map_err(Failure::storage)?
         .filter(|r| r.source == source.as_str() && r.expires_at > ids::now_ms())
-        .map(|r| r.message_id)
         .ok_or_else(|| {
             Failure::new(
                 code::REPLY_REF_INVALID,

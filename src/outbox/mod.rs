@@ -134,6 +134,9 @@ pub struct ReplyRef {
     pub source: String,
     pub message_id: String,
     pub expires_at: u64,
+    /// Who sent the message answered (the provider's user ID), for a reply that names them;
+    /// absent in references an older imgate made.
+    pub sender_id: Option<String>,
 }
 
 /// A message to accept.

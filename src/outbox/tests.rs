@@ -35,6 +35,7 @@ fn msg_in(src: &str, id: &str, now: u64, ttl: u64) -> NewMessage {
                 source: src.to_string(),
                 message_id: id.to_string(),
                 expires_at: now + 2 * ttl,
+                sender_id: None,
             },
         )),
         accepted_at: now,
@@ -941,4 +942,11 @@ fn concurrent_enqueues_all_commit_and_keep_per_source_order() {
         assert_eq!(ids, want);
     }
     assert_accounting(&s);
+}
+
+#[test]
+fn a_reply_reference_an_older_imgate_stored_reads_without_its_sender() {
+    let old: ReplyRef = miniserde::json::from_str(r#"{"source":"s:k","message_id":"m1","expires_at":5}"#)
+        .expect("a reference without sender_id still reads");
+    assert_eq!((old.message_id.as_str(), old.sender_id), ("m1", None));
 }

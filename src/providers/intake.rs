@@ -92,6 +92,7 @@ impl Host {
                     source: source.to_string(),
                     message_id: inbound.message_id.clone(),
                     expires_at,
+                    sender_id: Some(inbound.sender_id.clone()),
                 },
             )
         });

@@ -140,6 +140,8 @@ pub struct Outbound<'a> {
     pub text: &'a str,
     /// The provider's ID of the message answered, from a `reply_ref`.
     pub reply_to: Option<&'a str>,
+    /// Who sent the message answered (the provider's user ID), when its `reply_ref` knew.
+    pub reply_sender: Option<&'a str>,
     /// Files uploaded through `/files/uploads` for this channel, and where their bytes are.
     pub files: &'a [(FileRecord, PathBuf)],
     /// Names this send to the receiver, so a retried call can be recognised.

@@ -69,8 +69,6 @@ const HOOK_MARGIN_MS: u64 = 60_000;
 const RECENT: usize = 256;
 /// Conversations without a binding remembered with their kind and title (for the binding).
 const SEEN: usize = 64;
-/// A group's latest messages whose senders a reply can @ (kept with every stored message).
-const SENDERS: usize = 8;
 
 pub const REGISTRATION: Registration = Registration {
     reader: Reader {
@@ -154,24 +152,6 @@ struct ReplyRoute {
     hook_expires: u64,
     /// The last sender's user ID (`senderStaffId`).
     staff: String,
-    /// In a group, the senders of its latest messages (at most `SENDERS`), so a reply @s whom
-    /// it answers. Absent in what older versions kept.
-    senders: Option<Vec<Sender>>,
-}
-
-/// A group message's ID and its sender's user ID.
-#[derive(Serialize, Deserialize, Clone, Debug)]
-struct Sender {
-    msg: String,
-    staff: String,
-}
-
-impl ReplyRoute {
-    /// The user ID of the sender of message `msg_id`, while it is among the latest.
-    fn sender_of(&self, msg_id: &str) -> Option<&str> {
-        let senders = self.senders.as_deref().unwrap_or_default();
-        senders.iter().find(|s| s.msg == msg_id).map(|s| s.staff.as_str())
-    }
 }
 
 pub fn source_of(client_id: &str, conversation: &str) -> Source {
@@ -363,16 +343,6 @@ impl DingTalk {
         }
         if !m.staff_id.is_empty() {
             route.staff = m.staff_id.clone();
-            if m.group {
-                let senders = route.senders.get_or_insert_with(Vec::new);
-                if senders.len() >= SENDERS {
-                    senders.remove(0);
-                }
-                senders.push(Sender {
-                    msg: m.msg_id.clone(),
-                    staff: m.staff_id.clone(),
-                });
-            }
         }
         let arrival = Arrival {
             source: source.clone(),
@@ -792,21 +762,21 @@ impl Provider for DingTalk {
         let deadline = Instant::now() + TOOL_DEADLINE;
         let route = self.reply_route(source)?;
         let mut hook = self.live_hook(source, &route);
+        // A user ID (`senderStaffId`) can be @-ed; an outsider's opaque `senderId` (`$:…`)
+        // cannot.
         let mut at = out
-            .reply_to
-            .filter(|_| info.chat_type == "group")
-            .and_then(|m| route.sender_of(m));
+            .reply_sender
+            .filter(|staff| info.chat_type == "group" && out.reply_to.is_some() && !staff.starts_with('$'));
         let mut last = String::new();
         if !out.text.is_empty() {
             for part in split_text(out.text, MAX_TEXT) {
                 let at = at.take();
                 if let Some(url) = hook {
-                    let at = at.map_or(Value::Null, |staff| obj([("atUserIds", json::strs([staff]))]));
-                    let body = obj([
-                        ("msgtype", s("text")),
-                        ("text", obj([("content", s(&part))])),
-                        ("at", at),
-                    ]);
+                    let mut body = vec![("msgtype", s("text")), ("text", obj([("content", s(&part))]))];
+                    if let Some(staff) = at {
+                        body.push(("at", obj([("atUserIds", json::strs([staff]))])));
+                    }
+                    let body = obj(body);
                     let left = deadline.saturating_duration_since(Instant::now());
                     // One attempt (no idempotency here either); throttled, the OpenAPI sends it.
                     match self.api.post_webhook(url, &body, left) {
