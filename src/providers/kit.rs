@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
+use super::link::Backoff;
 use crate::peer_wait;
+use crate::quiet::Site;
 
 /// An error of a provider's API that may pass if the call is made again.
 pub trait Transient: std::fmt::Display {
@@ -24,18 +26,21 @@ pub fn with_retry<T, E: Transient>(
     deadline: Instant,
     mut attempt: impl FnMut(Duration) -> Result<T, E>,
 ) -> Result<T, E> {
-    let mut backoff = Duration::from_millis(500);
+    // An IM system may throttle every call: one line a minute, with the count of the others.
+    static RETRIES: Site = Site::new();
+    let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(5));
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match attempt(left.max(Duration::from_millis(1))) {
             Err(e) if e.temporary() => {
-                let wait = peer_wait::retry_after(e.retry_after(), backoff);
+                let wait = peer_wait::retry_after(e.retry_after(), backoff.failed());
                 if peer_wait::passes(deadline, wait) {
                     return Err(e);
                 }
-                log::info!("{what}: {e}; retrying in {wait:?}");
+                if let Some(more) = RETRIES.admit() {
+                    log::info!("{what}: {e}; retrying in {wait:?}{more}");
+                }
                 std::thread::sleep(wait);
-                backoff = (backoff * 2).min(Duration::from_secs(5));
             }
             other => return other,
         }

@@ -21,6 +21,7 @@ pub mod inbound;
 pub mod intake;
 pub mod keyfiles;
 pub mod lag;
+pub mod link;
 #[cfg(feature = "matrix")]
 pub mod matrix;
 #[cfg(feature = "slack")]

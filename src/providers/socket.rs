@@ -93,12 +93,6 @@ impl Drop for Held {
     }
 }
 
-/// `wait` plus up to half of it again, at random, so accounts do not reconnect in step.
-pub fn jittered(wait: Duration) -> Duration {
-    let extra = crate::ids::below(wait.as_millis() as u64 / 2 + 1);
-    wait.saturating_add(Duration::from_millis(extra))
-}
-
 /// Counts a connection as up while it lives (`/metrics`' `…_connections_up`).
 pub struct Up(Arc<AtomicUsize>);
 

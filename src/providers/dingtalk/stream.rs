@@ -32,6 +32,7 @@ use smol::stream::StreamExt;
 
 use super::event::{self, Frame, RobotMessage};
 use super::DingTalk;
+use crate::providers::link::Pace;
 use crate::providers::socket::{self, Budget, Held, Lanes, Out, Up, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
 use crate::providers::Transient;
@@ -55,59 +56,8 @@ const PING_EVERY: Duration = Duration::from_secs(60);
 const SILENT: Duration = Duration::from_secs(130);
 /// After `disconnect`, the old socket writes what it owes for at most this long, then closes.
 const DRAIN: Duration = Duration::from_secs(15);
-/// A connection that worked is followed by the next no sooner than this after it opened, and
-/// one that stayed up this long worked (`Pace`).
-const MIN_AGE: Duration = Duration::from_secs(10);
 /// A refused app is asked again this often.
 const REFUSED_WAIT: Duration = Duration::from_secs(600);
-const MIN_BACKOFF: Duration = Duration::from_secs(1);
-const MAX_BACKOFF: Duration = Duration::from_secs(60);
-
-/// When the app's next connection is opened. The rule: a connection that worked (DingTalk sent
-/// something on it, or it stayed up `MIN_AGE`) and ended, however it ended (DingTalk closed it
-/// or asked for another with `disconnect`, the link dropped, it fell silent), is followed by
-/// the next one at once, as what DingTalk sends meanwhile is lost; the only floor is `MIN_AGE`
-/// from the one before it opened, so a server that closes every connection gets one per
-/// `MIN_AGE`, not a storm. A failed attempt (`connections/open` failed, the handshake failed,
-/// a socket that ended before it worked) waits a jittered backoff, `MIN_BACKOFF` doubling to
-/// `MAX_BACKOFF`, which only a connection that worked resets.
-struct Pace {
-    backoff: Duration,
-    /// When the last connection opened.
-    opened: Option<Instant>,
-}
-
-impl Pace {
-    fn new() -> Pace {
-        Pace {
-            backoff: MIN_BACKOFF,
-            opened: None,
-        }
-    }
-
-    fn opened(&mut self) {
-        self.opened = Some(Instant::now());
-    }
-
-    /// Whether a connection that heard something (`heard`) worked.
-    fn worked(&self, heard: bool) -> bool {
-        heard || self.opened.is_some_and(|t| t.elapsed() >= MIN_AGE)
-    }
-
-    /// The wait after a connection that worked ended.
-    fn after_work(&mut self) -> Duration {
-        self.backoff = MIN_BACKOFF;
-        self.opened
-            .map_or(Duration::ZERO, |t| MIN_AGE.saturating_sub(t.elapsed()))
-    }
-
-    /// The wait after a failed attempt.
-    fn after_failure(&mut self) -> Duration {
-        let wait = socket::jittered(self.backoff);
-        self.backoff = self.backoff.saturating_mul(2).min(MAX_BACKOFF);
-        wait
-    }
-}
 
 /// The running connections, by client ID.
 pub struct Connections {
@@ -233,7 +183,7 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
     // cancels it.
     let mut current: Option<(u64, smol::Task<()>)> = None;
     let mut leaving: Vec<(u64, smol::Task<()>)> = Vec::new();
-    let mut pace = Pace::new();
+    let mut pace = Pace::default();
     let mut drops = Quiet::new();
     let mut serial = 0u64;
     loop {
@@ -267,7 +217,7 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
             }
             Some(Opened::Failed(why)) => {
                 state.set(format!("cannot open the Stream connection: {why}; retrying"), true);
-                Some(pace.after_failure())
+                Some(pace.failed())
             }
         };
         let until = wait.map(|w| Instant::now() + w);
@@ -305,16 +255,12 @@ async fn run(dingtalk: Weak<DingTalk>, app: String, shared: Arc<Shared>) {
                 }
                 Signal::Ended(s, why, heard) if s == now_serial => {
                     current = None;
-                    // DingTalk may close every connection, now met with one every `MIN_AGE`: a
+                    // DingTalk may close every connection, met with one every `link::MIN_AGE`: a
                     // line a minute, and "up" is said again only after a "down" was.
                     if let Some(more) = drops.admit() {
                         state.set(format!("Stream connection down ({why}); reconnecting{more}"), true);
                     }
-                    let wait = match pace.worked(heard) {
-                        true => pace.after_work(),
-                        false => pace.after_failure(),
-                    };
-                    smol::Timer::after(wait).await;
+                    smol::Timer::after(pace.ended(heard)).await;
                     break;
                 }
                 Signal::Ended(s, _, _) => leaving.retain(|l| l.0 != s),
@@ -562,33 +508,4 @@ async fn lane(dingtalk: Weak<DingTalk>, app: String, out: smol::channel::Sender<
         }
     }
     true
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_connection_that_worked_resets_the_backoff_and_waits_only_for_the_floor() {
-        let mut pace = Pace::new();
-        let waits: Vec<Duration> = (0..7).map(|_| pace.after_failure()).collect();
-        for (i, w) in waits.iter().enumerate() {
-            let base = MIN_BACKOFF.saturating_mul(1 << i).min(MAX_BACKOFF);
-            assert!(*w >= base && *w <= base.saturating_mul(3) / 2, "failure {i}: {w:?}");
-        }
-        // Opened long ago and closed: the next at once, and the next failure starts over.
-        pace.opened = Instant::now().checked_sub(MIN_AGE);
-        assert!(pace.worked(false), "a connection that lived worked");
-        assert_eq!(pace.after_work(), Duration::ZERO);
-        assert!(pace.after_failure() <= MIN_BACKOFF.saturating_mul(3) / 2);
-        // Opened just now: it worked only if DingTalk sent something, and the next waits for
-        // the floor.
-        pace.opened();
-        assert!(!pace.worked(false) && pace.worked(true));
-        let floor = pace.after_work();
-        assert!(
-            floor > MIN_AGE - Duration::from_secs(1) && floor <= MIN_AGE,
-            "{floor:?}"
-        );
-    }
 }

@@ -37,6 +37,7 @@ use crate::atomic::AtomicU64;
 use crate::ids;
 use crate::json;
 use crate::peer_wait;
+use crate::providers::link::Pace;
 use crate::providers::socket::{self, Budget, Held, Out, Up, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
 use crate::providers::Transient;
@@ -65,10 +66,8 @@ const BEAT_MAX: Duration = Duration::from_secs(120);
 const IDENTIFY_MIN: Duration = Duration::from_secs(6);
 /// ...and, while sessions keep failing, at most this far (under 150 a day).
 const IDENTIFY_MAX: Duration = Duration::from_secs(600);
-/// A session or connection that ends sooner than this counts as failed: its backoff grows.
+/// A new session that ends sooner than this counts as failed: the IDENTIFY gap grows.
 const SHORT_LIVED: Duration = Duration::from_secs(60);
-const MIN_BACKOFF: Duration = Duration::from_secs(1);
-const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// A resume URL that cannot be reached this many times in a row is given up for IDENTIFY.
 const RESUME_TRIES: u32 = 3;
 /// The longest wait for the daily session budget honoured at once (Discord names when it
@@ -359,7 +358,7 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
     };
     let mut resume: Option<Resume> = None;
     let mut resume_failures = 0u32;
-    let mut backoff = MIN_BACKOFF;
+    let mut pace = Pace::default();
     let mut identify_gap = IDENTIFY_MIN;
     let mut next_identify = Instant::now();
     // The spent budget was logged in this spell (one line, not one per question).
@@ -393,8 +392,7 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
                     Err(Open::Failed(why, retry_after)) => {
                         bot.state
                             .set(format!("cannot reach the Gateway: {why}; retrying"), true);
-                        smol::Timer::after(peer_wait::retry_after(retry_after, socket::jittered(backoff))).await;
-                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                        smol::Timer::after(peer_wait::retry_after(retry_after, pace.failed())).await;
                         continue;
                     }
                 }
@@ -411,11 +409,11 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
                         resume = None;
                     }
                 }
-                smol::Timer::after(socket::jittered(backoff)).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                smol::Timer::after(pace.failed()).await;
                 continue;
             }
         };
+        pace.opened();
         resume_failures = 0;
         bot.url = url;
         if identify {
@@ -426,9 +424,6 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
         let mut ready = false;
         let end = live(&mut bot, ws, &token, &mut resume, &mut ready).await;
         let lived = started.elapsed();
-        if lived >= SHORT_LIVED {
-            backoff = MIN_BACKOFF;
-        }
         if identify {
             let before = identify_gap;
             identify_gap = next_gap(identify_gap, ready && lived >= SHORT_LIVED);
@@ -448,9 +443,8 @@ async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
             End::Resume(why) => {
                 bot.state
                     .set(format!("Gateway connection down ({why}); resuming"), false);
-                let wait = if lived >= SHORT_LIVED { MIN_BACKOFF } else { backoff };
-                smol::Timer::after(socket::jittered(wait)).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                // A session that became ready (or resumed) worked: resumed at once.
+                smol::Timer::after(pace.ended(ready)).await;
             }
             End::Identify(why, pause) => {
                 bot.state

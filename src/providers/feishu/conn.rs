@@ -14,10 +14,11 @@
 //! server does not take within `WRITE_DEADLINE` ends the connection. So a server that sends
 //! events and never reads the answers stalls the reader, then loses the connection.
 //!
-//! Reconnects follow the server's `ClientConfig`: after a drop, a random part of
-//! `ReconnectNonce` (at least 1 s, doubled for each drop in a row within 30 s of connecting, up
-//! to `ReconnectInterval`); after a failed attempt, `ReconnectInterval`. Each change of state (up,
-//! down, refused, unreachable) is logged once, not once per retry.
+//! Reconnects follow `link::Pace` and the server's `ClientConfig`: after a drop, the later of
+//! what `Pace` says (a connection that worked: at once, at most one per `link::MIN_AGE`; one
+//! that did not: its backoff) and a random part of `ReconnectNonce`; after a failed attempt,
+//! `ReconnectInterval` (or the backoff, if longer). Each change of state (up, down, refused,
+//! unreachable) is logged once, not once per retry.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -32,6 +33,7 @@ use super::frame::{Frame, MAX_FRAME};
 use super::longconn::{self, ClientConfig, Endpoint, EndpointError, Reassembly, Received};
 use super::Feishu;
 use crate::ids;
+use crate::providers::link::Pace;
 use crate::providers::socket::{self, Budget, Held, Lanes, Out, Up, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
 use crate::quiet::Quiet;
@@ -42,8 +44,6 @@ use crate::wsclient;
 const ENDPOINT_TIMEOUT: Duration = Duration::from_secs(15);
 /// A refused app (wrong secret, long connection not enabled) is asked again this often at most.
 const REFUSED_WAIT: Duration = Duration::from_secs(300);
-/// A connection that ends sooner than this counts as a quick drop.
-const SHORT_LIVED: Duration = Duration::from_secs(30);
 /// Bytes of a connection's events, and of their answers, from the event's read until its
 /// answer was written: past this the reader stops reading (and the server holds what it has not
 /// sent). Nothing is dropped.
@@ -115,7 +115,7 @@ async fn run(feishu: Weak<Feishu>, app: String, up: Arc<AtomicUsize>) {
         app: app.clone(),
         last: String::new(),
     };
-    let mut quick_drops = 0u32;
+    let mut pace = Pace::default();
     loop {
         let wait = match endpoint(&feishu, &app, config).await {
             None => return,
@@ -134,43 +134,33 @@ async fn run(feishu: Weak<Feishu>, app: String, up: Arc<AtomicUsize>) {
                     format!("cannot get the long connection's address: {why}; retrying"),
                     true,
                 );
-                config.reconnect_every
+                pace.failed().max(config.reconnect_every)
             }
             Some(Ok(ep)) => {
                 config = ep.config;
                 match connect(&ep).await {
                     Err(why) => {
                         state.set(format!("cannot open the long connection: {why}; retrying"), true);
-                        config.reconnect_every
+                        pace.failed().max(config.reconnect_every)
                     }
                     Ok(ws) => {
                         state.set("long connection up".into(), false);
-                        let started = Instant::now();
+                        pace.opened();
                         let up_now = Up::new(&up);
-                        let why = session(&feishu, &app, ws, &ep, &mut config).await;
+                        let mut heard = false;
+                        let why = session(&feishu, &app, ws, &ep, &mut config, &mut heard).await;
                         drop(up_now);
                         state.set(format!("long connection down ({why}); reconnecting"), true);
-                        // A server that drops every connection at once must not get a
-                        // reconnect loop: each quick drop doubles the least wait.
-                        quick_drops = match started.elapsed() < SHORT_LIVED {
-                            true => (quick_drops + 1).min(16),
-                            false => 0,
-                        };
+                        // `link::Pace`'s rule, and no sooner than the random part of its
+                        // `ReconnectNonce` the server asks for (spreading its clients out).
                         let random = ids::below(config.reconnect_jitter.as_millis() as u64 + 1);
-                        after_drop(&config, quick_drops, Duration::from_millis(random))
+                        pace.ended(heard).max(Duration::from_millis(random))
                     }
                 }
             }
         };
         smol::Timer::after(wait).await;
     }
-}
-
-/// The wait after a drop: `random` (a random part of the server's jitter), but at least 1 s
-/// doubled for each quick drop in a row, and that least wait never over the reconnect interval.
-fn after_drop(config: &ClientConfig, quick_drops: u32, random: Duration) -> Duration {
-    let floor = Duration::from_secs(1) * (1u32 << quick_drops.saturating_sub(1).min(16));
-    random.max(floor.min(config.reconnect_every))
 }
 
 /// The endpoint request on the blocking pool; `None` once the provider is gone.
@@ -213,8 +203,15 @@ fn cost(payload: &[u8], answer: &Frame) -> usize {
         .saturating_add(longconn::response_size(answer))
 }
 
-/// One connection, until it ends; why it ended.
-async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config: &mut ClientConfig) -> String {
+/// One connection, until it ends; why it ended. `heard`: the server sent a frame on it.
+async fn session(
+    feishu: &Weak<Feishu>,
+    app: &str,
+    ws: Ws,
+    ep: &Endpoint,
+    config: &mut ClientConfig,
+    heard: &mut bool,
+) -> String {
     let (sink, mut stream) = ws.split();
     // Bounded by count; lanes wait for room, and pings are only offered.
     let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
@@ -297,6 +294,7 @@ async fn session(feishu: &Weak<Feishu>, app: &str, ws: Ws, ep: &Endpoint, config
             }
         };
         last_heard = now;
+        *heard = true;
         let frame = match Frame::decode(&bytes) {
             Ok(f) => f,
             Err(e) => {
@@ -367,27 +365,4 @@ async fn lane(feishu: Weak<Feishu>, app: String, out: smol::channel::Sender<Out>
         }
     }
     true
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn drops_in_a_row_wait_longer_up_to_the_reconnect_interval() {
-        let config = ClientConfig {
-            reconnect_every: Duration::from_secs(120),
-            ..ClientConfig::default()
-        };
-        let zero = Duration::ZERO;
-        assert_eq!(after_drop(&config, 0, zero), Duration::from_secs(1), "never at once");
-        assert_eq!(after_drop(&config, 1, zero), Duration::from_secs(1));
-        assert_eq!(after_drop(&config, 5, zero), Duration::from_secs(16));
-        assert_eq!(after_drop(&config, 16, zero), Duration::from_secs(120));
-        assert_eq!(
-            after_drop(&config, 1, Duration::from_secs(25)),
-            Duration::from_secs(25),
-            "the server's jitter when it is longer"
-        );
-    }
 }

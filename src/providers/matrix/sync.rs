@@ -27,6 +27,7 @@ use crate::json;
 use crate::outbox::{Cursor, Enqueued};
 use crate::peer_wait;
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::link::Backoff;
 use crate::providers::workers::{Stop, Worker, Workers};
 use crate::source::Source;
 
@@ -141,7 +142,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
     let mut saved_at = Instant::now();
     let mut synced: HashSet<String> = HashSet::new();
     let mut limit = MAX_TIMELINE;
-    let mut backoff = Duration::from_secs(1);
+    let mut backoff = Backoff::standard();
     let mut last_error = String::new();
     loop {
         let Some(state) = mx.upgrade().and_then(|m| {
@@ -191,7 +192,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
                         log::info!("matrix: account {account}: syncing works again");
                         last_error.clear();
                     }
-                    backoff = Duration::from_secs(1);
+                    backoff.reset();
                     limit = limit.saturating_mul(2).min(MAX_TIMELINE);
                     let next = answer.next_batch.clone();
                     match accept(
@@ -238,7 +239,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
                 since = None;
                 saved = None;
                 synced.clear();
-                Some(backoff)
+                Some(backoff.failed())
             }
             Err(e) if e.too_large && limit > 1 => {
                 limit /= 2;
@@ -246,9 +247,8 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
                 None
             }
             Err(e) => {
-                let wait = peer_wait::retry_after(e.retry_after, backoff);
-                fail(&mut last_error, &account, &format!("/sync failed: {e}"), &mut backoff);
-                Some(wait)
+                let ours = fail(&mut last_error, &account, &format!("/sync failed: {e}"), &mut backoff);
+                Some(peer_wait::retry_after(e.retry_after, ours))
             }
         };
         drop(m);
@@ -261,14 +261,12 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
 }
 
 /// Logs a failure once until it changes; the wait before the next try.
-fn fail(last: &mut String, account: &str, why: &str, backoff: &mut Duration) -> Duration {
+fn fail(last: &mut String, account: &str, why: &str, backoff: &mut Backoff) -> Duration {
     if why != last {
         log::warn!("matrix: account {account}: {why}; retrying with backoff");
         *last = why.to_string();
     }
-    let wait = *backoff;
-    *backoff = (*backoff * 2).min(Duration::from_secs(60));
-    wait
+    backoff.failed()
 }
 
 /// How an answer went when nothing stopped it.

@@ -15,8 +15,9 @@
 //!   and asked again every `REFUSED_WAIT`.
 //! - A socket that says nothing for `SILENT` (a ping every `PING_EVERY` is answered by any
 //!   live server) is replaced: half-open links behind NAT are common.
-//! - Other ends: a new connection after a jittered backoff (1 s doubling to 60 s, reset by a
-//!   connection that lived `SHORT_LIVED`), or after a 429's `Retry-After` (clamped).
+//! - Other ends: the next connection when `link::Pace` says (a socket that said hello worked:
+//!   the next one at once, at most one per `link::MIN_AGE`; a failed open backs off), or after
+//!   a 429's `Retry-After` (clamped).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,6 +31,7 @@ use smol::stream::StreamExt;
 use super::event::{self, Event, Frame, Message};
 use super::Slack;
 use crate::peer_wait;
+use crate::providers::link::Pace;
 use crate::providers::socket::{self, Budget, Held, Lanes, Out, Up, QUEUE_SLOTS};
 use crate::providers::workers::{Worker, Workers};
 use crate::providers::Transient;
@@ -56,14 +58,8 @@ const PING_EVERY: Duration = Duration::from_secs(15);
 const SILENT: Duration = Duration::from_secs(40);
 /// A replaced connection writes what it owes for at most this long, then closes.
 const DRAIN: Duration = Duration::from_secs(5);
-/// A socket is replaced at Slack's request no sooner than this after it opened.
-const MIN_AGE: Duration = Duration::from_secs(10);
 /// A refused bot is asked again this often.
 const REFUSED_WAIT: Duration = Duration::from_secs(600);
-/// A connection that ends sooner than this counts as a quick drop: the backoff goes on growing.
-const SHORT_LIVED: Duration = Duration::from_secs(30);
-const MIN_BACKOFF: Duration = Duration::from_secs(1);
-const MAX_BACKOFF: Duration = Duration::from_secs(60);
 
 /// The running connections, by bot user ID.
 pub struct Connections {
@@ -186,7 +182,6 @@ enum End {
 /// A session the loop holds: dropping it cancels it.
 struct Running {
     serial: u64,
-    started: Instant,
     retire: smol::channel::Sender<()>,
     _task: smol::Task<()>,
 }
@@ -203,7 +198,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
     let mut current: Option<Running> = None;
     // Replaced sessions, writing what they owe before they close.
     let mut retiring: Vec<Running> = Vec::new();
-    let mut backoff = MIN_BACKOFF;
+    let mut pace = Pace::default();
     let mut serial = 0u64;
     loop {
         // Open the next socket; `wait`: how long until trying again, when it did not open.
@@ -211,6 +206,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
             None => return,
             Some(Opened::Ws(ws)) => {
                 serial += 1;
+                pace.opened();
                 if state.accepted() {
                     tell(&slack, &bot).await;
                 }
@@ -227,7 +223,6 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
                 ));
                 let next = Running {
                     serial,
-                    started: Instant::now(),
                     retire,
                     _task: task,
                 };
@@ -243,9 +238,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
                     format!("cannot open the next Socket Mode connection: {why}; the current one goes on"),
                     true,
                 );
-                let wait = socket::jittered(backoff);
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-                Some(wait)
+                Some(pace.failed())
             }
             Some(Opened::Refused(why)) => {
                 if state.refused(why) {
@@ -255,9 +248,7 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
             }
             Some(Opened::Failed(why, retry_after)) => {
                 state.set(format!("cannot open the Socket Mode connection: {why}; retrying"), true);
-                let wait = peer_wait::retry_after(retry_after, socket::jittered(backoff));
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-                Some(wait)
+                Some(peer_wait::retry_after(retry_after, pace.failed()))
             }
         };
         // Wait for what the sessions say, and for `wait` to pass when it is set.
@@ -282,13 +273,12 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
             match signal {
                 Signal::Replace(s) if s == serial_now => {
                     log::info!("slack: bot {bot}: Slack asked for a new connection; opening it");
-                    // A server that asks at every hello gets a new socket every `MIN_AGE`.
-                    let age = current.as_ref().map_or(MIN_AGE, |c| c.started.elapsed());
-                    smol::Timer::after(MIN_AGE.saturating_sub(age)).await;
+                    // A server that asks at every hello gets a new socket every `link::MIN_AGE`.
+                    smol::Timer::after(pace.after_work()).await;
                     break;
                 }
                 Signal::Ended(s, end) if s == serial_now => {
-                    let lived = current.take().map_or(Duration::ZERO, |c| c.started.elapsed());
+                    current = None;
                     match end {
                         End::Disabled => {
                             let why = "Slack disabled the app's Socket Mode link (link_disabled): turn Socket Mode on in the app's settings";
@@ -299,11 +289,8 @@ async fn run(slack: Weak<Slack>, bot: String, shared: Arc<Shared>) {
                         }
                         End::Down(why) => {
                             state.set(format!("Socket Mode connection down ({why}); reconnecting"), true);
-                            if lived >= SHORT_LIVED {
-                                backoff = MIN_BACKOFF;
-                            }
-                            smol::Timer::after(socket::jittered(backoff)).await;
-                            backoff = (backoff * 2).min(MAX_BACKOFF);
+                            // It said hello: it worked.
+                            smol::Timer::after(pace.ended(true)).await;
                         }
                     }
                     break;

@@ -17,6 +17,7 @@ use crate::outbox::{Cursor, Enqueued};
 use crate::peer_wait;
 use crate::providers::inbound::{FileItem, Inbound};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::link::Backoff;
 use crate::providers::workers::{Stop, Worker, Workers};
 
 /// The running poll loops, by bot ID.
@@ -62,7 +63,7 @@ const MAX_BATCH: u64 = 100;
 
 /// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
 fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
-    let mut backoff = Duration::from_secs(1);
+    let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
     let mut last_error = String::new();
     // Updates asked for at once: halved while answers pass `MAX_ANSWER`, doubled back after.
     let mut batch = MAX_BATCH;
@@ -95,7 +96,7 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
         };
         let wait = match polled {
             Ok(Value::Array(updates)) => {
-                backoff = Duration::from_secs(1);
+                backoff.reset();
                 batch = batch.saturating_mul(2).min(MAX_BATCH);
                 if !last_error.is_empty() {
                     log::info!("telegram: bot {}: polling works again", info.bot_id);
@@ -110,7 +111,7 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                     Batch::Stopped { wait } => Some(wait),
                 }
             }
-            Ok(_) => Some(backoff),
+            Ok(_) => Some(backoff.failed()),
             Err(e) if e.too_large && batch > 1 => {
                 batch /= 2;
                 log::debug!(
@@ -128,12 +129,11 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                     );
                     last_error = why;
                 }
-                let wait = match e.code {
+                let ours = backoff.failed();
+                Some(match e.code {
                     401 => Duration::from_secs(60),
-                    _ => peer_wait::retry_after(e.retry_after.map(Duration::from_secs), backoff),
-                };
-                backoff = (backoff * 2).min(Duration::from_secs(30));
-                Some(wait)
+                    _ => peer_wait::retry_after(e.retry_after.map(Duration::from_secs), ours),
+                })
             }
         };
         if let Some(wait) = wait {

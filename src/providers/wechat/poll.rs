@@ -17,6 +17,7 @@ use super::{buf_key, context_key, Wechat, NAME};
 use crate::json::{obj, s};
 use crate::outbox::{Cursor, Enqueued};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::link::Backoff;
 use crate::providers::workers::Stop;
 use crate::source::Source;
 
@@ -25,7 +26,7 @@ const LONG_POLL: Duration = Duration::from_secs(40);
 
 /// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
 pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
-    let mut backoff = Duration::from_secs(1);
+    let mut backoff = Backoff::standard();
     let mut last_error = String::new();
     loop {
         let Some((api_base, token, buf)) = wx.upgrade().and_then(|w| {
@@ -53,7 +54,7 @@ pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
         };
         let wait = match polled {
             Ok(answer) => {
-                backoff = Duration::from_secs(1);
+                backoff.reset();
                 if !last_error.is_empty() {
                     log::info!("wechat: bot {bot}: receiving works again");
                     last_error.clear();
@@ -78,9 +79,7 @@ pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
                     log::warn!("wechat: bot {bot}: getupdates failed: {why}; retrying with backoff");
                     last_error = why;
                 }
-                let wait = backoff;
-                backoff = (backoff * 2).min(Duration::from_secs(60));
-                Some(wait)
+                Some(backoff.failed())
             }
         };
         if let Some(wait) = wait {
