@@ -76,7 +76,7 @@ fn a_qr_login_shows_a_png_code_binds_on_confirmation_and_the_user_talks_to_the_a
     assert_eq!(p["status"], "pending", "{start}");
     assert!(p["qr_code_text"].as_str().unwrap().contains("qrcode=qr0"), "{p}");
     let image = p["qr_code_image"].as_str().unwrap();
-    let png = crate::common::ilink::base64_decode(image.strip_prefix("data:image/png;base64,").unwrap());
+    let png = crate::common::kit::base64_decode(image.strip_prefix("data:image/png;base64,").unwrap());
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "a PNG drawn on the device");
     assert!(p["expires_at"].as_u64().unwrap() > 0);
     assert_eq!(p["poll_interval_millis"], 2000);

@@ -46,16 +46,15 @@
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::io::{ErrorKind, Read};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tungstenite::protocol::frame::coding::CloseCode;
-use tungstenite::protocol::CloseFrame;
+
+use super::kit::{base64, multipart, now_ms, socket_loop, url_decode, Heard, Out};
 use tungstenite::Message;
 
 /// The topic of robot messages (developerpedia protocol.md, the SDKs' `ChatbotMessage.TOPIC`).
@@ -94,17 +93,6 @@ struct Ticket {
     issued: Instant,
     used: bool,
     subscriptions: Vec<Value>,
-}
-
-/// What the sim asks a socket's thread to do (the thread owns the WebSocket).
-enum Out {
-    Text(String),
-    /// A close frame, then the TCP connection ends.
-    Close(u16),
-    /// TCP closed with no close frame.
-    Drop,
-    /// Read nothing more through tungstenite (no pongs), write nothing: a half-open link.
-    Silent,
 }
 
 struct Sock {
@@ -305,7 +293,7 @@ impl DingTalkSim {
     pub fn add_app(&self, client_id: &str, client_secret: &str) {
         self.with(|s| {
             let app_uuid = uuid(s);
-            let chatbot_user_id = format!("$:LWCP_v1:${}", b64(&hash_bytes(client_id, 18)));
+            let chatbot_user_id = format!("$:LWCP_v1:${}", base64(&hash_bytes(client_id, 18)));
             s.apps.push(App {
                 client_id: client_id.into(),
                 client_secret: client_secret.into(),
@@ -414,7 +402,7 @@ impl DingTalkSim {
                 .get(sender_staff_id)
                 .cloned()
                 .unwrap_or_else(|| sender_staff_id.into());
-            let msg_id = format!("msg{}", b64(&rand_bytes(s, 16)));
+            let msg_id = format!("msg{}", base64(&rand_bytes(s, 16)));
             let session = hex(&rand_bytes(s, 16));
             let now = now_ms();
             let expires = now + s.session_ttl.as_millis() as u64;
@@ -438,7 +426,7 @@ impl DingTalkSim {
                 "createAt": now,
                 "senderCorpId": CORP_ID,
                 "conversationType": if group { "2" } else { "1" },
-                "senderId": format!("$:LWCP_v1:${}", b64(&hash_bytes(sender_staff_id, 18))),
+                "senderId": format!("$:LWCP_v1:${}", base64(&hash_bytes(sender_staff_id, 18))),
                 "sessionWebhook": format!("{}/robot/sendBySession?session={session}", s.oapi),
                 "robotCode": robot,
                 "msgtype": msgtype,
@@ -805,10 +793,6 @@ impl Drop for DingTalkSim {
 
 // ---------- ids ----------
 
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
-
 fn rand64(s: &mut State) -> u64 {
     s.next_id += 1;
     let mut h = RandomState::new().build_hasher();
@@ -863,22 +847,6 @@ fn frame_id(s: &mut State) -> String {
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn b64(bytes: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for c in bytes.chunks(3) {
-        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            out.push(if i <= c.len() {
-                A[(n >> (18 - 6 * i)) as usize & 63] as char
-            } else {
-                '='
-            });
-        }
-    }
-    out
 }
 
 fn app<'a>(s: &'a State, client_id: &str) -> &'a App {
@@ -1003,119 +971,18 @@ fn link(state: &Shared, stream: TcpStream, stopped: &AtomicBool) {
     };
     let _ = ws.get_ref().set_read_timeout(Some(Duration::from_millis(10)));
     let _ = ws.get_ref().set_write_timeout(Some(Duration::from_secs(10)));
-    socket_loop(state, &mut ws, k, &rx, stopped);
+    socket_loop(&mut ws, &rx, stopped, |heard| {
+        let mut s = state.0.lock().unwrap();
+        match heard {
+            Heard::Text(t) => on_client_text(&mut s, t),
+            Heard::Pings(n) => s.sockets[k].ws_pings += n,
+            Heard::Binary => {}
+        }
+        drop(s);
+        state.1.notify_all();
+    });
     state.0.lock().unwrap().sockets[k].open = false;
     state.1.notify_all();
-}
-
-fn socket_loop(
-    state: &Shared,
-    ws: &mut tungstenite::WebSocket<TcpStream>,
-    k: usize,
-    rx: &mpsc::Receiver<Out>,
-    stopped: &AtomicBool,
-) {
-    let mut silent: Option<Vec<u8>> = None;
-    loop {
-        if stopped.load(Ordering::Relaxed) {
-            let _ = ws.get_mut().shutdown(Shutdown::Both);
-            return;
-        }
-        while let Ok(out) = rx.try_recv() {
-            match out {
-                Out::Text(t) if silent.is_none() => {
-                    if ws.send(Message::Text(t.into())).is_err() {
-                        return;
-                    }
-                }
-                Out::Text(_) => {}
-                Out::Close(code) => return finish_close(ws, code),
-                Out::Drop => {
-                    let _ = ws.get_mut().shutdown(Shutdown::Both);
-                    return;
-                }
-                Out::Silent => silent = Some(Vec::new()),
-            }
-        }
-        if let Some(buf) = silent.as_mut() {
-            // Raw reads so tungstenite never queues a pong; pings are counted by opcode.
-            let mut chunk = [0u8; 4096];
-            match ws.get_mut().read(&mut chunk) {
-                Ok(0) => return,
-                Ok(n) => {
-                    buf.extend_from_slice(&chunk[..n]);
-                    let pings = count_pings(buf);
-                    state.0.lock().unwrap().sockets[k].ws_pings += pings;
-                    state.1.notify_all();
-                }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-                Err(_) => return,
-            }
-            continue;
-        }
-        match ws.read() {
-            Ok(Message::Text(t)) => {
-                let mut s = state.0.lock().unwrap();
-                on_client_text(&mut s, t.as_str());
-                drop(s);
-                state.1.notify_all();
-            }
-            Ok(Message::Ping(_)) => {
-                state.0.lock().unwrap().sockets[k].ws_pings += 1;
-                state.1.notify_all();
-                let _ = ws.flush(); // sends the pong tungstenite queued
-            }
-            Ok(Message::Close(_)) => {
-                let _ = ws.flush();
-                return;
-            }
-            Ok(_) => {}
-            Err(tungstenite::Error::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                let _ = ws.flush();
-            }
-            Err(_) => return,
-        }
-    }
-}
-
-/// Sends a close frame, waits a moment for the client's, then ends the TCP connection.
-fn finish_close(ws: &mut tungstenite::WebSocket<TcpStream>, code: u16) {
-    let _ = ws.close(Some(CloseFrame {
-        code: CloseCode::from(code),
-        reason: "".into(),
-    }));
-    let deadline = Instant::now() + Duration::from_secs(1);
-    while Instant::now() < deadline {
-        match ws.read() {
-            Err(tungstenite::Error::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(_) => break,
-            Ok(_) => {}
-        }
-    }
-    let _ = ws.get_mut().shutdown(Shutdown::Both);
-}
-
-/// Consumes whole client frames from `buf`; how many were pings (opcode 9).
-fn count_pings(buf: &mut Vec<u8>) -> usize {
-    let mut pings = 0;
-    loop {
-        if buf.len() < 2 {
-            return pings;
-        }
-        let (op, len7, masked) = (buf[0] & 0x0f, (buf[1] & 0x7f) as usize, buf[1] & 0x80 != 0);
-        let (ext, len) = match len7 {
-            126 if buf.len() >= 4 => (2, u16::from_be_bytes([buf[2], buf[3]]) as usize),
-            127 if buf.len() >= 10 => (8, u64::from_be_bytes(buf[2..10].try_into().unwrap()) as usize),
-            126 | 127 => return pings,
-            n => (0, n),
-        };
-        let total = 2 + ext + (if masked { 4 } else { 0 }) + len;
-        if buf.len() < total {
-            return pings;
-        }
-        pings += usize::from(op == 9);
-        buf.drain(..total);
-    }
 }
 
 /// Records the frame; an answer (`{code, headers:{messageId}, …}`) with code 200 marks its ping
@@ -1406,7 +1273,7 @@ fn group_send(s: &mut State, r: &Req) -> Answer {
         Ok(p) => p,
         Err(a) => return a,
     };
-    let key = b64(&rand_bytes(s, 24));
+    let key = base64(&rand_bytes(s, 24));
     let mut rec = r.json.clone().unwrap_or_default();
     rec["param"] = param;
     rec["processQueryKey"] = json!(key);
@@ -1440,7 +1307,7 @@ fn oto_send(s: &mut State, r: &Req) -> Answer {
         }
     }
     let held = json!(held);
-    let key = b64(&rand_bytes(s, 24));
+    let key = base64(&rand_bytes(s, 24));
     let mut rec = r.json.clone().unwrap_or_default();
     rec["param"] = param;
     rec["processQueryKey"] = json!(key);
@@ -1512,7 +1379,7 @@ fn media_upload(s: &mut State, r: &Req) -> Answer {
     if s.tokens.get(&r.token).is_none_or(|(_, until)| *until <= Instant::now()) {
         return oapi_err(40014, "不合法的access_token");
     }
-    let parts = multipart(&r.body, &r.ctype);
+    let parts = multipart(&r.body, &r.ctype).unwrap_or_default();
     let kind = parts
         .iter()
         .find(|p| p.name == "type")
@@ -1526,11 +1393,11 @@ fn media_upload(s: &mut State, r: &Req) -> Answer {
         // Chosen: the errcode for a missing file part.
         return oapi_err(40035, "缺少参数 media");
     };
-    let media_id = format!("@lA{}", b64(&rand_bytes(s, 15)).replace(['+', '/'], "x"));
+    let media_id = format!("@lA{}", base64(&rand_bytes(s, 15)).replace(['+', '/'], "x"));
     let created = now_ms();
     s.uploads
         .push(json!({"media_id": media_id, "type": kind, "filename": media.filename,
-                          "size": media.data.len(), "content_type": media.ctype}));
+                          "size": media.data.len(), "content_type": media.content_type}));
     s.uploaded.insert(media_id.clone(), media.data.clone());
     answer(
         200,
@@ -1580,86 +1447,6 @@ fn session_send(s: &mut State, r: &Req) -> Answer {
     s.webhook_posts
         .push(json!({"session": session, "cid": cid, "msgId": msg_id, "body": body, "errcode": errcode}));
     a
-}
-
-fn url_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-struct Part {
-    name: String,
-    filename: Option<String>,
-    ctype: Option<String>,
-    data: Vec<u8>,
-}
-
-/// multipart/form-data (RFC 7578) with the boundary from Content-Type.
-fn multipart(body: &[u8], ctype: &str) -> Vec<Part> {
-    let Some(b) = ctype.split(';').find_map(|p| p.trim().strip_prefix("boundary=")) else {
-        return vec![];
-    };
-    let delim = format!("--{}", b.trim_matches('"')).into_bytes();
-    let end_delim = [b"\r\n".as_slice(), delim.as_slice()].concat();
-    let mut parts = vec![];
-    let Some(first) = find(body, &delim) else { return parts };
-    let mut pos = first + delim.len();
-    while pos < body.len() && !body[pos..].starts_with(b"--") {
-        pos += if body[pos..].starts_with(b"\r\n") { 2 } else { 0 };
-        let Some(h) = find(&body[pos..], b"\r\n\r\n") else {
-            break;
-        };
-        let head = String::from_utf8_lossy(&body[pos..pos + h]).into_owned();
-        let start = pos + h + 4;
-        let Some(len) = find(&body[start..], &end_delim) else {
-            break;
-        };
-        let (mut name, mut filename, mut part_type) = (String::new(), None, None);
-        for line in head.lines() {
-            let (k, v) = line.split_once(':').unwrap_or((line, ""));
-            if k.trim().eq_ignore_ascii_case("content-type") {
-                part_type = Some(v.trim().to_string());
-            } else if k.trim().eq_ignore_ascii_case("content-disposition") {
-                for p in v.split(';').map(str::trim) {
-                    if let Some(n) = p.strip_prefix("name=") {
-                        name = n.trim_matches('"').to_string();
-                    } else if let Some(f) = p.strip_prefix("filename=") {
-                        filename = Some(f.trim_matches('"').to_string());
-                    }
-                }
-            }
-        }
-        parts.push(Part {
-            name,
-            filename,
-            ctype: part_type,
-            data: body[start..start + len].to_vec(),
-        });
-        pos = start + len + end_delim.len();
-    }
-    parts
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 // ---------- self-checks: a tiny client of tungstenite + ureq ----------

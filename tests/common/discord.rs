@@ -48,17 +48,18 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
+
+use super::kit::{multipart, now_ms, socket_loop, Heard, Out, Part};
 use tungstenite::handshake::server::{ErrorResponse, Request, Response};
-use tungstenite::protocol::frame::coding::CloseCode;
-use tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tungstenite::protocol::WebSocketConfig;
 use tungstenite::{Message, WebSocket};
 
 pub const DISCORD_EPOCH: u64 = 1_420_070_400_000;
@@ -289,14 +290,6 @@ impl Records {
     pub fn resumed(&self) -> usize {
         self.resumes.iter().filter(|r| r["outcome"] == "resumed").count()
     }
-}
-
-/// What the sim asks a socket's thread to do (the thread owns the WebSocket).
-enum Out {
-    Text(String),
-    Close(u16),
-    Drop,
-    Silent,
 }
 
 struct Conn {
@@ -760,10 +753,6 @@ impl Drop for DiscordSim {
 }
 
 // ---------- ids, time, small helpers ----------
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
 
 fn now_secs() -> u64 {
     now_ms() / 1000
@@ -1380,7 +1369,15 @@ fn gateway_conn(state: &Shared, mut stream: TcpStream, via_resume: bool, stopped
     let _ = ws.get_ref().set_read_timeout(Some(Duration::from_millis(10)));
     let _ = ws.get_ref().set_write_timeout(Some(Duration::from_secs(10)));
     // Some(Some(code)): the client's close frame; Some(None): TCP ended bare; None: the sim did.
-    let end = socket_loop(state, &mut ws, k, &rx, stopped);
+    let end = socket_loop(&mut ws, &rx, stopped, |heard| {
+        match heard {
+            Heard::Text(t) => on_client_text(&mut state.0.lock().unwrap(), k, t),
+            // Chosen: binary (ETF, compressed) payloads are not spoken here: 4002.
+            Heard::Binary => close_conn(&mut state.0.lock().unwrap(), k, 4002),
+            Heard::Pings(_) => return,
+        }
+        state.1.notify_all();
+    });
     let mut g = state.0.lock().unwrap();
     let s = &mut *g;
     s.conns[k].open = false;
@@ -1396,93 +1393,6 @@ fn gateway_conn(state: &Shared, mut stream: TcpStream, via_resume: bool, stopped
     }
     drop(g);
     state.1.notify_all();
-}
-
-fn would_block(e: &std::io::Error) -> bool {
-    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
-}
-
-fn socket_loop(
-    state: &Shared,
-    ws: &mut WebSocket<TcpStream>,
-    k: usize,
-    rx: &mpsc::Receiver<Out>,
-    stopped: &AtomicBool,
-) -> Option<Option<u16>> {
-    let mut silent = false;
-    loop {
-        if stopped.load(Ordering::Relaxed) {
-            let _ = ws.get_mut().shutdown(Shutdown::Both);
-            return None;
-        }
-        while let Ok(out) = rx.try_recv() {
-            match out {
-                Out::Text(_) if silent => {}
-                Out::Text(t) => {
-                    if ws.send(Message::Text(t.into())).is_err() {
-                        return Some(None);
-                    }
-                }
-                Out::Close(code) => {
-                    finish_close(ws, code);
-                    return None;
-                }
-                Out::Drop => {
-                    let _ = ws.get_mut().shutdown(Shutdown::Both);
-                    return None;
-                }
-                Out::Silent => silent = true,
-            }
-        }
-        if silent {
-            // Raw reads, so tungstenite answers nothing (not even pings); only the end counts.
-            let mut chunk = [0u8; 4096];
-            match ws.get_mut().read(&mut chunk) {
-                Ok(n) if n > 0 => continue,
-                Err(e) if would_block(&e) => continue,
-                _ => return Some(None),
-            }
-        }
-        match ws.read() {
-            Ok(Message::Text(t)) => {
-                on_client_text(&mut state.0.lock().unwrap(), k, t.as_str());
-                state.1.notify_all();
-            }
-            // Chosen: binary (ETF, compressed) payloads are not spoken here: 4002.
-            Ok(Message::Binary(_)) | Err(tungstenite::Error::Capacity(_)) => {
-                close_conn(&mut state.0.lock().unwrap(), k, 4002);
-                state.1.notify_all();
-            }
-            Ok(Message::Close(f)) => {
-                let _ = ws.flush();
-                return Some(Some(f.map_or(1005, |f| u16::from(f.code))));
-            }
-            Ok(_) => {
-                let _ = ws.flush(); // pongs tungstenite queued
-            }
-            Err(tungstenite::Error::Io(e)) if would_block(&e) => {
-                let _ = ws.flush();
-            }
-            Err(_) => return Some(None),
-        }
-    }
-}
-
-/// Sends a close frame, waits a moment for the client's, then ends the TCP connection.
-fn finish_close(ws: &mut WebSocket<TcpStream>, code: u16) {
-    let _ = ws.close(Some(CloseFrame {
-        code: CloseCode::from(code),
-        reason: "".into(),
-    }));
-    let deadline = Instant::now() + Duration::from_secs(1);
-    while Instant::now() < deadline {
-        match ws.read() {
-            Err(tungstenite::Error::Io(e)) if would_block(&e) => {}
-            Err(_) => break,
-            Ok(_) => {}
-        }
-    }
-    let _ = ws.get_mut().shutdown(Shutdown::Both);
 }
 
 // ---------- the HTTP side ----------
@@ -1787,60 +1697,6 @@ fn typing(s: &mut State, id: &str) -> Answer {
         body: vec![],
         headers: vec![],
     }
-}
-
-struct Part {
-    name: String,
-    filename: Option<String>,
-    content_type: Option<String>,
-    data: Vec<u8>,
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len().max(1)).position(|w| w == needle)
-}
-
-/// multipart/form-data parts (RFC 7578); None when the body is not well formed.
-fn multipart(body: &[u8], ctype: &str) -> Option<Vec<Part>> {
-    let b = ctype
-        .split(';')
-        .find_map(|p| p.trim().strip_prefix("boundary="))?
-        .trim_matches('"');
-    let delim = format!("--{b}").into_bytes();
-    let close = [b"\r\n".as_slice(), delim.as_slice()].concat();
-    let mut pos = find(body, &delim)? + delim.len();
-    let mut parts = vec![];
-    while !body[pos..].starts_with(b"--") {
-        let rest = body[pos..].strip_prefix(b"\r\n").filter(|_| parts.len() < MAX_PARTS)?;
-        let h = find(rest, b"\r\n\r\n")?;
-        let head = String::from_utf8_lossy(&rest[..h]).into_owned();
-        let data = &rest[h + 4..];
-        let end = find(data, &close)?;
-        let mut part = Part {
-            name: String::new(),
-            filename: None,
-            content_type: None,
-            data: data[..end].to_vec(),
-        };
-        for line in head.split("\r\n") {
-            let Some((k, v)) = line.split_once(':') else { continue };
-            if k.trim().eq_ignore_ascii_case("content-type") {
-                part.content_type = Some(v.trim().to_string());
-            } else if k.trim().eq_ignore_ascii_case("content-disposition") {
-                for p in v.split(';').filter_map(|p| p.trim().split_once('=')) {
-                    let value = p.1.trim().trim_matches('"').to_string();
-                    match p.0.trim() {
-                        "name" => part.name = value,
-                        "filename" => part.filename = Some(value),
-                        _ => {}
-                    }
-                }
-            }
-        }
-        parts.push(part);
-        pos = body.len() - data.len() + end + close.len();
-    }
-    Some(parts)
 }
 
 /// The request's fields: JSON, multipart (`payload_json` wins over plain fields) or a form;

@@ -17,6 +17,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+use super::kit::now_ms;
 use tungstenite::Message;
 
 /// `pbbp2.Frame`: SeqID 1, LogID 2, service 3, method 4, headers 5 (key 1, value 2),
@@ -476,13 +478,6 @@ impl FeishuSim {
         let ok = |s: &State| s.answers.iter().filter(|a| a.1 == 200).count();
         self.wait_moving(quiet, ok, |s| ok(s) >= n)
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
 }
 
 /// An event as data frames: one, or `parts` with `sum`/`seq` under one message_id.

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use super::kit::{base64, base64_decode, now_ms};
+
 pub const BOT_ID: &str = "b0f5c1a2@im.bot";
 pub const BOT_TOKEN: &str = "ilink-bot-token-secret-5c9e";
 pub const USER: &str = "o9cq80SAMPLEuser@im.wechat";
@@ -134,10 +136,10 @@ impl Ilink {
         s.cdn.insert(param.clone(), aes_ecb(bytes, &key, true));
         let item = match kind {
             2 => {
-                json!({"type": 2, "image_item": {"aeskey": hex, "media": {"encrypt_query_param": param, "aes_key": base64_encode(&key)}}})
+                json!({"type": 2, "image_item": {"aeskey": hex, "media": {"encrypt_query_param": param, "aes_key": base64(&key)}}})
             }
             _ => json!({"type": 4, "file_item": {"file_name": name, "len": bytes.len().to_string(),
-                        "media": {"encrypt_query_param": param, "aes_key": base64_encode(hex.as_bytes())}}}),
+                        "media": {"encrypt_query_param": param, "aes_key": base64(hex.as_bytes())}}}),
         };
         let id = format!("{}", 7_100_000_000_000_000_000u64 + s.inbox.len() as u64);
         s.inbox.push(json!({
@@ -226,13 +228,6 @@ impl Ilink {
     }
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
 fn query<'a>(url: &'a str, key: &str) -> Option<&'a str> {
     url.split_once('?')?
         .1
@@ -282,7 +277,7 @@ fn handle(state: &Arc<(Mutex<State>, Condvar)>, url: &str, body: &Value) -> Valu
                 }
                 if s.inbox.len() > seen {
                     let msgs: Vec<Value> = s.inbox[seen..].to_vec();
-                    let buf = base64_encode(s.inbox.len().to_string().as_bytes());
+                    let buf = base64(s.inbox.len().to_string().as_bytes());
                     return json!({"ret": 0, "msgs": msgs, "get_updates_buf": buf});
                 }
                 let left = deadline.saturating_duration_since(Instant::now());
@@ -362,43 +357,6 @@ fn aes_ecb(data: &[u8], key: &[u8; 16], encrypt: bool) -> Vec<u8> {
     if !encrypt {
         let pad = *out.last().unwrap() as usize;
         out.truncate(out.len() - pad);
-    }
-    out
-}
-
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-fn base64_encode(bytes: &[u8]) -> String {
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |a, (i, b)| a | u32::from(*b) << (16 - 8 * i));
-        for i in 0..4 {
-            out.push(if i <= chunk.len() {
-                B64[(n >> (18 - 6 * i) & 63) as usize] as char
-            } else {
-                '='
-            });
-        }
-    }
-    out
-}
-
-pub fn base64_decode(text: &str) -> Vec<u8> {
-    let mut out = Vec::new();
-    let (mut acc, mut bits) = (0u32, 0);
-    for c in text.bytes().filter(|c| *c != b'=') {
-        let Some(v) = B64.iter().position(|x| *x == c) else {
-            break;
-        };
-        acc = acc << 6 | v as u32;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
     }
     out
 }

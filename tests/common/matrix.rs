@@ -16,9 +16,11 @@ use std::collections::hash_map::{DefaultHasher, RandomState};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
+
+use super::kit::now_ms;
 
 /// The server name of media URIs (`mxc://sim/…`).
 pub const SERVER: &str = "sim";
@@ -348,10 +350,6 @@ impl Drop for MatrixSim {
 }
 
 // ---------- the stream ----------
-
-fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
-}
 
 fn random_id(s: &mut State, len: usize) -> String {
     // URL-safe base64's alphabet, as event IDs of room versions 4 and up use.

@@ -9,6 +9,7 @@ pub mod discord;
 pub mod ext4;
 pub mod feishu;
 pub mod ilink;
+pub mod kit;
 pub mod matrix;
 #[path = "../../src/scratch.rs"]
 mod scratch;

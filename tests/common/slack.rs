@@ -13,16 +13,15 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::io::{ErrorKind, Read};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
-use tungstenite::protocol::frame::coding::CloseCode;
-use tungstenite::protocol::CloseFrame;
+
+use super::kit::{base64, finish_close, multipart, socket_loop, url_decode, Heard, Out};
 use tungstenite::Message;
 
 pub const TEAM_ID: &str = "T0TEAM";
@@ -63,17 +62,6 @@ struct Channel {
     members: Vec<String>,
     /// Every message, replies included, oldest first (ts only ever grows).
     messages: Vec<Value>,
-}
-
-/// What the sim asks a socket's thread to do (the thread owns the WebSocket).
-enum Out {
-    Text(String),
-    /// A close frame, then the TCP connection ends.
-    Close(u16),
-    /// TCP closed with no close frame.
-    Drop,
-    /// Read nothing more through tungstenite (no pongs), write nothing: a half-open link.
-    Silent,
 }
 
 struct Sock {
@@ -731,22 +719,6 @@ fn uuid(s: &mut State) -> String {
     )
 }
 
-fn base64(bytes: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for c in bytes.chunks(3) {
-        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            out.push(if i <= c.len() {
-                A[(n >> (18 - 6 * i)) as usize & 63] as char
-            } else {
-                '='
-            });
-        }
-    }
-    out
-}
-
 fn app_index(s: &State, key: &str) -> Option<usize> {
     s.apps
         .iter()
@@ -1016,120 +988,19 @@ fn link(state: &Shared, stream: TcpStream, stopped: &AtomicBool) {
     if !first.1 {
         finish_close(&mut ws, 1000);
     } else {
-        socket_loop(state, &mut ws, k, &rx, stopped);
+        socket_loop(&mut ws, &rx, stopped, |heard| {
+            let mut s = state.0.lock().unwrap();
+            match heard {
+                Heard::Text(t) => on_client_text(&mut s, t),
+                Heard::Pings(n) => s.sockets[k].pings += n,
+                Heard::Binary => {}
+            }
+            drop(s);
+            state.1.notify_all();
+        });
     }
     state.0.lock().unwrap().sockets[k].open = false;
     state.1.notify_all();
-}
-
-fn socket_loop(
-    state: &Shared,
-    ws: &mut tungstenite::WebSocket<TcpStream>,
-    k: usize,
-    rx: &mpsc::Receiver<Out>,
-    stopped: &AtomicBool,
-) {
-    let mut silent: Option<Vec<u8>> = None;
-    loop {
-        if stopped.load(Ordering::Relaxed) {
-            let _ = ws.get_mut().shutdown(Shutdown::Both);
-            return;
-        }
-        while let Ok(out) = rx.try_recv() {
-            match out {
-                Out::Text(t) if silent.is_none() => {
-                    if ws.send(Message::Text(t.into())).is_err() {
-                        return;
-                    }
-                }
-                Out::Text(_) => {}
-                Out::Close(code) => return finish_close(ws, code),
-                Out::Drop => {
-                    let _ = ws.get_mut().shutdown(Shutdown::Both);
-                    return;
-                }
-                Out::Silent => silent = Some(Vec::new()),
-            }
-        }
-        if let Some(buf) = silent.as_mut() {
-            // Raw reads so tungstenite never queues a pong; pings are counted by opcode.
-            let mut chunk = [0u8; 4096];
-            match ws.get_mut().read(&mut chunk) {
-                Ok(0) => return,
-                Ok(n) => {
-                    buf.extend_from_slice(&chunk[..n]);
-                    let pings = count_pings(buf);
-                    state.0.lock().unwrap().sockets[k].pings += pings;
-                    state.1.notify_all();
-                }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-                Err(_) => return,
-            }
-            continue;
-        }
-        match ws.read() {
-            Ok(Message::Text(t)) => {
-                let mut s = state.0.lock().unwrap();
-                on_client_text(&mut s, t.as_str());
-                drop(s);
-                state.1.notify_all();
-            }
-            Ok(Message::Ping(_)) => {
-                state.0.lock().unwrap().sockets[k].pings += 1;
-                state.1.notify_all();
-                let _ = ws.flush(); // sends the pong tungstenite queued
-            }
-            Ok(Message::Close(_)) => {
-                let _ = ws.flush();
-                return;
-            }
-            Ok(_) => {}
-            Err(tungstenite::Error::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                let _ = ws.flush();
-            }
-            Err(_) => return,
-        }
-    }
-}
-
-/// Sends a close frame, waits a moment for the client's, then ends the TCP connection.
-fn finish_close(ws: &mut tungstenite::WebSocket<TcpStream>, code: u16) {
-    let _ = ws.close(Some(CloseFrame {
-        code: CloseCode::from(code),
-        reason: "".into(),
-    }));
-    let deadline = Instant::now() + Duration::from_secs(1);
-    while Instant::now() < deadline {
-        match ws.read() {
-            Err(tungstenite::Error::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(_) => break,
-            Ok(_) => {}
-        }
-    }
-    let _ = ws.get_mut().shutdown(Shutdown::Both);
-}
-
-/// Consumes whole client frames from `buf`; how many were pings (opcode 9).
-fn count_pings(buf: &mut Vec<u8>) -> usize {
-    let mut pings = 0;
-    loop {
-        if buf.len() < 2 {
-            return pings;
-        }
-        let (op, len7, masked) = (buf[0] & 0x0f, (buf[1] & 0x7f) as usize, buf[1] & 0x80 != 0);
-        let (ext, len) = match len7 {
-            126 if buf.len() >= 4 => (2, u16::from_be_bytes([buf[2], buf[3]]) as usize),
-            127 if buf.len() >= 10 => (8, u64::from_be_bytes(buf[2..10].try_into().unwrap()) as usize),
-            126 | 127 => return pings,
-            n => (0, n),
-        };
-        let total = 2 + ext + (if masked { 4 } else { 0 }) + len;
-        if buf.len() < total {
-            return pings;
-        }
-        pings += usize::from(op == 9);
-        buf.drain(..total);
-    }
 }
 
 /// An ack is `{"envelope_id": …}` (maybe with "payload"), as SocketModeResponse.to_dict makes it.
@@ -1222,65 +1093,11 @@ fn serve(state: &Shared, mut req: tiny_http::Request) {
     let _ = req.respond(resp);
 }
 
-fn url_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16) {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 fn form_pairs(s: &str, into: &mut Map<String, Value>) {
     for kv in s.split('&').filter(|kv| !kv.is_empty()) {
         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
         into.insert(url_decode(k), json!(url_decode(v)));
     }
-}
-
-/// multipart/form-data parts: (field name, bytes).
-fn multipart(body: &[u8], ctype: &str) -> Vec<(String, Vec<u8>)> {
-    let Some(b) = ctype.split(';').find_map(|p| p.trim().strip_prefix("boundary=")) else {
-        return vec![];
-    };
-    let delim = format!("--{}", b.trim_matches('"')).into_bytes();
-    let mut parts = vec![];
-    let mut rest = body;
-    while let Some(start) = find(rest, &delim) {
-        rest = &rest[start + delim.len()..];
-        let Some(end) = find(rest, &delim) else { break };
-        let part = &rest[..end];
-        if let Some(h) = find(part, b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&part[..h]);
-            let name = head
-                .split("name=\"")
-                .nth(1)
-                .and_then(|n| n.split('"').next())
-                .unwrap_or("")
-                .to_string();
-            let data = &part[h + 4..];
-            parts.push((name, data.strip_suffix(b"\r\n").unwrap_or(data).to_vec()));
-        }
-    }
-    parts
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 /// Query, then the body: JSON (values other than strings kept as their JSON text), multipart,
@@ -1303,8 +1120,8 @@ fn params_of(query: &str, body: &[u8], ctype: &str) -> Map<String, Value> {
             }
         }
     } else if ctype.starts_with("multipart/form-data") {
-        for (k, v) in multipart(body, ctype) {
-            m.insert(k, json!(String::from_utf8_lossy(&v)));
+        for part in multipart(body, ctype).unwrap_or_default() {
+            m.insert(part.name, json!(String::from_utf8_lossy(&part.data)));
         }
     } else {
         form_pairs(&String::from_utf8_lossy(body), &mut m);
@@ -1726,12 +1543,12 @@ fn upload(s: &mut State, id: &str, body: &[u8], ctype: &str) -> Answer {
         };
     };
     let bytes = if ctype.starts_with("multipart/form-data") {
-        let parts = multipart(body, ctype);
+        let parts = multipart(body, ctype).unwrap_or_default();
         parts
             .iter()
-            .find(|(n, _)| n == "file")
+            .find(|p| p.name == "file")
             .or(parts.first())
-            .map(|(_, b)| b.clone())
+            .map(|p| p.data.clone())
             .unwrap_or_default()
     } else {
         body.to_vec()

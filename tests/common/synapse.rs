@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use super::kit::base64_unpadded;
+
 /// The homeserver's name: user IDs are `@alice:localhost`, aliases `#a:localhost`.
 pub const SERVER_NAME: &str = "localhost";
 
@@ -673,21 +675,6 @@ fn write_signing_key(path: &Path) {
         .expect("the OS gives random bytes");
     std::fs::write(path, format!("ed25519 a_test {}\n", base64_unpadded(&seed)))
         .expect("the scratch dir takes the signing key");
-}
-
-fn base64_unpadded(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | (*b as u32) << (16 - 8 * i));
-        for i in 0..=chunk.len() {
-            out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-        }
-    }
-    out
 }
 
 fn hex(bytes: &[u8]) -> String {
