@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 /// The first wait after a failure, and the longest.
 pub const MIN_BACKOFF: Duration = Duration::from_secs(1);
 pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
-/// A long connection that stayed up this long worked, and the next one opens no sooner than
-/// this after it opened: a server that closes every connection gets one per `MIN_AGE`.
+/// A long connection that stayed up this long worked, and connections that worked are replaced
+/// at most once per `MIN_AGE`: a server that closes every connection gets one per `MIN_AGE`.
 pub const MIN_AGE: Duration = Duration::from_secs(10);
 
 /// `wait` plus up to half of it again, at random, so accounts do not retry in step.
@@ -58,14 +58,17 @@ impl Backoff {
 /// When a long connection's next socket opens. The rule: a connection that worked (the server
 /// sent something on it, or it stayed up `MIN_AGE`) and ended, however it ended (closed by the
 /// server, replaced on its request, dropped, fallen silent), is followed by the next one at
-/// once; the only floor is `MIN_AGE` from when the one before it opened. An attempt that failed
-/// (the open refused or unreachable, the handshake failed, a socket that ended before it
-/// worked) waits the `Backoff`, which only a connection that worked starts over.
+/// once; the only floor is that such replacements come at most once per `MIN_AGE`, so a single
+/// drop costs no wait and a server that closes every connection gets one per `MIN_AGE`. An
+/// attempt that failed (the open refused or unreachable, the handshake failed, a socket that
+/// ended before it worked) waits the `Backoff`, which only a connection that worked starts over.
 #[derive(Debug)]
 pub struct Pace {
     backoff: Backoff,
     /// When the last connection opened.
     opened: Option<Instant>,
+    /// When the last connection that worked was replaced (or is to be).
+    replaced: Option<Instant>,
 }
 
 impl Default for Pace {
@@ -73,6 +76,7 @@ impl Default for Pace {
         Pace {
             backoff: Backoff::standard(),
             opened: None,
+            replaced: None,
         }
     }
 }
@@ -97,12 +101,16 @@ impl Pace {
         }
     }
 
-    /// The server asked for another connection while this one works (Slack's, DingTalk's
-    /// `disconnect`): the wait before it, the floor only.
+    /// A connection that worked is to be replaced (it ended, or the server asked for another,
+    /// as Slack's and DingTalk's `disconnect`): the wait before the next, the floor only.
     pub fn after_work(&mut self) -> Duration {
         self.backoff.reset();
-        self.opened
-            .map_or(Duration::ZERO, |t| MIN_AGE.saturating_sub(t.elapsed()))
+        let now = Instant::now();
+        // `MIN_AGE` after the last replacement, which may still be to come.
+        let due = self.replaced.and_then(|t| t.checked_add(MIN_AGE));
+        let wait = due.map_or(Duration::ZERO, |d| d.saturating_duration_since(now));
+        self.replaced = now.checked_add(wait);
+        wait
     }
 
     /// An attempt failed: the backoff's wait.
@@ -143,15 +151,28 @@ mod tests {
         assert!(within(p.ended(false), Duration::from_secs(1)), "died before it worked");
         p.opened();
         assert!(within(p.ended(false), Duration::from_secs(2)));
-        // One that heard the server: at once but for the floor from its opening.
+        // One that heard the server: the next at once, the first such replacement.
         p.opened();
-        let wait = p.ended(true);
-        assert!(wait <= MIN_AGE && wait > MIN_AGE - Duration::from_secs(1), "{wait:?}");
+        assert_eq!(p.ended(true), Duration::ZERO);
         // And the backoff starts over.
         p.opened();
         assert!(within(p.ended(false), MIN_BACKOFF));
+        // Another that worked, right after: the floor, one replacement per `MIN_AGE`.
+        p.opened();
+        let wait = p.ended(true);
+        assert!(wait <= MIN_AGE && wait > MIN_AGE - Duration::from_secs(1), "{wait:?}");
+        // And the next one again a whole `MIN_AGE` after that.
+        p.opened();
+        let next = p.after_work();
+        assert!(
+            next >= wait + MIN_AGE - Duration::from_secs(1) && next <= wait + MIN_AGE,
+            "{next:?} after {wait:?}"
+        );
         // One that stayed up `MIN_AGE` worked, heard or not, and is followed at once.
-        p.opened = Instant::now().checked_sub(MIN_AGE);
+        let mut p = Pace {
+            opened: Instant::now().checked_sub(MIN_AGE),
+            ..Pace::default()
+        };
         if p.opened.is_some() {
             assert!(p.worked(false));
             assert_eq!(p.ended(false), Duration::ZERO);

@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::kit::{base64, multipart, now_ms, socket_loop, url_decode, Heard, Out};
+use super::kit::{self, base64, multipart, now_ms, socket_loop, url_decode, Heard, Out};
 use tungstenite::Message;
 
 /// The topic of robot messages (developerpedia protocol.md, the SDKs' `ChatbotMessage.TOPIC`).
@@ -225,34 +225,13 @@ impl DingTalkSim {
         }
         let stopped = Arc::new(AtomicBool::new(false));
         for (server, host, workers) in [(api, Host::Api, 3), (oapi, Host::Oapi, 2)] {
-            for _ in 0..workers {
-                let (server, state, stopped) = (server.clone(), state.clone(), stopped.clone());
-                std::thread::spawn(move || {
-                    while !stopped.load(Ordering::Relaxed) {
-                        if let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(100)) {
-                            serve(&state, host, req);
-                        }
-                    }
-                });
-            }
+            let st = state.clone();
+            kit::serve_http(&server, workers, &stopped, move |req| serve(&st, host, req));
         }
-        let (st, stop) = (state.clone(), stopped.clone());
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                let (st, stop) = (st.clone(), stop.clone());
-                std::thread::spawn(move || link(&st, stream, &stop));
-            }
-        });
-        let (st, stop) = (state.clone(), stopped.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(25));
-                tick(&st);
-            }
-        });
+        let st = state.clone();
+        kit::accept_each(listener, &stopped, move |stream, stop| link(&st, stream, stop));
+        let st = state.clone();
+        kit::tick_until(&stopped, move || tick(&st));
         DingTalkSim {
             api_base: format!("http://127.0.0.1:{api_port}"),
             oapi_base: format!("http://127.0.0.1:{oapi_port}"),
@@ -263,28 +242,12 @@ impl DingTalkSim {
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
-        let t = f(&mut self.state.0.lock().unwrap());
-        self.state.1.notify_all();
-        t
+        super::kit::change(&self.state, f)
     }
 
     /// Waits until `ready` holds; false after `timeout`.
     fn wait(&self, timeout: Duration, ready: impl Fn(&State) -> bool) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.state.0.lock().unwrap();
-        while !ready(&s) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            s = self
-                .state
-                .1
-                .wait_timeout(s, left.min(Duration::from_millis(50)))
-                .unwrap()
-                .0;
-        }
-        true
+        super::kit::wait_for(&self.state, timeout, ready)
     }
 
     // ---------- apps, users, conversations ----------

@@ -57,7 +57,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use super::kit::{multipart, now_ms, socket_loop, Heard, Out, Part};
+use super::kit::{self, multipart, now_ms, socket_loop, Heard, Out, Part};
 use tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tungstenite::protocol::WebSocketConfig;
 use tungstenite::{Message, WebSocket};
@@ -429,35 +429,19 @@ impl DiscordSim {
                 stopped: Arc::new(AtomicBool::new(false)),
             }
         };
-        for _ in 0..3 {
-            let (http, state, stopped) = (http.clone(), state.clone(), sim.stopped.clone());
-            std::thread::spawn(move || {
-                while !stopped.load(Ordering::Relaxed) {
-                    if let Ok(Some(req)) = http.recv_timeout(Duration::from_millis(100)) {
-                        serve(&state, req);
-                    }
-                }
-            });
-        }
+        let st = state.clone();
+        kit::serve_http(&http, 3, &sim.stopped, move |req| serve(&st, req));
         for (listener, via_resume) in [(main, false), (resume, true)] {
-            let (st, stop) = (state.clone(), sim.stopped.clone());
-            std::thread::spawn(move || {
-                for stream in listener.incoming().flatten() {
-                    if stop.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    let (st, stop) = (st.clone(), stop.clone());
-                    std::thread::spawn(move || gateway_conn(&st, stream, via_resume, &stop));
-                }
+            let st = state.clone();
+            kit::accept_each(listener, &sim.stopped, move |stream, stop| {
+                gateway_conn(&st, stream, via_resume, stop)
             });
         }
         sim
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
-        let t = f(&mut self.state.0.lock().unwrap());
-        self.state.1.notify_all();
-        t
+        super::kit::change(&self.state, f)
     }
 
     /// Reads or changes the settings: `sim.knobs(|k| k.ack_heartbeats = false)`.
@@ -473,21 +457,7 @@ impl DiscordSim {
     /// Waits until `cond` holds over the records; false after `timeout`. It is evaluated again
     /// on every change (and at least every 50 ms), never after a fixed sleep.
     pub fn wait_until(&self, timeout: Duration, cond: impl Fn(&Records) -> bool) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.state.0.lock().unwrap();
-        while !cond(&s.rec) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            s = self
-                .state
-                .1
-                .wait_timeout(s, left.min(Duration::from_millis(50)))
-                .unwrap()
-                .0;
-        }
-        true
+        super::kit::wait_for(&self.state, timeout, |s| cond(&s.rec))
     }
 
     // ---------- setup ----------

@@ -14,7 +14,7 @@ use std::io::ErrorKind;
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -250,28 +250,12 @@ impl FeishuSim {
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
-        let t = f(&mut self.state.0.lock().unwrap());
-        self.state.1.notify_all();
-        t
+        super::kit::change(&self.state, f)
     }
 
-    /// Waits until `ready` holds.
+    /// Waits until `ready` holds; false after `timeout`.
     fn wait(&self, timeout: Duration, ready: impl Fn(&State) -> bool) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.state.0.lock().unwrap();
-        while !ready(&s) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            s = self
-                .state
-                .1
-                .wait_timeout(s, left.min(Duration::from_millis(50)))
-                .unwrap()
-                .0;
-        }
-        true
+        super::kit::wait_for(&self.state, timeout, ready)
     }
 
     /// Waits until `ready` holds for as long as `progress` (a figure that moves with every event)

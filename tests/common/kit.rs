@@ -3,9 +3,10 @@
 //! URL decoding, the clock. Each simulator keeps only its platform's protocol.
 
 use std::io::{ErrorKind, Read};
-use std::net::{Shutdown, TcpStream};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tungstenite::protocol::frame::coding::CloseCode;
@@ -14,6 +15,83 @@ use tungstenite::{Message, WebSocket};
 
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+// ---------- a simulator's state ----------
+
+/// A simulator's state and the condition variable its waiters sleep on.
+pub type Watched<S> = (Mutex<S>, Condvar);
+
+/// Changes a simulator's state and wakes whoever waits on it.
+pub fn change<S, T>(state: &Watched<S>, f: impl FnOnce(&mut S) -> T) -> T {
+    let t = f(&mut state.0.lock().unwrap());
+    state.1.notify_all();
+    t
+}
+
+/// Waits until `ready` holds of a simulator's state: evaluated again at every change (and at
+/// least every 50 ms), never after a fixed sleep; false after `timeout`.
+pub fn wait_for<S>(state: &Watched<S>, timeout: Duration, ready: impl Fn(&S) -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    let mut s = state.0.lock().unwrap();
+    while !ready(&s) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        s = state.1.wait_timeout(s, left.min(Duration::from_millis(50))).unwrap().0;
+    }
+    true
+}
+
+// ---------- a simulator's threads ----------
+
+/// Serves `server`'s requests on `workers` threads until `stopped`.
+pub fn serve_http(
+    server: &Arc<tiny_http::Server>,
+    workers: usize,
+    stopped: &Arc<AtomicBool>,
+    serve: impl Fn(tiny_http::Request) + Send + Clone + 'static,
+) {
+    for _ in 0..workers {
+        let (server, stopped, serve) = (server.clone(), stopped.clone(), serve.clone());
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                if let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(100)) {
+                    serve(req);
+                }
+            }
+        });
+    }
+}
+
+/// Takes `listener`'s connections until `stopped`, each to `each` on a thread of its own.
+pub fn accept_each(
+    listener: TcpListener,
+    stopped: &Arc<AtomicBool>,
+    each: impl Fn(TcpStream, &AtomicBool) + Send + Clone + 'static,
+) {
+    let stopped = stopped.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            if stopped.load(Ordering::Relaxed) {
+                return;
+            }
+            let (stopped, each) = (stopped.clone(), each.clone());
+            std::thread::spawn(move || each(stream, &stopped));
+        }
+    });
+}
+
+/// Runs `tick` every 25 ms until `stopped`: a simulator's clock (retries, expiries, timers).
+pub fn tick_until(stopped: &Arc<AtomicBool>, mut tick: impl FnMut() + Send + 'static) {
+    let stopped = stopped.clone();
+    std::thread::spawn(move || {
+        while !stopped.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(25));
+            tick();
+        }
+    });
 }
 
 // ---------- the server side of a WebSocket ----------

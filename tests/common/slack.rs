@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{json, Map, Value};
 
-use super::kit::{base64, finish_close, multipart, socket_loop, url_decode, Heard, Out};
+use super::kit::{self, base64, finish_close, multipart, socket_loop, url_decode, Heard, Out};
 use tungstenite::Message;
 
 pub const TEAM_ID: &str = "T0TEAM";
@@ -170,33 +170,12 @@ impl SlackSim {
             s.max_text_len = 40_000;
         }
         let stopped = Arc::new(AtomicBool::new(false));
-        for _ in 0..3 {
-            let (http, state, stopped) = (http.clone(), state.clone(), stopped.clone());
-            std::thread::spawn(move || {
-                while !stopped.load(Ordering::Relaxed) {
-                    if let Ok(Some(req)) = http.recv_timeout(Duration::from_millis(100)) {
-                        serve(&state, req);
-                    }
-                }
-            });
-        }
-        let (st, stop) = (state.clone(), stopped.clone());
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                if stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                let (st, stop) = (st.clone(), stop.clone());
-                std::thread::spawn(move || link(&st, stream, &stop));
-            }
-        });
-        let (st, stop) = (state.clone(), stopped.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(25));
-                tick(&st);
-            }
-        });
+        let st = state.clone();
+        kit::serve_http(&http, 3, &stopped, move |req| serve(&st, req));
+        let st = state.clone();
+        kit::accept_each(listener, &stopped, move |stream, stop| link(&st, stream, stop));
+        let st = state.clone();
+        kit::tick_until(&stopped, move || tick(&st));
         SlackSim {
             base: format!("http://127.0.0.1:{port}/api"),
             state,
@@ -205,28 +184,12 @@ impl SlackSim {
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
-        let t = f(&mut self.state.0.lock().unwrap());
-        self.state.1.notify_all();
-        t
+        super::kit::change(&self.state, f)
     }
 
     /// Waits until `ready` holds; false after `timeout`.
     fn wait(&self, timeout: Duration, ready: impl Fn(&State) -> bool) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.state.0.lock().unwrap();
-        while !ready(&s) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            s = self
-                .state
-                .1
-                .wait_timeout(s, left.min(Duration::from_millis(50)))
-                .unwrap()
-                .0;
-        }
-        true
+        super::kit::wait_for(&self.state, timeout, ready)
     }
 
     // ---------- workspace setup ----------
