@@ -92,6 +92,27 @@ pub fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// `ms` since 1970 as `YYYY-MM-DDTHH:MM:SSZ` (UTC), for a time a person reads in a reason.
+pub fn utc(ms: u64) -> String {
+    // Days to a civil date (proleptic Gregorian, from 0000-03-01): all in `u64`, none negative.
+    let secs = ms / 1000;
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    let z = days + 719_468;
+    let (era, doe) = (z / 146_097, z % 146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
+}
+
 /// Standard base64 with padding (RFC 4648 section 4).
 pub fn base64(bytes: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -139,6 +160,14 @@ pub fn base64_decode(text: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn utc_names_the_civil_date_and_time() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00Z");
+        assert_eq!(utc(1_767_225_599_999), "2025-12-31T23:59:59Z");
+        assert!(!utc(u64::MAX).is_empty());
+    }
 
     #[test]
     fn base64_pads_as_rfc_4648_says() {

@@ -8,13 +8,16 @@ use std::time::{Duration, Instant};
 /// The longest rate-limit wait honoured (`retry_after`): a peer that asks for more is asked
 /// again after this, which costs it one refused call a minute.
 pub const RETRY_AFTER_MAX: Duration = Duration::from_secs(60);
+/// The shortest: a peer that refuses a call and says "again at once" (`Retry-After: 0`) is not
+/// asked again in a loop.
+pub const RETRY_AFTER_MIN: Duration = Duration::from_millis(250);
 /// The longest reconnect interval a server may set for a long connection.
 pub const RECONNECT_MAX: Duration = Duration::from_secs(600);
 
-/// How long to wait before trying again: what the peer asked for (`retry_after`), at most
-/// `RETRY_AFTER_MAX`, or our own `backoff` when it asked for nothing.
+/// How long to wait before trying again: what the peer asked for (`retry_after`), within
+/// `RETRY_AFTER_MIN` and `RETRY_AFTER_MAX`, or our own `backoff` when it asked for nothing.
 pub fn retry_after(peer: Option<Duration>, backoff: Duration) -> Duration {
-    peer.map_or(backoff, |w| w.min(RETRY_AFTER_MAX))
+    peer.map_or(backoff, |w| w.clamp(RETRY_AFTER_MIN, RETRY_AFTER_MAX))
 }
 
 /// Whether waiting `wait` from now would pass `deadline`.
@@ -45,12 +48,18 @@ mod tests {
         let now = Instant::now();
         for v in peer_values() {
             let wait = retry_after(Some(Duration::from_secs(v)), Duration::ZERO);
-            assert_eq!(wait, Duration::from_secs(v.min(RETRY_AFTER_MAX.as_secs())), "{v}");
+            let want = Duration::from_secs(v).clamp(RETRY_AFTER_MIN, RETRY_AFTER_MAX);
+            assert_eq!(wait, want, "{v}");
             let _ = passes(now, wait);
             // Unclamped durations too: the comparison itself never adds to the clock.
             let _ = passes(now, Duration::new(v, (v % 1_000_000_000) as u32));
         }
         assert_eq!(retry_after(None, Duration::from_secs(2)), Duration::from_secs(2));
+        assert_eq!(
+            retry_after(Some(Duration::ZERO), Duration::from_secs(2)),
+            RETRY_AFTER_MIN,
+            "not at once"
+        );
         assert!(passes(now + Duration::from_secs(5), Duration::MAX));
         assert!(!passes(now + Duration::from_secs(3600), Duration::from_secs(1)));
     }

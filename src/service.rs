@@ -67,20 +67,17 @@ pub async fn keep_systemd_informed(watchdog: Option<Duration>, summary: impl Fn(
             notify(&format!("STATUS={now}"));
             said = now;
         }
-        // What changes within the gap is said after it (the raise waits in the channel).
-        smol::Timer::after(STATUS_GAP.min(every)).await;
-        let ticked = smol::future::or(
-            async {
-                smol::Timer::at(tick).await;
-                true
-            },
-            async {
+        // What changes within the gap is said after it (the raise waits in the channel); a
+        // ping due meanwhile is not held up by it.
+        smol::Timer::at((Instant::now() + STATUS_GAP).min(tick)).await;
+        if Instant::now() < tick {
+            smol::future::or(smol::Timer::at(tick), async {
                 crate::changed::raised().await;
-                false
-            },
-        )
-        .await;
-        if ticked {
+                Instant::now()
+            })
+            .await;
+        }
+        if Instant::now() >= tick {
             tick = Instant::now() + every;
             if watchdog.is_some() {
                 notify("WATCHDOG=1");

@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use crate::common::discord::{DiscordSim, Fault, Gw, User, UserMsg, BOT_TOKEN, MESSAGE_CONTENT};
+use crate::common::kit::now_ms;
 use crate::common::*;
 use serde_json::{json, Value};
 
@@ -626,31 +627,13 @@ fn a_global_rate_limit_holds_every_call_of_the_bot_until_it_ends() {
     assert_stops_cleanly(d);
 }
 
-/// `ms` since 1970 as `YYYY-MM-DDTHH:MM:SSZ` (civil from days, proleptic Gregorian).
+/// `ms` since 1970 as `YYYY-MM-DDTHH:MM:SSZ`, as the system's `date` writes it (not imgate's code).
 fn utc(ms: u64) -> String {
-    let secs = ms / 1000;
-    let (days, rest) = (secs / 86_400, secs % 86_400);
-    let z = days + 719_468;
-    let (era, doe) = (z / 146_097, z % 146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rest / 3600,
-        rest % 3600 / 60,
-        rest % 60
-    )
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
+    let out = std::process::Command::new("date")
+        .args(["-u", "-d", &format!("@{}", ms / 1000), "+%Y-%m-%dT%H:%M:%SZ"])
+        .output()
+        .expect("date runs");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 #[test]

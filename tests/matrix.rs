@@ -237,6 +237,27 @@ fn a_room_bound_again_after_an_unbinding_gets_nothing_said_while_it_was_unbound(
 }
 
 #[test]
+fn answers_past_the_cap_at_one_event_per_room_ask_for_the_bound_rooms_only() {
+    let (d, sim) = matrix("mx-narrow");
+    let (mut x, _) = bound(&d, &sim);
+    // As an account in hundreds of busy rooms: no answer fits, whatever the limit.
+    sim.pad_sync_answers(1_200_000);
+    sim.post_text(ROOM, ALICE, "wakes the poll");
+    assert!(d.log_shows("asking for its bound rooms only", WAIT), "{}", d.log());
+    let filter = sim.filters().last().cloned().expect("a filter");
+    assert_eq!(filter["room"]["rooms"], json!([ROOM]), "{filter}");
+    assert_eq!(filter["room"]["timeline"]["limit"], 1, "{filter}");
+    sim.pad_sync_answers(0);
+    let raw = raw_texts(&mut x, 1);
+    assert_eq!(
+        raw,
+        ["wakes the poll"],
+        "what waited is stored once the answers fit: {raw:?}"
+    );
+    alice_says(&sim, &mut x, "after the narrowing", "the bound room goes on");
+}
+
+#[test]
 fn a_second_room_bound_while_polling_gets_its_first_message_at_once() {
     let (d, sim) = matrix("mx-second");
     let second = "!second:sim";

@@ -445,7 +445,7 @@ impl FrontDoor {
 /// sees a sender with a wrong secret in `/metrics`. (A stale message is counted `stale` by the
 /// intake; an unknown endpoint names no message.)
 fn count_refused(plane: &Plane, provider: &'static str, status: u16) {
-    if matches!(status, 400 | 401 | 403 | 413) {
+    if matches!(status, 400 | 401 | 413) {
         plane.outbox.count_refused(provider);
     }
 }

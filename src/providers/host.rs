@@ -64,6 +64,8 @@ pub struct Unbound {
 
 /// `/status` lists at most this many unbound conversations, the latest seen.
 const UNBOUND_RECENT: usize = 16;
+/// Characters of an unbound conversation's ID kept.
+const MAX_ID: usize = 255;
 
 /// What `Host::binding_state_changed` calls.
 pub type StateChanged = Box<dyn Fn(&Source) + Send + Sync>;
@@ -79,6 +81,9 @@ impl Host {
     /// A conversation with no binding wrote to a bound account: listed (the latest
     /// `UNBOUND_RECENT`), never stored.
     pub fn unbound_seen(&self, provider: &'static str, conversation: &str, kind: &'static str) {
+        // Whole, as the owner must bind it (a Matrix room ID may take 255 bytes); longer is
+        // no ID of any provider's.
+        let conversation: String = conversation.chars().take(MAX_ID).collect();
         let mut recent = self.unbound.lock().unwrap_or_else(|e| e.into_inner());
         recent.retain(|u| !(u.provider == provider && u.conversation == conversation));
         if recent.len() >= UNBOUND_RECENT {
@@ -86,7 +91,7 @@ impl Host {
         }
         recent.push_back(Unbound {
             provider,
-            conversation: conversation.chars().take(64).collect(),
+            conversation,
             kind,
             last_seen: crate::ids::now_ms(),
         });

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-/// The first wait after a failure, and the longest.
+/// The first wait after a failure, and the longest, each before its jitter (up to half again).
 pub const MIN_BACKOFF: Duration = Duration::from_secs(1);
 pub const MAX_BACKOFF: Duration = Duration::from_secs(60);
 /// A long connection that stayed up this long worked, and connections that worked are replaced

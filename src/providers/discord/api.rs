@@ -300,8 +300,10 @@ impl Api {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         if held.len() >= MAX_HELD {
             held.retain(|_, t| *t > now);
-            if held.len() >= MAX_HELD {
-                held.clear();
+            // Still full: the hold that ends soonest makes room.
+            let soonest = held.iter().min_by_key(|(_, t)| **t).map(|(bot, _)| *bot);
+            if let Some(bot) = soonest.filter(|_| held.len() >= MAX_HELD) {
+                held.remove(&bot);
             }
         }
         let entry = held.entry(bot_key(token)).or_insert(until);

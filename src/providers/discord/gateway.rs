@@ -192,27 +192,6 @@ fn resets_at(reset: Duration) -> u64 {
     ids::now_ms().saturating_add(u64::try_from(reset.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// `ms` since 1970 as `YYYY-MM-DDTHH:MM:SSZ` (UTC), for a reason xAgent and `/status` show.
-pub fn utc(ms: u64) -> String {
-    // Days to a civil date (proleptic Gregorian, from 0000-03-01): all in `u64`, none negative.
-    let secs = ms / 1000;
-    let (days, rest) = (secs / 86_400, secs % 86_400);
-    let z = days + 719_468;
-    let (era, doe) = (z / 146_097, z % 146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rest / 3600,
-        rest % 3600 / 60,
-        rest % 60
-    )
-}
-
 /// Logs a bot's session state when it changes.
 struct State {
     bot: String,
@@ -301,7 +280,7 @@ impl<H> Bot<H> {
             self.state.set(
                 format!(
                     "Discord's daily budget of new sessions is used up; no Gateway session (no messages arrive) until it resets at {}",
-                    utc(resets_ms)
+                    ids::utc(resets_ms)
                 ),
                 true,
             );
@@ -906,10 +885,6 @@ mod tests {
         assert_eq!(spent_for(&huge), Some(BUDGET_RESET_MAX));
         assert_eq!(spent_for(&answer(r#"{"session_start_limit":{"remaining":3}}"#)), None);
         assert_eq!(spent_for(&answer(r#"{"url":"wss://g"}"#)), None);
-        assert_eq!(utc(0), "1970-01-01T00:00:00Z");
-        assert_eq!(utc(951_782_400_000), "2000-02-29T00:00:00Z");
-        assert_eq!(utc(1_767_225_599_999), "2025-12-31T23:59:59Z");
-        assert!(!utc(u64::MAX).is_empty());
         assert!(resets_at(Duration::MAX) >= ids::now_ms());
     }
 

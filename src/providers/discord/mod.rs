@@ -846,7 +846,7 @@ impl Provider for Discord {
                     if let Some(at) = self.sessions.spent_until(&info.bot_user) {
                         let why = format!(
                             "Discord's daily budget of new sessions is used up: no messages arrive until it resets at {} (then what was posted meanwhile is read from the history); sending works",
-                            gateway::utc(at)
+                            crate::ids::utc(at)
                         );
                         d.status = "degraded";
                         for (_, tool) in &mut d.tools {

@@ -13,9 +13,8 @@ use crate::json::{self, Object, Value};
 use crate::providers::Upload;
 use crate::upstream::{self, query_value, Streamed};
 
-/// An answer larger than this is refused unread. A /sync with the filter's timeline limit
-/// (`sync::MAX_TIMELINE` events of at most 65,536 bytes, the spec's event size limit) and the
-/// senders' member events stays below it; past it the limit is halved (`sync.rs`).
+/// An answer larger than this is refused unread. Past it a /sync asks for half the events per
+/// room, down to one, and then for the bound rooms only (`sync.rs`).
 pub const MAX_ANSWER: u64 = 1 << 20;
 /// `/sync` long-polls this long at the server; the HTTP timeout adds a margin.
 pub const POLL_MS: u64 = 30_000;

@@ -99,28 +99,31 @@ const WATCHED: [&str; 2] = ["m.room.message", "m.room.encryption"];
 /// Every room, not only the bound ones: a room bound while a poll is under way ends that poll
 /// with its first message (a filter of the bound rooms would hold it until the poll's timeout),
 /// and a room no binding names yet is seen when someone writes in it (`/status` lists it).
-fn query(since: Option<&str>, limit: u64) -> String {
+/// `only`: the bound rooms alone, for an account in so many busy rooms that an answer with one
+/// event per room passes the cap.
+fn query(since: Option<&str>, limit: u64, only: Option<&[String]>) -> String {
+    let mut room = vec![
+        (
+            "timeline",
+            json::obj([("limit", json::n(limit)), ("types", json::strs(WATCHED))]),
+        ),
+        (
+            "state",
+            json::obj([
+                ("types", json::strs(["m.room.member", "m.room.encryption"])),
+                ("lazy_load_members", json::b(true)),
+            ]),
+        ),
+        ("ephemeral", json::obj([("types", json::arr([]))])),
+        ("account_data", json::obj([("types", json::arr([]))])),
+    ];
+    if let Some(rooms) = only {
+        room.push(("rooms", json::strs(rooms.iter().map(String::as_str))));
+    }
     let filter = json::obj([
         ("presence", json::obj([("types", json::arr([]))])),
         ("account_data", json::obj([("types", json::arr([]))])),
-        (
-            "room",
-            json::obj([
-                (
-                    "timeline",
-                    json::obj([("limit", json::n(limit)), ("types", json::strs(WATCHED))]),
-                ),
-                (
-                    "state",
-                    json::obj([
-                        ("types", json::strs(["m.room.member", "m.room.encryption"])),
-                        ("lazy_load_members", json::b(true)),
-                    ]),
-                ),
-                ("ephemeral", json::obj([("types", json::arr([]))])),
-                ("account_data", json::obj([("types", json::arr([]))])),
-            ]),
-        ),
+        ("room", json::obj(room)),
     ]);
     let filter = crate::upstream::query_value(&json::to_string(&filter));
     match since {
@@ -142,6 +145,8 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
     let mut saved_at = Instant::now();
     let mut synced: HashSet<String> = HashSet::new();
     let mut limit = MAX_TIMELINE;
+    // Set once an answer passed the cap at one event per room: the bound rooms only.
+    let mut narrow = false;
     let mut backoff = Backoff::standard();
     let mut last_error = String::new();
     loop {
@@ -162,7 +167,8 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
         }) else {
             return;
         };
-        let q = query(since.as_deref(), limit);
+        let bound: Vec<String> = state.rooms.iter().map(|(_, r)| r.room_id.clone()).collect();
+        let q = query(since.as_deref(), limit, narrow.then_some(bound.as_slice()));
         let api = match mx.upgrade() {
             Some(m) => m.api.clone(),
             None => return,
@@ -244,6 +250,13 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
             Err(e) if e.too_large && limit > 1 => {
                 limit /= 2;
                 log::debug!("matrix: account {account}: a /sync answer too large; asking for {limit} events per room");
+                None
+            }
+            Err(e) if e.too_large && !narrow => {
+                narrow = true;
+                log::warn!(
+                    "matrix: account {account}: its rooms' /sync answers pass the cap even at one event per room; asking for its bound rooms only (rooms no binding names are no longer listed, and a new binding waits for the running poll)"
+                );
                 None
             }
             Err(e) => {

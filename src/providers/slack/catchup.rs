@@ -117,9 +117,18 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
     for &parent in &gap.threads {
         match thread_stamps(slack, token, &info.channel, parent, from) {
             Ok((replies, complete)) => {
-                if !complete {
-                    let last = replies.last().copied().unwrap_or(from);
-                    held = Some(held.map_or(last, |h| h.min(last)));
+                match (complete, replies.last().copied()) {
+                    (true, _) => {}
+                    (false, Some(last)) => held = Some(held.map_or(last, |h| h.min(last))),
+                    // Pages on and on with no reply past the mark (a server that ignores
+                    // `oldest`): holding at the mark would hold the channel behind for good.
+                    (false, None) => {
+                        if let Some(more) = THREAD_REFUSED_LOG.admit() {
+                            log::warn!(
+                                "slack: {source}: a thread's pages brought no reply past the mark; its replies posted while the socket was down are not caught up{more}"
+                            );
+                        }
+                    }
                 }
                 stamps.extend(replies.into_iter().map(|ts| Stamp { ts, thread: parent }));
             }
@@ -411,34 +420,54 @@ fn replies_in(
     let (thread, oldest, latest) = (ts_of(parent), ts_of(after), ts_of(last));
     // The parent comes first and may count toward the limit.
     let limit = wanted.len().saturating_add(1).to_string();
+    let params = [
+        ("channel", channel),
+        ("ts", thread.as_str()),
+        ("oldest", oldest.as_str()),
+        ("latest", latest.as_str()),
+        ("inclusive", "true"),
+        ("limit", limit.as_str()),
+    ];
     let mut list: Vec<Message> = Vec::new();
-    let mut cursor = String::new();
-    for _ in 0..wanted.len().saturating_add(1) {
-        let mut params = vec![
-            ("channel", channel),
-            ("ts", thread.as_str()),
-            ("oldest", oldest.as_str()),
-            ("latest", latest.as_str()),
-            ("inclusive", "true"),
-            ("limit", limit.as_str()),
-        ];
-        if !cursor.is_empty() {
-            params.push(("cursor", cursor.as_str()));
-        }
-        let answer = call(slack, token, "conversations.replies", &params)?;
+    let pages = wanted.len().saturating_add(1);
+    paged(slack, token, "conversations.replies", &params, pages, |answer| {
         list.extend(
-            messages(&answer)
+            messages(answer)
                 .filter_map(|m| event::message_of(m).ok())
                 .filter(|m| m.thread_ts.as_deref().and_then(ts_micros) == Some(parent))
                 .filter(|m| ts_micros(&m.ts).is_some_and(|ts| ts > after && ts <= last && ts != parent)),
         );
-        let found = |w: &u64| list.iter().any(|m| ts_micros(&m.ts) == Some(*w));
+        !wanted.iter().all(|w| list.iter().any(|m| ts_micros(&m.ts) == Some(*w)))
+    })?;
+    Ok(list)
+}
+
+/// Calls `method` page after page (Slack's `cursor`), at most `pages` times, handing each
+/// answer to `take`, which says whether another page is wanted.
+fn paged(
+    slack: &Slack,
+    token: &str,
+    method: &str,
+    params: &[(&str, &str)],
+    pages: usize,
+    mut take: impl FnMut(&Object) -> bool,
+) -> Result<(), ApiError> {
+    let mut cursor = String::new();
+    for _ in 0..pages.max(1) {
+        let answer = {
+            let mut params = params.to_vec();
+            if !cursor.is_empty() {
+                params.push(("cursor", cursor.as_str()));
+            }
+            call(slack, token, method, &params)?
+        };
+        let more = take(&answer);
         match next_cursor(&answer) {
-            Some(next) if !wanted.iter().all(found) && next != cursor => cursor = next.to_string(),
+            Some(next) if more && next != cursor => cursor = next.to_string(),
             _ => break,
         }
     }
-    Ok(list)
+    Ok(())
 }
 
 /// The `count` messages with `after` < ts ≤ `last`, oldest first. Slack may answer fewer
@@ -451,31 +480,23 @@ fn window_of(
     count: usize,
 ) -> Result<Vec<Message>, ApiError> {
     let (oldest, latest, limit) = (ts_of(after), ts_of(last), count.to_string());
+    // Both ends are in (`inclusive`): `after` is filtered out below, `last` is wanted.
+    let params = [
+        ("channel", channel),
+        ("oldest", oldest.as_str()),
+        ("latest", latest.as_str()),
+        ("inclusive", "true"),
+        ("limit", limit.as_str()),
+    ];
     let mut list: Vec<Message> = Vec::new();
-    let mut cursor = String::new();
-    for _ in 0..count.max(1) {
-        // Both ends are in (`inclusive`): `after` is filtered out below, `last` is wanted.
-        let mut params = vec![
-            ("channel", channel),
-            ("oldest", oldest.as_str()),
-            ("latest", latest.as_str()),
-            ("inclusive", "true"),
-            ("limit", limit.as_str()),
-        ];
-        if !cursor.is_empty() {
-            params.push(("cursor", cursor.as_str()));
-        }
-        let answer = call(slack, token, "conversations.history", &params)?;
+    paged(slack, token, "conversations.history", &params, count, |answer| {
         list.extend(
-            messages(&answer)
+            messages(answer)
                 .filter_map(|m| event::message_of(m).ok())
                 .filter(|m| ts_micros(&m.ts).is_some_and(|ts| ts > after && ts <= last)),
         );
-        match next_cursor(&answer) {
-            Some(next) if list.len() < count && next != cursor => cursor = next.to_string(),
-            _ => break,
-        }
-    }
+        list.len() < count
+    })?;
     list.sort_by_key(|m| ts_micros(&m.ts));
     list.dedup_by(|a, b| a.ts == b.ts);
     Ok(list)
