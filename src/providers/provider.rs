@@ -337,8 +337,11 @@ pub trait Provider: Send + Sync {
     /// The Descriptor of a channel bound to `source`. `Err` only when the store cannot tell.
     fn describe(&self, source: &Source) -> Result<Description, StoreError>;
 
-    /// The name the agent is shown as the message's source (`Alerts`, `Telegram`).
-    fn label(&self, source: &Source) -> String;
+    /// The name the agent is shown as the message's source (`Alerts`, `Telegram`): its
+    /// declaration's label unless a conversation has its own.
+    fn label(&self, _source: &Source) -> String {
+        self.declaration().label.into()
+    }
 
     /// Sends to the conversation of `source`; the provider's ID of what it sent. Returns only
     /// after the target took all of it (text and files).

@@ -749,10 +749,6 @@ impl Provider for DingTalk {
         })
     }
 
-    fn label(&self, _source: &Source) -> String {
-        DECLARATION.label.into()
-    }
-
     /// Text (split at 2,000 characters) and files. Through the session webhook while it is
     /// valid (text only), else the OpenAPI. Robots cannot quote: a reply is a message in the
     /// same conversation; in a group its first part @s the sender of the message answered, as

@@ -860,10 +860,6 @@ impl Provider for Discord {
         })
     }
 
-    fn label(&self, _source: &Source) -> String {
-        DECLARATION.label.into()
-    }
-
     /// Text (split at 2,000 characters) and files, the first part as a reply to the message
     /// answered. With one file and a short text, the text is the file's message.
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {

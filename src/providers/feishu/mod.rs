@@ -189,10 +189,6 @@ fn send_uuid(idempotency_key: &str, part: usize) -> String {
 }
 
 impl Feishu {
-    fn label_text(&self) -> &'static str {
-        self.declaration().label
-    }
-
     fn secret_files(&self) -> KeyFiles {
         KeyFiles {
             dir: self.host.config.server.state_dir.join("feishu"),
@@ -656,7 +652,7 @@ impl Provider for Feishu {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let label = self.label_text();
+        let label = self.declaration().label;
         let target = |display_name: String, account_hint| Target {
             provider: NAME.into(),
             label: label.into(),
@@ -676,10 +672,6 @@ impl Provider for Feishu {
                 "the app secret is no longer available",
             ),
         })
-    }
-
-    fn label(&self, _source: &Source) -> String {
-        self.label_text().into()
     }
 
     /// Text (split at 20,000 characters, the first part replying when asked), then each file

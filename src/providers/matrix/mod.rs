@@ -890,10 +890,6 @@ impl Provider for Matrix {
         })
     }
 
-    fn label(&self, _source: &Source) -> String {
-        DECLARATION.label.into()
-    }
-
     /// Text (split at 8,000 characters, the first part replying when asked) as `m.text`, then
     /// each file uploaded and sent as its kind's event. A tool's file takes the text as its
     /// caption. Every event's transaction ID comes from the call, so a retry is one event.

@@ -850,10 +850,6 @@ impl Provider for Slack {
         })
     }
 
-    fn label(&self, _source: &Source) -> String {
-        DECLARATION.label.into()
-    }
-
     /// Text (split at 4,000 characters) and files, in the thread of the message answered.
     /// With files, the text is the first file's comment.
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {

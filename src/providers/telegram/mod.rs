@@ -624,10 +624,6 @@ impl Provider for Telegram {
         )
     }
 
-    fn label(&self, _source: &Source) -> String {
-        "Telegram".into()
-    }
-
     /// Text (split at 4,096 characters, the first part replying when asked), then each file as
     /// a photo or a document. A tool's file takes the text as its caption; a streamed assistant
     /// message has its shown text replaced by the final one (never a second message).

@@ -488,10 +488,6 @@ impl Provider for Wechat {
         })
     }
 
-    fn label(&self, _source: &Source) -> String {
-        "WeChat".into()
-    }
-
     fn send(&self, source: &Source, out: &Outbound) -> Result<String, Failure> {
         let (bot, account) = self.route(source)?;
         // The text (a file's caption) first, each file after it as a message of its own.
