@@ -8,9 +8,8 @@ fn main() -> std::process::ExitCode {
 
 /// glibc gives a thread that finds the heap busy an arena of its own (up to eight per core),
 /// and each arena keeps its own freed memory: the pool threads that render pushes, the
-/// committer and the executor each held some. In one `bench_sd_card` run the live ingest
-/// peaked at 16.2 MiB with the default, 15.8 with two arenas and 15.4 with one, at the same
-/// rate within the noise. One heap for every thread, as dlmalloc on musl has.
+/// committer and the executor each held some, and the peak grew with them at no gain in rate
+/// (docs/benchmarks.md). One heap for every thread, as dlmalloc on musl has.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn one_heap() {
     const M_ARENA_MAX: std::ffi::c_int = -8;

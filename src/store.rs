@@ -225,7 +225,7 @@ impl Db {
             let v = f(&txn)?;
             // Commits are few (the outbox's checkpoints, bindings, tool results), so each can
             // afford to save redb's allocator state: a start after a crash then skips the walk
-            // over the whole file (measured: 290 ms → 160 ms with a 50 MiB backlog).
+            // over the whole file (docs/benchmarks.md has what it saves).
             txn.set_quick_repair(true);
             txn.set_durability(Durability::Immediate)?;
             txn.commit()?;
