@@ -33,6 +33,37 @@ pub fn shown(text: &str) -> String {
     out
 }
 
+/// A log site shared by callers of several subjects (a provider's name): a `Quiet` for each, so
+/// one subject's flood never hides another's line. At most `SUBJECTS` are kept; a new one takes
+/// the place of the one logged longest ago.
+pub struct Subjects(Mutex<Vec<(String, Quiet)>>);
+
+const SUBJECTS: usize = 16;
+
+impl Subjects {
+    pub const fn new() -> Subjects {
+        Subjects(Mutex::new(Vec::new()))
+    }
+
+    /// Whether a line of `subject` may be logged now; if so, the suffix counting its others.
+    pub fn admit(&self, subject: &str) -> Option<String> {
+        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, q)) = all.iter_mut().find(|(s, _)| s == subject) {
+            return q.admit();
+        }
+        if all.len() >= SUBJECTS {
+            let oldest = all.iter().enumerate().min_by_key(|(_, (_, q))| q.last).map(|(i, _)| i);
+            if let Some(i) = oldest {
+                all.swap_remove(i);
+            }
+        }
+        let mut q = Quiet::new();
+        let admitted = q.admit();
+        all.push((subject.to_string(), q));
+        admitted
+    }
+}
+
 /// One log site's `Quiet`, shareable as a `static`.
 #[derive(Default)]
 pub struct Site(Mutex<Quiet>);
@@ -107,5 +138,20 @@ mod tests {
         q.last = Some(Instant::now() - EVERY);
         assert_eq!(q.admit().as_deref(), Some(" (5 more since the last line)"));
         assert_eq!(q.admit(), None);
+    }
+
+    #[test]
+    fn one_subjects_flood_hides_no_other_subjects_line_and_the_subjects_are_bounded() {
+        let s = Subjects::new();
+        assert!(s.admit("discord: send").is_some());
+        assert!(s.admit("discord: send").is_none(), "its second line waits");
+        assert!(
+            s.admit("dingtalk: send").is_some(),
+            "another subject's first line is logged"
+        );
+        for i in 0..100 {
+            s.admit(&format!("subject {i}"));
+        }
+        assert!(s.0.lock().unwrap().len() <= SUBJECTS);
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::link::Backoff;
 use crate::peer_wait;
-use crate::quiet::Site;
+use crate::quiet::Subjects;
 
 /// An error of a provider's API that may pass if the call is made again.
 pub trait Transient: std::fmt::Display {
@@ -26,8 +26,9 @@ pub fn with_retry<T, E: Transient>(
     deadline: Instant,
     mut attempt: impl FnMut(Duration) -> Result<T, E>,
 ) -> Result<T, E> {
-    // An IM system may throttle every call: one line a minute, with the count of the others.
-    static RETRIES: Site = Site::new();
+    // An IM system may throttle every call: one line a minute for each `what`, with the count
+    // of the others.
+    static RETRIES: Subjects = Subjects::new();
     let mut backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(5));
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -37,7 +38,7 @@ pub fn with_retry<T, E: Transient>(
                 if peer_wait::passes(deadline, wait) {
                     return Err(e);
                 }
-                if let Some(more) = RETRIES.admit() {
+                if let Some(more) = RETRIES.admit(what) {
                     log::info!("{what}: {e}; retrying in {wait:?}{more}");
                 }
                 std::thread::sleep(wait);
