@@ -52,19 +52,22 @@ impl NotifySocket {
     }
 }
 
-/// `systemctl status imgate` shows what imgate is doing: a `STATUS=` line whenever it changes,
-/// looked at with each watchdog ping.
-#[test]
-fn systemd_hears_a_status_line_when_xagent_comes_and_goes() {
-    let dir = temp_dir("status-line");
+/// imgate started with a notify socket of its own (and `env` besides).
+fn notified(tag: &str, env: &[(&str, &str)]) -> (Daemon, NotifySocket) {
+    let dir = temp_dir(tag);
     let notify = NotifySocket::new(&dir);
     let path = notify.path.to_str().unwrap().to_string();
-    let d = Daemon::start_env(
-        &dir,
-        &config_text(free_port(), &dir, None, ""),
-        "info",
-        &[("NOTIFY_SOCKET", &path), ("WATCHDOG_USEC", "1000000")],
-    );
+    let mut env = env.to_vec();
+    env.push(("NOTIFY_SOCKET", &path));
+    let d = Daemon::start_env(&dir, &config_text(free_port(), &dir, None, ""), "info", &env);
+    (d, notify)
+}
+
+/// `systemctl status imgate` shows what imgate is doing: a `STATUS=` line whenever it changes,
+/// with watchdog pings going on.
+#[test]
+fn systemd_hears_a_status_line_when_xagent_comes_and_goes() {
+    let (d, notify) = notified("status-line", &[("WATCHDOG_USEC", "1000000")]);
     let first = notify.status_with("xAgent: not connected", Duration::from_secs(10));
     assert!(
         first.contains("storage: ok") && first.contains("listening on 127.0.0.1:"),
@@ -82,15 +85,7 @@ fn systemd_hears_a_status_line_when_xagent_comes_and_goes() {
 /// change of state is said at once.
 #[test]
 fn a_change_of_state_reaches_systemd_at_once_without_watchdog_pings() {
-    let dir = temp_dir("status-change");
-    let notify = NotifySocket::new(&dir);
-    let path = notify.path.to_str().unwrap().to_string();
-    let d = Daemon::start_env(
-        &dir,
-        &config_text(free_port(), &dir, None, ""),
-        "info",
-        &[("NOTIFY_SOCKET", &path)],
-    );
+    let (d, notify) = notified("status-change", &[]);
     notify.status_with("xAgent: not connected", Duration::from_secs(10));
     let mut x = d.xagent();
     x.hello("");
