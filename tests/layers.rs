@@ -151,7 +151,7 @@ fn no_two_modules_import_each_other() {
     );
     assert!(
         edges.contains(&(
-            vec!["providers".into(), "telegram".into(), "poll".into()],
+            vec!["providers".into(), "telegram".into(), "link".into()],
             vec!["providers".into(), "telegram".into(), "api".into()]
         )),
         "a sibling's `use super::api::…` is seen"

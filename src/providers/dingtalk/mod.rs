@@ -1,5 +1,5 @@
 //! DingTalk: an enterprise app's robot in a group or a one-to-one chat. Messages come over
-//! Stream mode, a WebSocket the app opens itself (`stream`), so imgate works behind NAT with no
+//! Stream mode, a WebSocket the app opens itself (`link`), so imgate works behind NAT with no
 //! public URL; the tools answer through the conversation's session webhook while it is valid,
 //! else through the robot OpenAPI (`api`).
 //!
@@ -18,7 +18,7 @@
 
 pub mod api;
 pub mod event;
-pub mod stream;
+pub mod link;
 
 use crate::atomic::AtomicU64;
 use std::collections::{HashSet, VecDeque};
@@ -121,7 +121,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base, &settings.oapi_base),
-        conns: stream::Connections::default(),
+        conns: link::Connections::default(),
         recent: Recent::new(RECENT),
         seen: Mutex::default(),
         dead_hooks: Mutex::default(),
@@ -177,7 +177,7 @@ pub struct DingTalk {
     me: Weak<DingTalk>,
     host: Arc<Host>,
     api: Api,
-    conns: stream::Connections,
+    conns: link::Connections,
     recent: Recent,
     /// `{client_id}:{conversation}` → (group, title) of conversations seen without a binding.
     seen: Mutex<VecDeque<(String, bool, String)>>,

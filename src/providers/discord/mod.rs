@@ -1,5 +1,5 @@
 //! Discord: a bot in a server's text channel or in a DM. Messages come over the Gateway, a
-//! WebSocket the bot opens itself (`gateway`), so imgate works behind NAT with no public URL.
+//! WebSocket the bot opens itself (`link`), so imgate works behind NAT with no public URL.
 //! The Gateway has no acknowledgements: a dropped connection is resumed (Discord replays what
 //! was missed), and whenever a session is new (nothing replayed: after a refused RESUME, at
 //! start) every bound channel's history is read from its cursor (`catchup`). The tools answer
@@ -20,7 +20,7 @@
 pub mod api;
 pub mod catchup;
 pub mod event;
-pub mod gateway;
+pub mod link;
 
 use crate::atomic::AtomicU64;
 use std::collections::HashMap;
@@ -132,7 +132,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         host: host.clone(),
         api: Api::new(&settings.api_base),
         accept_bots: settings.accept_bots,
-        sessions: gateway::Sessions::default(),
+        sessions: link::Sessions::default(),
         recent: Recent::new(RECENT),
         lag: Lag::default(),
         typing: Mutex::default(),
@@ -197,7 +197,7 @@ pub struct Discord {
     host: Arc<Host>,
     api: Api,
     accept_bots: bool,
-    sessions: gateway::Sessions,
+    sessions: link::Sessions,
     recent: Recent,
     /// Channels whose history may hold messages not stored (a new session, a failed commit),
     /// after a snowflake.

@@ -1,6 +1,6 @@
 //! The long connection's protocol, without I/O: what the endpoint request answers, what a
 //! received frame means, the frames imgate sends (ping, the response to an event), and the
-//! reassembly of a payload split across frames. The connection task (`conn.rs`) drives it.
+//! reassembly of a payload split across frames. The connection task (`link.rs`) drives it.
 //!
 //! The exchange, as the official SDKs implement it:
 //! 1. `POST {base}/callback/ws/endpoint` with `{"AppID", "AppSecret"}` answers

@@ -1,5 +1,5 @@
 //! Feishu / Lark (its international edition): a self-built app's bot in a chat. Events come
-//! over the long connection the app opens itself (`conn`), so imgate works behind NAT with no
+//! over the long connection the app opens itself (`link`), so imgate works behind NAT with no
 //! public URL; the tools answer through the Open Platform's message APIs (`api`).
 //!
 //! Source key: `{app_id}:{chat_id}`. A binding stores what it knows of the chat in its own
@@ -13,9 +13,9 @@
 //! second delivery a duplicate.
 
 pub mod api;
-pub mod conn;
 pub mod event;
 pub mod frame;
+pub mod link;
 pub mod longconn;
 
 use std::sync::atomic::Ordering;
@@ -142,7 +142,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         host: host.clone(),
         api: Api::new(&settings.api_base),
         settings,
-        conns: conn::Connections::default(),
+        conns: link::Connections::default(),
         recent: Recent::new(RECENT),
         unbound_events: AtomicU64::new(0),
         unreadable_events: AtomicU64::new(0),
@@ -172,7 +172,7 @@ pub struct Feishu {
     host: Arc<Host>,
     settings: FeishuSettings,
     api: Api,
-    conns: conn::Connections,
+    conns: link::Connections,
     recent: Recent,
     /// Events from chats no channel is bound to (counted, not stored).
     unbound_events: AtomicU64,

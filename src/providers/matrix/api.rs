@@ -14,7 +14,7 @@ use crate::providers::Upload;
 use crate::upstream::{self, query_value, Streamed};
 
 /// An answer larger than this is refused unread. Past it a /sync asks for half the events per
-/// room, down to one, and then for the bound rooms only (`sync.rs`).
+/// room, down to one, and then for the bound rooms only (`link.rs`).
 pub const MAX_ANSWER: u64 = 1 << 20;
 /// `/sync` long-polls this long at the server; the HTTP timeout adds a margin.
 pub const POLL_MS: u64 = 30_000;

@@ -1,5 +1,5 @@
 //! Matrix: an account (a bot user) on any homeserver, in rooms it has joined. Messages come
-//! from one `/sync` long poll per account (`sync`), so imgate needs no public URL; the tools
+//! from one `/sync` long poll per account (`link`), so imgate needs no public URL; the tools
 //! send through the client-server API (`api`).
 //!
 //! Source key: `{account}:{room_id}`, the account being 16 hex digits of SHA-256(homeserver,
@@ -12,7 +12,7 @@
 
 pub mod api;
 pub mod event;
-pub mod sync;
+pub mod link;
 
 use crate::atomic::AtomicU64;
 use std::collections::HashMap;
@@ -110,7 +110,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(FETCH_DEADLINE),
-        syncers: sync::Syncers::default(),
+        syncers: link::Syncers::default(),
         bound: Mutex::default(),
         names: Mutex::default(),
         members: Mutex::default(),
@@ -177,7 +177,7 @@ impl AccountState {
 
 #[derive(Default)]
 struct Counts {
-    /// Messages a gap held past what is read back (`sync::MAX_PAGES`).
+    /// Messages a gap held past what is read back (`link::MAX_PAGES`).
     gap_unread: AtomicU64,
     tokens_revoked: AtomicU64,
 }
@@ -186,7 +186,7 @@ pub struct Matrix {
     me: Weak<Matrix>,
     host: Arc<Host>,
     api: Api,
-    syncers: sync::Syncers,
+    syncers: link::Syncers,
     /// The bound rooms, as `bindings_changed` last said.
     bound: Mutex<Vec<(Source, RoomInfo)>>,
     /// `room\0user` → display name.
@@ -267,7 +267,7 @@ impl Matrix {
     }
 
     fn stored_since(&self, account: &str) -> Option<String> {
-        self.host.outbox.cursor(&sync::since_key(account)).unwrap_or_else(|e| {
+        self.host.outbox.cursor(&link::since_key(account)).unwrap_or_else(|e| {
             log::debug!("matrix: cannot read the sync cursor: {e}");
             None
         })
@@ -277,14 +277,14 @@ impl Matrix {
         let moved = self
             .host
             .outbox
-            .move_cursors(&[crate::outbox::Cursor::Set(sync::since_key(account), next.to_string())]);
+            .move_cursors(&[crate::outbox::Cursor::Set(link::since_key(account), next.to_string())]);
         if let Err(e) = moved {
             log::debug!("matrix: cannot store the sync cursor: {e}");
         }
     }
 
     fn last_stored(&self, source: &Source) -> Option<String> {
-        self.host.outbox.cursor(&sync::last_key(source)).ok().flatten()
+        self.host.outbox.cursor(&link::last_key(source)).ok().flatten()
     }
 
     /// Whether an event of `source`'s room was handled lately: stored, or as old as the newest
@@ -689,7 +689,7 @@ impl Matrix {
             let newest = self.newest_message(&acct, &room_id)?;
             self.host
                 .outbox
-                .move_cursors(&[crate::outbox::Cursor::Set(sync::last_key(&source), newest)])
+                .move_cursors(&[crate::outbox::Cursor::Set(link::last_key(&source), newest)])
                 .map_err(Failure::storage)?;
         }
         self.token_files()

@@ -1,5 +1,5 @@
 //! Slack: a Slack app's bot in a channel, a private channel, a DM or a group DM. Events come over
-//! Socket Mode, a WebSocket the app opens itself (`conn`), so imgate works behind NAT with no
+//! Socket Mode, a WebSocket the app opens itself (`link`), so imgate works behind NAT with no
 //! public URL; after every reconnect the channel's history fills what the socket missed
 //! (`catchup`); the tools answer through the Web API (`api`).
 //!
@@ -18,8 +18,8 @@
 
 pub mod api;
 pub mod catchup;
-pub mod conn;
 pub mod event;
+pub mod link;
 
 use crate::atomic::AtomicU64;
 use std::collections::{HashMap, VecDeque};
@@ -123,7 +123,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base),
-        conns: conn::Connections::default(),
+        conns: link::Connections::default(),
         recent: Recent::new(RECENT),
         names: Mutex::default(),
         threads: Mutex::default(),
@@ -181,7 +181,7 @@ pub struct Slack {
     me: Weak<Slack>,
     host: Arc<Host>,
     api: Api,
-    conns: conn::Connections,
+    conns: link::Connections,
     recent: Recent,
     /// user ID → (display name, when looked up).
     names: Mutex<HashMap<String, (String, Instant)>>,

@@ -64,7 +64,7 @@ pub struct Api {
 }
 
 /// An answer larger than this is refused unread (`ApiError::too_large`): a `getUpdates` batch
-/// past it is asked for again in fewer updates (`poll.rs`), so no answer of any size is held.
+/// past it is asked for again in fewer updates (`link.rs`), so no answer of any size is held.
 pub const MAX_ANSWER: u64 = 1 << 20;
 /// Characters of an error's `description` kept (it reaches logs and tool results).
 const MAX_DESCRIPTION: usize = 200;

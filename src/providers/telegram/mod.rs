@@ -6,7 +6,7 @@
 //! line. The default bot of `[telegram] bot_token` is used when the form leaves the token empty.
 
 pub mod api;
-pub mod poll;
+pub mod link;
 
 use crate::atomic::AtomicU64;
 use std::collections::HashMap;
@@ -124,7 +124,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         host: host.clone(),
         api: Api::new(&settings.api_base),
         settings,
-        pollers: poll::Pollers::default(),
+        pollers: link::Pollers::default(),
         typing: Mutex::new(HashMap::new()),
         edits: Mutex::new(HashMap::new()),
         unbound_updates: AtomicU64::new(0),
@@ -165,7 +165,7 @@ pub struct Telegram {
     settings: TelegramSettings,
     /// One client for every Bot API call, so connections are reused.
     api: Api,
-    pollers: poll::Pollers,
+    pollers: link::Pollers,
     /// Chats showing "typing": the loop that refreshes it, at most one each.
     typing: Mutex<HashMap<i64, Arc<Typing>>>,
     /// Streamed messages (`chat:message`) and when each was last edited.
@@ -227,7 +227,7 @@ impl Telegram {
 
     /// The update offset of a bot: every update before it is confirmed to Telegram.
     fn offset(&self, bot_id: u64) -> Result<Option<u64>, StoreError> {
-        let key = poll::offset_key(bot_id);
+        let key = link::offset_key(bot_id);
         store::parse_u64(&key, self.host.outbox.cursor(&key)?)
     }
 
@@ -327,9 +327,9 @@ impl Telegram {
         };
         // Media is fetched from Telegram before the commit: blocking work.
         Reply::Blocking(Box::new(move || {
-            match poll::accept(&tg, token.expose(), bot_id, &[update]) {
-                poll::Batch::Confirmed => HttpAnswer::new(200, obj([("ok", b(true))])),
-                poll::Batch::Stopped { .. } => HttpAnswer::error(503, "storage_unavailable"),
+            match link::accept(&tg, token.expose(), bot_id, &[update]) {
+                link::Batch::Confirmed => HttpAnswer::new(200, obj([("ok", b(true))])),
+                link::Batch::Stopped { .. } => HttpAnswer::error(503, "storage_unavailable"),
             }
         }))
     }

@@ -5,7 +5,7 @@
 //! Source key: the bot's `ilink_bot_id` (one login is one bot for one WeChat user). The bot
 //! token, the login's `baseurl` and the user's ID are kept only in
 //! `state_dir/wechat/{ilink_bot_id}.token` (mode 0600), never in the database, a packet or a
-//! log line. Receiving (`poll`) moves iLink's sync buffer in the outbox transaction of the
+//! log line. Receiving (`link`) moves iLink's sync buffer in the outbox transaction of the
 //! batch's last message, with the user's latest context token, which every send needs.
 //!
 //! Media go through the CDN encrypted (`cdn`): a message's first image, file, video or voice is
@@ -14,8 +14,8 @@
 
 mod api;
 pub mod cdn;
+mod link;
 mod login;
-mod poll;
 pub mod qr;
 pub mod update;
 
@@ -520,7 +520,7 @@ impl Provider for Wechat {
             log::info!("wechat: receiving for bot {bot}");
             let (weak, bot) = (Arc::downgrade(&me), bot.clone());
             Worker::thread(format!("wx-{}", &bot[..bot.len().min(10)]), move |stop| {
-                poll::run(weak, bot, stop)
+                link::run(weak, bot, stop)
             })
         });
         self.token_files().forget_unused(&bots, "wechat: token of bot");
