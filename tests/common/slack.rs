@@ -134,6 +134,8 @@ struct State {
     files: HashMap<String, (String, String, Vec<u8>)>,
     downloads: Vec<Value>,
     history_page_cap: usize,
+    /// A misbehaving server: conversations.replies answers as if no `oldest` was given.
+    replies_ignore_oldest: bool,
     max_text_len: usize,
     /// history cursors handed out → the ts the next page starts below (history) or above (replies).
     cursors: HashMap<String, String>,
@@ -621,6 +623,11 @@ impl SlackSim {
     /// whatever `limit` says (Slack "may return fewer"); 0 lifts the cap.
     pub fn set_history_page_cap(&self, n: usize) {
         self.with(|s| s.history_page_cap = n);
+    }
+
+    /// Not Slack's behaviour, a hostile server's: conversations.replies ignores `oldest`.
+    pub fn set_replies_ignore_oldest(&self, on: bool) {
+        self.with(|s| s.replies_ignore_oldest = on);
     }
 
     /// chat.postMessage answers `msg_too_long` above this many characters (default 40,000).
@@ -1362,6 +1369,7 @@ fn replies(s: &mut State, app: &App, p: &Map<String, Value>) -> Answer {
             return err("not_in_channel");
         }
         let r = match range(p) {
+            Ok((_, latest, _)) if s.replies_ignore_oldest => (0, latest, true),
             Ok(r) => r,
             Err(a) => return a,
         };
