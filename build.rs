@@ -2,6 +2,9 @@
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+#[path = "src/civil.rs"]
+mod civil;
+
 fn main() {
     let rev = Command::new("git")
         .args(["rev-parse", "--short=7", "HEAD"])
@@ -22,7 +25,7 @@ fn main() {
                 .unwrap_or(0)
         });
     println!("cargo:rustc-env=IMGATE_GIT_REV={rev}");
-    let (y, m, d, hh, mm) = civil(secs);
+    let (y, m, d, hh, mm, _) = civil::civil(secs);
     // The protocol's form for the Card and /health, a person's for `--version`.
     println!(
         "cargo:rustc-env=IMGATE_BUILD_TIME={:02}{m:02}{d:02}{hh:02}{mm:02}",
@@ -32,21 +35,4 @@ fn main() {
     println!("cargo:rerun-if-changed=.git/HEAD");
     println!("cargo:rerun-if-changed=.git/refs");
     println!("cargo:rerun-if-env-changed=SOURCE_DATE_EPOCH");
-}
-
-/// UTC time as (year, month, day, hour, minute).
-fn civil(secs: u64) -> (i64, i64, i64, u64, u64) {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d, rem / 3600, (rem % 3600) / 60)
 }

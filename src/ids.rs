@@ -94,23 +94,8 @@ pub fn now_ms() -> u64 {
 
 /// `ms` since 1970 as `YYYY-MM-DDTHH:MM:SSZ` (UTC), for a time a person reads in a reason.
 pub fn utc(ms: u64) -> String {
-    // Days to a civil date (proleptic Gregorian, from 0000-03-01): all in `u64`, none negative.
-    let secs = ms / 1000;
-    let (days, rest) = (secs / 86_400, secs % 86_400);
-    let z = days + 719_468;
-    let (era, doe) = (z / 146_097, z % 146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + u64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rest / 3600,
-        rest % 3600 / 60,
-        rest % 60
-    )
+    let (year, month, day, hour, minute, second) = crate::civil::civil(ms / 1000);
+    format!("{year:04}-{month:02}-{day:02}T{hour:02}:{minute:02}:{second:02}Z")
 }
 
 /// Standard base64 with padding (RFC 4648 section 4).

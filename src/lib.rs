@@ -19,6 +19,7 @@ mod app;
 mod atomic;
 mod changed;
 mod channels;
+mod civil;
 pub mod cli;
 mod config;
 mod cork;
