@@ -290,7 +290,9 @@ fn a_second_room_bound_while_polling_gets_its_first_message_at_once() {
 #[test]
 fn a_room_no_binding_names_is_listed_for_the_owner_when_someone_writes_in_it() {
     let (d, sim) = matrix("mx-unbound");
-    let (dm, invite) = ("!dm:sim", "!invite:sim");
+    // A room ID longer than most: listed whole, or the owner could not bind it.
+    let dm = format!("!dm{}:sim", "x".repeat(120));
+    let (dm, invite) = (dm.as_str(), "!invite:sim");
     sim.add_room(dm, &[BOT, ALICE], false);
     sim.add_room(invite, &[ALICE], false);
     let (mut x, _) = bound(&d, &sim);
