@@ -77,6 +77,16 @@ pub fn request(url: &str) -> Result<Request, String> {
 /// A dialed WebSocket; its writer may hold the cork (`cork`).
 pub type Ws = WebSocketStream<Corked<Stream>>;
 
+/// The reading half of a `Ws`.
+pub type Reader = async_tungstenite::WebSocketReceiver<Corked<Stream>>;
+
+/// Dials `url` (a provider's long connection, public roots only) with frames of at most
+/// `max_frame` bytes. Errors do not name the URL: it may hold a ticket.
+pub async fn open(url: &str, max_frame: usize) -> Result<Ws, String> {
+    let target = parse_url(url)?;
+    connect(&target, request(url)?, None, bounded_config(max_frame)).await
+}
+
 /// A TCP connection, plain or inside TLS.
 pub enum Stream {
     Plain(TcpStream),

@@ -35,6 +35,7 @@ use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
 use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
+use super::link::{Links, Owner};
 use super::{
     field, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
     Registration, Transient, Upload,
@@ -121,7 +122,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base, &settings.oapi_base),
-        conns: link::Connections::default(),
+        links: Links::new("dingtalk: app", "Stream connection"),
         recent: Recent::new(RECENT),
         seen: Mutex::default(),
         dead_hooks: Mutex::default(),
@@ -177,7 +178,7 @@ pub struct DingTalk {
     me: Weak<DingTalk>,
     host: Arc<Host>,
     api: Api,
-    conns: link::Connections,
+    links: Links,
     recent: Recent,
     /// `{client_id}:{conversation}` → (group, title) of conversations seen without a binding.
     seen: Mutex<VecDeque<(String, bool, String)>>,
@@ -714,6 +715,16 @@ impl DingTalk {
     }
 }
 
+impl Owner for DingTalk {
+    fn bound_through(&self, client_id: &str) -> Vec<Source> {
+        self.conversations_of(client_id).into_iter().map(|(s, _)| s).collect()
+    }
+
+    fn host(&self) -> &Host {
+        &self.host
+    }
+}
+
 impl Provider for DingTalk {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
@@ -740,7 +751,7 @@ impl Provider for DingTalk {
                 // A conversation ID is no secret, and it is what tells two bindings apart
                 // before their first message names them.
                 let target = DECLARATION.target_of(Self::display_name(&info), Some(info.conversation.clone()));
-                match self.conns.refused(&info.client_id) {
+                match self.links.refused(&info.client_id) {
                     Some(why) => Description::unusable("error", target, TOOLS, &why),
                     None => Description::connected(target, TOOLS),
                 }
@@ -802,9 +813,8 @@ impl Provider for DingTalk {
     /// One Stream connection per app with a binding; secrets no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
         let apps = self.bound_apps(bound);
-        if let Some(me) = self.me.upgrade() {
-            self.conns.sync(&me, &apps);
-        }
+        let owner: Weak<dyn Owner> = self.me.clone();
+        self.links.sync(&apps, Some(owner), |line| link::start(&self.me, line));
         self.secret_files().forget_unused(&apps, "dingtalk: secret of app");
         let mut dead = self.dead_hooks.lock().unwrap_or_else(|e| e.into_inner());
         dead.retain(|s| bound.iter().any(|b| b.as_str() == s));
@@ -816,13 +826,13 @@ impl Provider for DingTalk {
                 "imgate_dingtalk_connections",
                 "gauge",
                 "Stream connections running, one per bound app.",
-                self.conns.count() as u64,
+                self.links.count() as u64,
             ),
             (
                 "imgate_dingtalk_connections_up",
                 "gauge",
                 "Stream sockets open now.",
-                self.conns.up() as u64,
+                self.links.up() as u64,
             ),
             (
                 "imgate_dingtalk_unbound_messages_total",
@@ -847,6 +857,6 @@ impl Provider for DingTalk {
     }
 
     fn stop(&self) {
-        self.conns.stop_all();
+        self.links.stop_all();
     }
 }

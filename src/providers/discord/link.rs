@@ -1,7 +1,6 @@
-//! One Gateway session per bot, shared by every channel bound through it: it starts with the
-//! bot's first binding and stops with its last (`Sessions::sync`). It runs on the executor (no
-//! thread of its own); each channel's messages go to the outbox in the channel's lane, on the
-//! pool (`Discord::accept`).
+//! Discord's side of the link supervisor (`link::supervise`): one Gateway session per bot,
+//! shared by every channel bound through it. Each channel's messages go to the outbox in the
+//! channel's lane, on the pool (`Discord::accept`).
 //!
 //! A connection (gateway-events.mdx, gateway.mdx): HELLO names the heartbeat interval; the
 //! first heartbeat goes after a random part of it, each carries the last sequence number, and a
@@ -21,25 +20,21 @@
 //! channels' Descriptors and `/status` say why, and nothing is tried until it is bound again.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use async_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use async_tungstenite::tungstenite::protocol::CloseFrame;
 use async_tungstenite::tungstenite::Message as WsMessage;
-use smol::future::FutureExt;
-use smol::stream::StreamExt;
 
 use super::event::{self, Event, Frame, Message};
 use super::Discord;
 use crate::atomic::AtomicU64;
 use crate::ids;
 use crate::json;
-use crate::peer_wait;
-use crate::providers::link::Pace;
-use crate::providers::socket::{self, Budget, Held, Out, Up, QUEUE_SLOTS};
-use crate::providers::workers::{Worker, Workers};
+use crate::providers::link::{self, conn, Conn, Dial, Ended, Heard, Keepalive, Line, Links, Opened, Owner, Session};
+use crate::providers::socket::{self, Budget, Held, Up};
 use crate::providers::Transient;
 use crate::quiet::Quiet;
 use crate::runtime;
@@ -75,35 +70,32 @@ const RESUME_TRIES: u32 = 3;
 const BUDGET_WAIT_MAX: Duration = Duration::from_secs(3600);
 /// The longest `reset_after` believed: the budget is daily.
 const BUDGET_RESET_MAX: Duration = Duration::from_secs(86_400);
-/// A close frame is written within this long, or the connection is dropped.
-const CLOSE_WAIT: Duration = Duration::from_secs(2);
 
 /// The running sessions, by bot user ID.
 pub struct Sessions {
-    running: Workers<String>,
+    links: Links,
     shared: Arc<Shared>,
 }
 
-/// What the sessions tell the provider.
+/// What the sessions tell the provider besides their links' state.
 #[derive(Default)]
 struct Shared {
-    /// Connections that are ready (READY or RESUMED) and open now.
-    up: Arc<AtomicUsize>,
-    /// Bots Discord refuses, and why.
-    refused: Mutex<HashMap<String, String>>,
     /// Bots whose daily budget of new sessions is spent, and when it resets (ms since 1970).
     spent: Mutex<HashMap<String, u64>>,
     identifies: AtomicU64,
 }
 
 impl Shared {
+    fn spent(&self) -> MutexGuard<'_, HashMap<String, u64>> {
+        self.spent.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Notes that `bot`'s session budget is spent until `resets_ms` (or, `None`, that it is
     /// not); whether that changed the bot's state (spent or not).
     fn set_spent(&self, bot: &str, resets_ms: Option<u64>) -> bool {
-        let mut spent = self.spent.lock().unwrap_or_else(|e| e.into_inner());
         match resets_ms {
-            Some(at) => spent.insert(bot.to_string(), at).is_none(),
-            None => spent.remove(bot).is_some(),
+            Some(at) => self.spent().insert(bot.to_string(), at).is_none(),
+            None => self.spent().remove(bot).is_some(),
         }
     }
 }
@@ -111,7 +103,7 @@ impl Shared {
 impl Default for Sessions {
     fn default() -> Sessions {
         Sessions {
-            running: Workers::new("discord: bot", "Gateway session"),
+            links: Links::new("discord: bot", "Gateway session"),
             shared: Arc::default(),
         }
     }
@@ -119,37 +111,30 @@ impl Default for Sessions {
 
 impl Sessions {
     /// Starts a session for every bot in `wanted` and stops the others.
-    pub fn sync(&self, discord: &Arc<Discord>, wanted: &[String]) {
-        self.running.sync(wanted, |bot| {
-            let task = runtime::spawn(run(Arc::downgrade(discord), bot.clone(), self.shared.clone()));
-            Some(Worker::Task(task))
-        });
-        let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
-        refused.retain(|bot, _| wanted.contains(bot));
-        drop(refused);
-        let mut spent = self.shared.spent.lock().unwrap_or_else(|e| e.into_inner());
-        spent.retain(|bot, _| wanted.contains(bot));
+    pub fn sync(&self, discord: &Weak<Discord>, wanted: &[String]) {
+        let owner: Weak<dyn Owner> = discord.clone();
+        self.links
+            .sync(wanted, Some(owner), |line| start(discord, line, self.shared.clone()));
+        self.shared.spent().retain(|bot, _| wanted.contains(bot));
     }
 
     /// Stops the session of `bot` (a refused one, bound again): the next `sync` starts anew.
     pub fn forget(&self, bot: &str) {
-        self.running.forget(&bot.to_string());
-        let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
-        refused.remove(bot);
-        drop(refused);
+        self.links.forget(bot);
         self.shared.set_spent(bot, None);
     }
 
     pub fn stop_all(&self) {
-        self.running.stop_all();
+        self.links.stop_all();
     }
 
     pub fn count(&self) -> usize {
-        self.running.count()
+        self.links.count()
     }
 
+    /// Sessions that are ready (READY or RESUMED) and open now.
     pub fn up(&self) -> usize {
-        self.shared.up.load(Ordering::Relaxed)
+        self.links.up()
     }
 
     pub fn identifies(&self) -> u64 {
@@ -158,14 +143,12 @@ impl Sessions {
 
     /// Why Discord refuses `bot`, if it does.
     pub fn refused(&self, bot: &str) -> Option<String> {
-        let refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
-        refused.get(bot).cloned()
+        self.links.refused(bot)
     }
 
     /// When `bot`'s spent budget of new sessions resets (ms since 1970), while it is spent.
     pub fn spent_until(&self, bot: &str) -> Option<u64> {
-        let spent = self.shared.spent.lock().unwrap_or_else(|e| e.into_inner());
-        spent.get(bot).copied()
+        self.shared.spent().get(bot).copied()
     }
 
     /// What a binding's `GET /gateway/bot` said of `bot`'s session budget, so the binding's own
@@ -192,37 +175,6 @@ fn resets_at(reset: Duration) -> u64 {
     ids::now_ms().saturating_add(u64::try_from(reset.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// Logs a bot's session state when it changes.
-struct State {
-    bot: String,
-    last: String,
-}
-
-impl State {
-    fn set(&mut self, now: String, warn: bool) {
-        if now != self.last {
-            match warn {
-                true => log::warn!("discord: bot {}: {now}", self.bot),
-                false => log::info!("discord: bot {}: {now}", self.bot),
-            }
-            self.last = now;
-        }
-    }
-}
-
-/// The bot's channels' Descriptors changed (it was refused, or is taken again): xAgent is told.
-async fn tell(discord: &Weak<Discord>, bot: &str) {
-    let (d, b) = (discord.clone(), bot.to_string());
-    runtime::unblock(move || {
-        if let Some(d) = d.upgrade() {
-            for (source, _) in d.channels_of(&b) {
-                d.host.binding_state_changed(&source);
-            }
-        }
-    })
-    .await;
-}
-
 /// A session that can be resumed.
 #[derive(Clone)]
 struct Resume {
@@ -241,6 +193,33 @@ enum End {
     Refused(String),
 }
 
+/// The link of `bot`, given its state line.
+fn start(discord: &Weak<Discord>, line: Line, shared: Arc<Shared>) -> smol::Task<()> {
+    let plain_ok = discord.upgrade().is_some_and(|d| d.api.base().starts_with("http://"));
+    let (budget, room) = Budget::new(QUEUED_BYTES);
+    let (d, b) = (discord.clone(), line.account().to_string());
+    let bot = Bot {
+        discord: discord.clone(),
+        id: line.account().to_string(),
+        shared,
+        budget,
+        room,
+        lanes: Mutex::new(socket::Lanes::new(move |batch: Vec<Job>| {
+            lane(d.clone(), b.clone(), batch)
+        })),
+        plain_ok,
+        state: Mutex::new(State {
+            resume: None,
+            resume_failures: 0,
+            identify_gap: IDENTIFY_MIN,
+            next_identify: Instant::now(),
+            spent_said: false,
+            url: String::new(),
+        }),
+    };
+    runtime::spawn(link::supervise::run(Arc::new(bot), line))
+}
+
 /// What one bot's connections share, kept across reconnects: messages a lane is still storing
 /// from an ended connection count against the same budget, and a channel keeps one lane, so
 /// its messages stay in order whichever connection read them.
@@ -248,64 +227,40 @@ struct Bot<H> {
     discord: Weak<Discord>,
     id: String,
     shared: Arc<Shared>,
-    state: State,
     budget: Budget,
     room: smol::channel::Receiver<()>,
-    lanes: socket::Lanes<Job, H>,
+    lanes: Mutex<socket::Lanes<Job, H>>,
     /// Gateway URLs may be `ws://` only when the REST base is `http://` (a test server): the
     /// token travels in IDENTIFY and RESUME.
     plain_ok: bool,
+    state: Mutex<State>,
+}
+
+/// The session state, across connections.
+struct State {
+    resume: Option<Resume>,
+    /// Resume URLs that could not be reached in a row.
+    resume_failures: u32,
+    identify_gap: Duration,
+    next_identify: Instant,
+    /// The spent budget was logged in this spell (one line, not one per question).
+    spent_said: bool,
     /// The URL of the connection up now.
     url: String,
 }
 
+/// What `Bot::open` hands `serve`: the socket, the token, whether it IDENTIFYs.
+type Opening = (Box<wsclient::Ws>, String, bool);
+
 impl<H> Bot<H> {
-    /// Discord refuses the bot: said once, and its channels' Descriptors changed.
-    async fn refuse(&mut self, why: String) {
-        let changed = {
-            let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
-            refused.insert(self.id.clone(), why.clone()).as_ref() != Some(&why)
-        };
-        self.state
-            .set(format!("{why}; not connecting until the channel is bound again"), true);
-        if changed {
-            tell(&self.discord, &self.id).await;
-        }
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The session budget is spent until `resets_ms`: the channels are told when it is new, and
-    /// `say` (once per spell) logs it.
-    async fn spent(&mut self, resets_ms: u64, say: bool) {
-        if say {
-            self.state.set(
-                format!(
-                    "Discord's daily budget of new sessions is used up; no Gateway session (no messages arrive) until it resets at {}",
-                    ids::utc(resets_ms)
-                ),
-                true,
-            );
-        }
-        if self.shared.set_spent(&self.id, Some(resets_ms)) {
-            tell(&self.discord, &self.id).await;
-        }
-    }
-
-    /// The session budget allows a session again.
-    async fn budget_back(&self) {
-        if self.shared.set_spent(&self.id, None) {
-            tell(&self.discord, &self.id).await;
-        }
-    }
-
-    /// Discord took the bot again after refusing it.
-    async fn accepted(&self) {
-        let was = {
-            let mut refused = self.shared.refused.lock().unwrap_or_else(|e| e.into_inner());
-            refused.remove(&self.id).is_some()
-        };
-        if was {
-            tell(&self.discord, &self.id).await;
-        }
+    /// The bot's channels' Descriptors changed.
+    async fn tell(&self) {
+        let owner: Weak<dyn Owner> = self.discord.clone();
+        link::accounts::tell(Some(owner), &self.id).await;
     }
 
     /// A Gateway URL imgate may send the token to.
@@ -314,124 +269,123 @@ impl<H> Bot<H> {
     }
 }
 
-/// The session loop of one bot: forever, until its task is dropped.
-async fn run(discord: Weak<Discord>, id: String, shared: Arc<Shared>) {
-    let Some(plain_ok) = discord.upgrade().map(|d| d.api.base().starts_with("http://")) else {
-        return;
-    };
-    let (budget, room) = Budget::new(QUEUED_BYTES);
-    let (d, b) = (discord.clone(), id.clone());
-    let mut bot = Bot {
-        state: State {
-            bot: id.clone(),
-            last: String::new(),
-        },
-        lanes: socket::Lanes::new(move |batch: Vec<Job>| lane(d.clone(), b.clone(), batch)),
-        discord,
-        id,
-        shared,
-        budget,
-        room,
-        plain_ok,
-        url: String::new(),
-    };
-    let mut resume: Option<Resume> = None;
-    let mut resume_failures = 0u32;
-    let mut pace = Pace::default();
-    let mut identify_gap = IDENTIFY_MIN;
-    let mut next_identify = Instant::now();
-    // The spent budget was logged in this spell (one line, not one per question).
-    let mut spent_said = false;
-    loop {
-        let Some(token) = token_of(&bot.discord, &bot.id).await else {
-            return;
-        };
-        let identify = resume.is_none();
-        let url = match &resume {
-            Some(r) => r.url.clone(),
-            None => {
-                smol::Timer::at(next_identify).await;
-                match gateway_url(&bot, &token).await {
-                    Ok(url) => {
-                        spent_said = false;
-                        bot.budget_back().await;
-                        url
-                    }
-                    Err(Open::Refused(why)) => {
-                        bot.refuse(why).await;
-                        return std::future::pending().await;
-                    }
-                    Err(Open::Spent(reset)) => {
-                        bot.spent(resets_at(reset), !spent_said).await;
-                        spent_said = true;
-                        // At least the IDENTIFY gap: a peer's 0 must not make a loop.
-                        smol::Timer::after(reset.min(BUDGET_WAIT_MAX).max(IDENTIFY_MIN)).await;
-                        continue;
-                    }
-                    Err(Open::Failed(why, retry_after)) => {
-                        bot.state
-                            .set(format!("cannot reach the Gateway: {why}; retrying"), true);
-                        smol::Timer::after(peer_wait::retry_after(retry_after, pace.failed())).await;
-                        continue;
-                    }
+impl<H, F> Bot<H>
+where
+    H: Fn(Vec<Job>) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = bool> + Send + 'static,
+{
+    fn route(&self, channel: String, job: Job) {
+        self.lanes.lock().unwrap_or_else(|e| e.into_inner()).route(channel, job);
+    }
+
+    /// The URL of the next IDENTIFY, once the gap and the session budget allow one.
+    async fn identify_url(&self, token: &str) -> Result<String, Opened<Opening>> {
+        let at = self.state().next_identify;
+        smol::Timer::at(at).await;
+        match gateway_url(self, token).await {
+            Ok(url) => {
+                self.state().spent_said = false;
+                if self.shared.set_spent(&self.id, None) {
+                    self.tell().await;
                 }
+                Ok(url)
             }
+            Err(Open::Refused(why)) => Err(Opened::Refused(why)),
+            Err(Open::Spent(reset)) => {
+                let resets = resets_at(reset);
+                let say = !std::mem::replace(&mut self.state().spent_said, true);
+                if self.shared.set_spent(&self.id, Some(resets)) {
+                    self.tell().await;
+                }
+                let note = say.then(|| {
+                    format!(
+                        "Discord's daily budget of new sessions is used up; no Gateway session (no messages arrive) until it resets at {}",
+                        ids::utc(resets)
+                    )
+                });
+                // At least the IDENTIFY gap: a peer's 0 must not make a loop.
+                Err(Opened::Later(reset.min(BUDGET_WAIT_MAX).max(IDENTIFY_MIN), note))
+            }
+            Err(Open::Failed(why, retry_after)) => {
+                Err(Opened::Failed(format!("cannot reach the Gateway: {why}"), retry_after))
+            }
+        }
+    }
+}
+
+impl<H, F> Dial for Bot<H>
+where
+    H: Fn(Vec<Job>) -> F + Clone + Send + Sync + 'static,
+    F: std::future::Future<Output = bool> + Send + 'static,
+{
+    type Socket = Opening;
+
+    /// A refusal only the owner can fix: nothing is tried until the channel is bound again.
+    const REFUSED_WAIT: Option<Duration> = None;
+
+    /// RESUME's URL, or a new session's (`GET /gateway/bot`, within the IDENTIFY gap and the
+    /// daily budget), and the handshake.
+    async fn open(&self) -> Option<Opened<Opening>> {
+        let token = token_of(&self.discord, &self.id).await?;
+        let resume_url = self.state().resume.as_ref().map(|r| r.url.clone());
+        let identify = resume_url.is_none();
+        let url = match resume_url {
+            Some(url) => url,
+            None => match self.identify_url(&token).await {
+                Ok(url) => url,
+                Err(not_now) => return Some(not_now),
+            },
         };
         let ws = match connect(&url).await {
             Ok(ws) => ws,
             Err(why) => {
-                bot.state
-                    .set(format!("cannot connect to the Gateway: {why}; retrying"), true);
+                let mut state = self.state();
                 if !identify {
-                    resume_failures += 1;
-                    if resume_failures >= RESUME_TRIES {
-                        resume = None;
+                    state.resume_failures += 1;
+                    if state.resume_failures >= RESUME_TRIES {
+                        state.resume = None;
                     }
                 }
-                smol::Timer::after(pace.failed()).await;
-                continue;
+                return Some(Opened::Failed(format!("cannot connect to the Gateway: {why}"), None));
             }
         };
-        pace.opened();
-        resume_failures = 0;
-        bot.url = url;
+        let mut state = self.state();
+        state.resume_failures = 0;
+        state.url = url;
         if identify {
-            bot.shared.identifies.fetch_add(1, Ordering::Relaxed);
-            next_identify = Instant::now() + identify_gap;
+            self.shared.identifies.fetch_add(1, Ordering::Relaxed);
+            state.next_identify = Instant::now() + state.identify_gap;
         }
+        Some(Opened::Up((Box::new(ws), token, identify)))
+    }
+
+    async fn serve(self: Arc<Self>, (ws, token, identify): Opening, session: Session) -> Ended {
         let started = Instant::now();
         let mut ready = false;
-        let end = live(&mut bot, ws, &token, &mut resume, &mut ready).await;
-        let lived = started.elapsed();
+        let end = live(&self, *ws, &token, &session, &mut ready).await;
         if identify {
-            let before = identify_gap;
-            identify_gap = next_gap(identify_gap, ready && lived >= SHORT_LIVED);
-            if identify_gap == IDENTIFY_MAX && before < IDENTIFY_MAX {
+            let mut state = self.state();
+            let before = state.identify_gap;
+            state.identify_gap = next_gap(before, ready && started.elapsed() >= SHORT_LIVED);
+            if state.identify_gap == IDENTIFY_MAX && before < IDENTIFY_MAX {
                 log::warn!(
                     "discord: bot {}: new sessions keep failing; one is tried every {} to spare the daily budget",
-                    bot.id,
+                    self.id,
                     crate::config::fmt_duration(IDENTIFY_MAX)
                 );
             }
         }
         match end {
-            End::Refused(why) => {
-                bot.refuse(why).await;
-                return std::future::pending().await;
-            }
-            End::Resume(why) => {
-                bot.state
-                    .set(format!("Gateway connection down ({why}); resuming"), false);
-                // A session that became ready (or resumed) worked: resumed at once.
-                smol::Timer::after(pace.ended(ready)).await;
-            }
+            End::Refused(why) => Ended::refused(why),
+            // A session that became ready (or resumed) worked: resumed at once.
+            End::Resume(why) => Ended::down(format!("{why}; resuming"), ready),
             End::Identify(why, pause) => {
-                bot.state
-                    .set(format!("Gateway session ended ({why}); starting a new one"), true);
-                resume = None;
-                if pause {
+                self.state().resume = None;
+                let ended = Ended::down(format!("{why}; starting a new session"), ready);
+                match pause {
                     // Op 9: "wait a random amount of time between 1 and 5 seconds".
-                    smol::Timer::after(Duration::from_millis(1000 + ids::below(4000))).await;
+                    true => ended.pausing(Duration::from_millis(1000 + ids::below(4000))),
+                    false => ended,
                 }
             }
         }
@@ -497,10 +451,7 @@ fn versioned(url: &str) -> String {
 }
 
 async fn connect(url: &str) -> Result<wsclient::Ws, String> {
-    let url = versioned(url);
-    let target = wsclient::parse_url(&url)?;
-    let request = wsclient::request(&url)?;
-    wsclient::connect(&target, request, None, wsclient::bounded_config(MAX_FRAME)).await
+    wsclient::open(&versioned(url), MAX_FRAME).await
 }
 
 fn text(v: json::Value) -> WsMessage {
@@ -580,168 +531,99 @@ impl Job {
     }
 }
 
-/// One connection, until it ends. `resume` is kept current (READY's session, each sequence
-/// number); `ready` is set once the session is ready.
-async fn live<H, F>(
-    bot: &mut Bot<H>,
-    ws: wsclient::Ws,
-    token: &str,
-    resume: &mut Option<Resume>,
-    ready: &mut bool,
-) -> End
+/// One connection, until it ends. The session's `resume` is kept current (READY's session,
+/// each sequence number); `ready` is set once the session is ready.
+async fn live<H, F>(bot: &Bot<H>, ws: wsclient::Ws, token: &str, session: &Session, ready: &mut bool) -> End
 where
-    H: Fn(Vec<Job>) -> F + Clone + Send + 'static,
+    H: Fn(Vec<Job>) -> F + Clone + Send + Sync + 'static,
     F: std::future::Future<Output = bool> + Send + 'static,
 {
-    let (sink, mut stream) = ws.split();
-    let (out_tx, out_rx) = smol::channel::bounded::<Out>(QUEUE_SLOTS);
-    let mut writer = socket::writer(sink, out_rx);
-    let close = |out: &smol::channel::Sender<Out>| {
-        let _ = out.try_send((resumable_close(), None));
+    // Until HELLO names the heartbeat, the one tick is HELLO's deadline.
+    let waiting = Keepalive::Ticks {
+        first: HELLO_TIMEOUT,
+        every: HELLO_TIMEOUT,
     };
-    // HELLO first.
-    let hello = async {
-        match stream.next().await {
-            // A HELLO is about 100 bytes: a large first frame is not parsed on the executor.
-            Some(Ok(WsMessage::Text(t))) if t.len() > json::INLINE_PARSE => {
-                Err("the first frame is not HELLO".to_string())
-            }
-            Some(Ok(WsMessage::Text(t))) => match event::read_frame(t.as_str()) {
-                Frame::Hello { heartbeat_interval } => Ok(heartbeat_interval),
-                _ => Err("the first frame is not HELLO".to_string()),
-            },
-            Some(Ok(WsMessage::Close(f))) => Err(format!("closed before HELLO ({:?})", f.map(|f| u16::from(f.code)))),
-            Some(Ok(_)) => Err("the first frame is not HELLO".to_string()),
-            Some(Err(e)) => Err(e.to_string()),
-            None => Err("closed before HELLO".to_string()),
-        }
-    };
-    let late = async {
-        smol::Timer::after(HELLO_TIMEOUT).await;
-        Err(format!("no HELLO within {HELLO_TIMEOUT:?}"))
-    };
-    let interval = match hello.or(late).await {
+    let mut conn = Conn::new(ws, bot.budget.clone(), bot.room.clone(), waiting);
+    let interval = match hello(&mut conn).await {
         Ok(ms) => Duration::from_millis(ms).clamp(BEAT_MIN, BEAT_MAX),
         Err(why) => return End::Resume(crate::quiet::shown(&why)),
     };
-    let first = match resume.as_ref() {
+    // The first beat after `interval * jitter` (gateway.mdx "Sending Heartbeats").
+    conn.keep_alive(Keepalive::Ticks {
+        first: interval.mul_f64(ids::below(1000) as f64 / 1000.0),
+        every: interval,
+    });
+    let first = match bot.state().resume.as_ref() {
         Some(r) => resume_payload(token, r),
         None => identify_payload(token),
     };
-    if out_tx.send((first, None)).await.is_err() {
+    if conn.send(first, None).await.is_err() {
         return End::Resume("the writer stopped".into());
     }
     let mut up_while_ready: Option<Up> = None;
     let mut unreadable = Quiet::new();
     let mut acked = true;
-    // The first beat after `interval * jitter` (gateway.mdx "Sending Heartbeats").
-    let mut next_beat = Instant::now() + interval.mul_f64(ids::below(1000) as f64 / 1000.0);
-    let mut fair = runtime::Fair::default();
     loop {
-        fair.turn().await;
-        enum Step {
-            Read(Option<Result<WsMessage, async_tungstenite::tungstenite::Error>>),
-            Beat,
-            Room,
-            Writer(String),
-        }
-        let beat = async {
-            smol::Timer::at(next_beat).await;
-            Step::Beat
-        };
-        let writer_ended = async { Step::Writer((&mut writer).await) };
-        // Past the byte budget nothing is read until the lanes hand messages over; heartbeats
-        // go on.
-        let step = match bot.budget.full() {
-            true => {
-                // A paused reader hears no ACK either: a heartbeat meanwhile is not a zombie's.
-                acked = true;
-                let waiting_room = async {
-                    let _ = bot.room.recv().await;
-                    Step::Room
-                };
-                waiting_room.or(beat).or(writer_ended).await
-            }
-            false => {
-                async { Step::Read(stream.next().await) }
-                    .or(beat)
-                    .or(writer_ended)
-                    .await
-            }
-        };
-        let text = match step {
-            Step::Writer(why) => return End::Resume(why),
-            Step::Room => continue,
-            Step::Beat => {
-                if !acked {
-                    close(&out_tx);
-                    let _ = (&mut writer)
-                        .or(async {
-                            smol::Timer::after(CLOSE_WAIT).await;
-                            String::new()
-                        })
-                        .await;
+        let text = match conn.next().await {
+            Heard::Text(t) => t,
+            Heard::Binary(_) => continue,
+            // A paused reader hears no ACK either: a heartbeat meanwhile is not a zombie's.
+            Heard::Tick { paused } => {
+                if !acked && !paused {
+                    conn.close(resumable_close()).await;
                     return End::Resume("no heartbeat acknowledged: a zombie connection".into());
                 }
-                let seq = resume.as_ref().and_then(|r| r.seq);
-                if let Err(smol::channel::TrySendError::Closed(_)) = out_tx.try_send((heartbeat(seq), None)) {
+                let seq = bot.state().resume.as_ref().and_then(|r| r.seq);
+                if conn.offer(heartbeat(seq)).is_err() {
                     return End::Resume("the writer stopped".into());
                 }
                 acked = false;
-                next_beat = Instant::now() + interval;
                 // A channel whose catch-up failed is tried again at a heartbeat.
                 if let Some(d) = bot.discord.upgrade() {
                     for channel in d.due(&bot.id) {
-                        bot.lanes.route(channel.clone(), Job::CatchUp(channel));
+                        bot.route(channel.clone(), Job::CatchUp(channel));
                     }
                 }
                 continue;
             }
-            Step::Read(None) => return End::Resume("the connection closed".into()),
-            Step::Read(Some(Ok(WsMessage::Close(frame)))) => {
-                return match frame {
-                    Some(f) => closed_with(u16::from(f.code)),
-                    None => End::Resume("closed by Discord".into()),
-                }
-            }
+            Heard::Closed(Some(f)) => return closed_with(u16::from(f.code)),
+            Heard::Closed(None) => return End::Resume("closed by Discord".into()),
             // A frame past `MAX_FRAME` would come again in a RESUME's replay: a new session
             // skips it (the catch-up reads the channels' histories instead).
-            Step::Read(Some(Err(async_tungstenite::tungstenite::Error::Capacity(e)))) => {
+            Heard::Broken(async_tungstenite::tungstenite::Error::Capacity(e)) => {
                 return End::Identify(format!("a frame too large ({e})"), false)
             }
-            Step::Read(Some(Err(e))) => return End::Resume(crate::quiet::shown(&e.to_string())),
-            Step::Read(Some(Ok(WsMessage::Text(t)))) => t,
-            Step::Read(Some(Ok(_))) => continue,
+            Heard::Broken(e) => return End::Resume(crate::quiet::shown(&e.to_string())),
+            Heard::Ended(why) => return End::Resume(why),
         };
         let cost = text.len().max(MIN_EVENT_COST);
-        let frame = match text.len() <= json::INLINE_PARSE {
-            true => event::read_frame(text.as_str()),
-            // Parsing a large frame is work for the pool, not the executor.
-            false => runtime::unblock(move || event::read_frame(text.as_str())).await,
-        };
-        match frame {
+        match conn::parse(text, event::read_frame).await {
             Frame::Hello { .. } => {}
             Frame::HeartbeatAck => acked = true,
             Frame::Heartbeat => {
-                let seq = resume.as_ref().and_then(|r| r.seq);
-                let _ = out_tx.try_send((heartbeat(seq), None));
+                let seq = bot.state().resume.as_ref().and_then(|r| r.seq);
+                let _ = conn.offer(heartbeat(seq));
             }
             Frame::Reconnect => {
-                close(&out_tx);
+                conn.close(resumable_close()).await;
                 return End::Resume("Discord asked for a reconnect".into());
             }
             Frame::InvalidSession { resumable: true } => {
-                close(&out_tx);
+                conn.close(resumable_close()).await;
                 return End::Resume("Discord invalidated the connection".into());
             }
             Frame::InvalidSession { resumable: false } => {
-                close(&out_tx);
+                conn.close(resumable_close()).await;
                 return End::Identify("Discord invalidated the session".into(), true);
             }
             Frame::Dispatch { seq, event } => {
-                if let (Some(s), Some(r)) = (seq, resume.as_mut()) {
-                    r.seq = Some(r.seq.map_or(s, |old| old.max(s)));
-                }
+                let resumable = {
+                    let mut state = bot.state();
+                    if let (Some(s), Some(r)) = (seq, state.resume.as_mut()) {
+                        r.seq = Some(r.seq.map_or(s, |old| old.max(s)));
+                    }
+                    state.resume.is_some()
+                };
                 match event {
                     Event::Ready {
                         session_id,
@@ -753,40 +635,40 @@ where
                         }
                         // A resume URL imgate would not send the token to: resumed where it
                         // connected, as clients did before Discord named one.
-                        let url = match bot.usable(&resume_url) {
-                            true => resume_url,
-                            false => bot.url.clone(),
-                        };
-                        *resume = Some(Resume { session_id, url, seq });
+                        {
+                            let mut state = bot.state();
+                            let url = match bot.usable(&resume_url) {
+                                true => resume_url,
+                                false => state.url.clone(),
+                            };
+                            state.resume = Some(Resume { session_id, url, seq });
+                        }
                         // A new session replays nothing: every channel reads its history first,
                         // and a channel not marked so would let live messages pass a gap.
                         let (d, b) = (bot.discord.clone(), bot.id.clone());
                         let channels = runtime::unblock(move || d.upgrade().and_then(|d| d.session_started(&b))).await;
                         let Some(channels) = channels else {
-                            close(&out_tx);
+                            conn.close(resumable_close()).await;
                             return End::Identify("the bindings cannot be read".into(), true);
                         };
                         for channel in channels {
-                            bot.lanes.route(channel.clone(), Job::CatchUp(channel));
+                            bot.route(channel.clone(), Job::CatchUp(channel));
                         }
                         *ready = true;
-                        up_while_ready = Some(Up::new(&bot.shared.up));
-                        bot.state.set("Gateway session ready".into(), false);
-                        bot.accepted().await;
+                        up_while_ready = Some(session.up());
                     }
                     Event::Resumed => {
                         *ready = true;
-                        up_while_ready.get_or_insert_with(|| Up::new(&bot.shared.up));
-                        bot.state.set("Gateway session resumed".into(), false);
+                        up_while_ready.get_or_insert_with(|| session.up());
                     }
                     Event::Message(m) => {
-                        let held = bot.budget.take(cost);
-                        bot.lanes.route(m.channel.clone(), Job::Message(m, held));
+                        let held = conn.budget().take(cost);
+                        bot.route(m.channel.clone(), Job::Message(m, held));
                     }
                     // A session whose READY cannot be read cannot be resumed, and its catch-up
                     // would not run: a new one.
-                    Event::Unreadable(why) if resume.is_none() => {
-                        close(&out_tx);
+                    Event::Unreadable(why) if !resumable => {
+                        conn.close(resumable_close()).await;
                         return End::Identify(why.into(), true);
                     }
                     Event::Unreadable(why) => {
@@ -807,6 +689,24 @@ where
                 }
             }
         }
+    }
+}
+
+/// HELLO's heartbeat interval (ms): the first frame, within `HELLO_TIMEOUT`.
+async fn hello(conn: &mut Conn) -> Result<u64, String> {
+    let not_hello = || Err("the first frame is not HELLO".to_string());
+    match conn.next().await {
+        // A HELLO is about 100 bytes: a large first frame is not parsed on the executor.
+        Heard::Text(t) if t.len() > json::INLINE_PARSE => not_hello(),
+        Heard::Text(t) => match event::read_frame(t.as_str()) {
+            Frame::Hello { heartbeat_interval } => Ok(heartbeat_interval),
+            _ => not_hello(),
+        },
+        Heard::Binary(_) => not_hello(),
+        Heard::Tick { .. } => Err(format!("no HELLO within {HELLO_TIMEOUT:?}")),
+        Heard::Closed(f) => Err(format!("closed before HELLO ({:?})", f.map(|f| u16::from(f.code)))),
+        Heard::Broken(e) => Err(e.to_string()),
+        Heard::Ended(why) => Err(why),
     }
 }
 

@@ -38,6 +38,7 @@ use super::inbound::{self, FileItem, Inbound};
 use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::lag::Lag;
+use super::link::Owner;
 use super::{
     field, send_id, split_text, with_retry, Activity, AuthStep, Declaration, Description, Failure, Host, Input,
     Outbound, Provider, Registration, Transient, Upload,
@@ -813,6 +814,16 @@ impl Discord {
     }
 }
 
+impl Owner for Discord {
+    fn bound_through(&self, bot_user: &str) -> Vec<Source> {
+        self.channels_of(bot_user).into_iter().map(|(s, _)| s).collect()
+    }
+
+    fn host(&self) -> &Host {
+        &self.host
+    }
+}
+
 impl Provider for Discord {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
@@ -905,9 +916,7 @@ impl Provider for Discord {
     /// One Gateway session per bot with a binding; tokens no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
         let bots = self.bound_bots(bound);
-        if let Some(me) = self.me.upgrade() {
-            self.sessions.sync(&me, &bots);
-        }
+        self.sessions.sync(&self.me, &bots);
         self.token_files().forget_unused(&bots, "discord: bot token of");
         self.lag.retain(bound);
     }

@@ -32,6 +32,7 @@ use super::bindings::Rows;
 use super::inbound::{self, FileItem};
 use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
+use super::link::Links;
 use super::{
     field, multipart, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound,
     Provider, Registration, Transient,
@@ -142,7 +143,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         host: host.clone(),
         api: Api::new(&settings.api_base),
         settings,
-        conns: link::Connections::default(),
+        links: Links::new("feishu: app", "long connection"),
         recent: Recent::new(RECENT),
         unbound_events: AtomicU64::new(0),
         unreadable_events: AtomicU64::new(0),
@@ -172,7 +173,7 @@ pub struct Feishu {
     host: Arc<Host>,
     settings: FeishuSettings,
     api: Api,
-    conns: link::Connections,
+    links: Links,
     recent: Recent,
     /// Events from chats no channel is bound to (counted, not stored).
     unbound_events: AtomicU64,
@@ -715,9 +716,8 @@ impl Provider for Feishu {
         let mut apps: Vec<String> = chats.iter().map(|c| c.app_id.clone()).collect();
         apps.sort();
         apps.dedup();
-        if let Some(me) = self.me.upgrade() {
-            self.conns.sync(&me, &apps);
-        }
+        // A refusal is only logged: the binding checked the same credentials.
+        self.links.sync(&apps, None, |line| link::start(&self.me, line));
         let own: Vec<String> = chats
             .iter()
             .filter(|c| c.own_secret)
@@ -732,13 +732,13 @@ impl Provider for Feishu {
                 "imgate_feishu_connections",
                 "gauge",
                 "Long connections running, one per bound app.",
-                self.conns.count() as u64,
+                self.links.count() as u64,
             ),
             (
                 "imgate_feishu_connections_up",
                 "gauge",
                 "Long connections open now.",
-                self.conns.up() as u64,
+                self.links.up() as u64,
             ),
             (
                 "imgate_feishu_unbound_events_total",
@@ -757,7 +757,7 @@ impl Provider for Feishu {
     }
 
     fn stop(&self) {
-        self.conns.stop_all();
+        self.links.stop_all();
     }
 }
 

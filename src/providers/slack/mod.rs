@@ -37,6 +37,7 @@ use super::inbound::{self, FileItem, Inbound};
 use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::lag::Lag;
+use super::link::{Links, Owner};
 use super::{
     field, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
     Registration, Transient,
@@ -123,7 +124,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base),
-        conns: link::Connections::default(),
+        links: Links::new("slack: bot", "Socket Mode connection"),
         recent: Recent::new(RECENT),
         names: Mutex::default(),
         threads: Mutex::default(),
@@ -181,7 +182,7 @@ pub struct Slack {
     me: Weak<Slack>,
     host: Arc<Host>,
     api: Api,
-    conns: link::Connections,
+    links: Links,
     recent: Recent,
     /// user ID → (display name, when looked up).
     names: Mutex<HashMap<String, (String, Instant)>>,
@@ -814,6 +815,16 @@ impl Slack {
     }
 }
 
+impl Owner for Slack {
+    fn bound_through(&self, bot_user: &str) -> Vec<Source> {
+        self.channels_of(bot_user).into_iter().map(|(s, _)| s).collect()
+    }
+
+    fn host(&self) -> &Host {
+        &self.host
+    }
+}
+
 impl Provider for Slack {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
@@ -837,7 +848,7 @@ impl Provider for Slack {
         };
         Ok(match self.channel_info(source.as_str())? {
             Some(info) if self.tokens(&info.bot_user).is_none() => lost("the bot's tokens are no longer available"),
-            Some(info) => match self.conns.disabled(&info.bot_user) {
+            Some(info) => match self.links.refused(&info.bot_user) {
                 Some(why) => {
                     Description::unusable("error", DECLARATION.target_of(info.channel_name, None), TOOLS, &why)
                 }
@@ -888,9 +899,8 @@ impl Provider for Slack {
     /// One Socket Mode connection per bot with a binding; tokens no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
         let bots = self.bound_bots(bound);
-        if let Some(me) = self.me.upgrade() {
-            self.conns.sync(&me, &bots);
-        }
+        let owner: Weak<dyn Owner> = self.me.clone();
+        self.links.sync(&bots, Some(owner), |line| link::start(&self.me, line));
         self.token_files(".bot").forget_unused(&bots, "slack: bot token of");
         self.token_files(".app").forget_unused(&bots, "slack: app token of");
         self.lag.retain(bound);
@@ -902,13 +912,13 @@ impl Provider for Slack {
                 "imgate_slack_connections",
                 "gauge",
                 "Socket Mode connections running, one per bound bot.",
-                self.conns.count() as u64,
+                self.links.count() as u64,
             ),
             (
                 "imgate_slack_connections_up",
                 "gauge",
                 "Socket Mode sockets open now.",
-                self.conns.up() as u64,
+                self.links.up() as u64,
             ),
             (
                 "imgate_slack_unbound_messages_total",
@@ -933,6 +943,6 @@ impl Provider for Slack {
     }
 
     fn stop(&self) {
-        self.conns.stop_all();
+        self.links.stop_all();
     }
 }

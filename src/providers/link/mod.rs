@@ -1,12 +1,30 @@
-//! How every link to an IM system paces its attempts, stated once: a poll loop's failed calls
-//! and a long connection's failed opens back off (`Backoff`), and a long connection that worked
-//! and ended is followed by the next one at once (`Pace`).
+//! The link supervisor: how every provider holds its links to an IM system, stated once. A
+//! provider folder keeps only its protocol (its open call and hello, its frames, what an event
+//! is); the machinery is here:
+//!
+//! - `Links` (accounts.rs): one link per account, started with its first binding and stopped
+//!   with its last; each link's `Line` logs its state once per change and keeps a refusal
+//!   (what only the owner can fix) for its bindings' Descriptors and `/status`.
+//! - `supervise::run`: a long connection's loop: open (`Dial::open`), serve (`Dial::serve`),
+//!   the next one next-before-old when the server asks, refusals asked again at their pace.
+//! - `Conn` (conn.rs): one connection's reading: keepalive and silence, the byte budget, the
+//!   writer's deadline, the drain before a close.
+//! - `Backoff` and `Pace` (below): when the next attempt comes, for poll loops and long
+//!   connections alike.
 //!
 //! Why a connection that worked is replaced at once: DingTalk and WeCom keep nothing for a
 //! robot that is not connected, and Slack, Discord and Feishu deliver live what their catch-up
 //! would otherwise fetch later; every second without a link loses messages or delays them.
 //! Why only failures back off: an attempt that fails says the server (or the way to it) is not
 //! ready, and asking again at once would be a storm.
+
+pub mod accounts;
+pub mod conn;
+pub mod supervise;
+
+pub use self::accounts::{Line, Links, Owner};
+pub use self::conn::{Conn, Heard, Keepalive};
+pub use self::supervise::{Dial, Ended, Opened, Session};
 
 use std::time::{Duration, Instant};
 

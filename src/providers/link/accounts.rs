@@ -1,0 +1,216 @@
+//! The links of one provider, one per account (a bot, an app), shared by every binding made
+//! through that account: a link starts with the account's first binding and stops with its
+//! last (`Links::sync`). Each link has a `Line`: its state, said once per change in the log,
+//! and, when the IM system refuses the account, that refusal in its bindings' Descriptors and
+//! `/status` until it takes the account again.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::providers::workers::{Worker, Workers};
+use crate::providers::Host;
+use crate::runtime;
+use crate::source::Source;
+
+/// A provider whose bindings follow the state of the account they were made through.
+pub trait Owner: Send + Sync + 'static {
+    /// The sources bound through `account`.
+    fn bound_through(&self, account: &str) -> Vec<Source>;
+    fn host(&self) -> &Host;
+}
+
+/// The running links of one provider, by account.
+pub struct Links {
+    running: Workers<String>,
+    shared: Arc<Shared>,
+    label: &'static str,
+    link: &'static str,
+}
+
+/// What the links tell the provider.
+#[derive(Default)]
+struct Shared {
+    /// Connections open now.
+    up: Arc<AtomicUsize>,
+    /// Accounts the IM system refuses, and why.
+    refused: Mutex<HashMap<String, String>>,
+}
+
+impl Shared {
+    fn refusals(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.refused.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Links {
+    /// `account` and `link` name them in log lines: `slack: bot`, `Socket Mode connection`.
+    pub fn new(account: &'static str, link: &'static str) -> Links {
+        Links {
+            running: Workers::new(account, link),
+            shared: Arc::default(),
+            label: account,
+            link,
+        }
+    }
+
+    /// Starts a link (`start`, given its `Line`) for every account in `wanted` that has none,
+    /// and stops the others. `owner`: whose bindings' Descriptors follow a refusal (none: a
+    /// refusal is only logged).
+    pub fn sync(&self, wanted: &[String], owner: Option<Weak<dyn Owner>>, start: impl Fn(Line) -> smol::Task<()>) {
+        self.running.sync(wanted, |account| {
+            let line = Line {
+                account: account.clone(),
+                label: self.label,
+                link: self.link,
+                last: String::new(),
+                shared: self.shared.clone(),
+                owner: owner.clone(),
+            };
+            Some(Worker::Task(start(line)))
+        });
+        self.shared.refusals().retain(|account, _| wanted.contains(account));
+    }
+
+    /// Stops the link of `account` (a refused one, bound again): the next `sync` starts anew.
+    pub fn forget(&self, account: &str) {
+        self.running.forget(&account.to_string());
+        self.shared.refusals().remove(account);
+    }
+
+    pub fn stop_all(&self) {
+        self.running.stop_all();
+    }
+
+    /// Links running, one per bound account.
+    pub fn count(&self) -> usize {
+        self.running.count()
+    }
+
+    /// Connections open now.
+    pub fn up(&self) -> usize {
+        self.shared.up.load(Ordering::Relaxed)
+    }
+
+    /// Why the IM system refuses `account`, if it does.
+    pub fn refused(&self, account: &str) -> Option<String> {
+        self.shared.refusals().get(account).cloned()
+    }
+}
+
+/// One link's state: logged when it changes, and the account's refusal kept for its bindings.
+pub struct Line {
+    account: String,
+    /// `slack: bot`
+    label: &'static str,
+    /// `Socket Mode connection`
+    link: &'static str,
+    last: String,
+    shared: Arc<Shared>,
+    owner: Option<Weak<dyn Owner>>,
+}
+
+impl Line {
+    pub fn account(&self) -> &str {
+        &self.account
+    }
+
+    /// What the link is, for log lines: `Socket Mode connection`.
+    pub fn link(&self) -> &'static str {
+        self.link
+    }
+
+    /// The state is `now`: one log line when it was something else.
+    pub fn set(&mut self, now: String, warn: bool) {
+        if now != self.last {
+            match warn {
+                true => log::warn!("{} {}: {now}", self.label, self.account),
+                false => log::info!("{} {}: {now}", self.label, self.account),
+            }
+            self.last = now;
+        }
+    }
+
+    /// A line about the link that is not a change of its state.
+    pub fn note(&self, what: &str) {
+        log::info!("{} {}: {what}", self.label, self.account);
+    }
+
+    /// The IM system refuses the account for a reason only its owner can fix (`why`); `then`
+    /// says what the link does next. Said once; the bindings' Descriptors change with it.
+    pub async fn refused(&mut self, why: String, then: &str) {
+        let changed = self
+            .shared
+            .refusals()
+            .insert(self.account.clone(), why.clone())
+            .as_ref()
+            != Some(&why);
+        self.set(format!("{why}; {then}"), true);
+        if changed {
+            self.tell().await;
+        }
+    }
+
+    /// The IM system takes the account (again): a refusal ends, and its bindings are told.
+    pub async fn accepted(&mut self) {
+        let was = self.shared.refusals().remove(&self.account).is_some();
+        if was {
+            self.tell().await;
+        }
+    }
+
+    /// The count of connections open now.
+    pub fn counter(&self) -> Arc<AtomicUsize> {
+        self.shared.up.clone()
+    }
+
+    async fn tell(&self) {
+        tell(self.owner.clone(), &self.account).await;
+    }
+}
+
+/// The Descriptors of the bindings made through `account` changed: xAgent is told (on the
+/// pool: it reads the store).
+pub async fn tell(owner: Option<Weak<dyn Owner>>, account: &str) {
+    let account = account.to_string();
+    runtime::unblock(move || {
+        if let Some(o) = owner.and_then(|o| o.upgrade()) {
+            for source in o.bound_through(&account) {
+                o.host().binding_state_changed(&source);
+            }
+        }
+    })
+    .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_kept_until_the_account_is_taken_again_or_has_no_binding_left() {
+        let links = Links::new("test: bot", "test connection");
+        let lines = Mutex::new(Vec::new());
+        let start = |line: Line| {
+            lines.lock().unwrap().push(line);
+            runtime::spawn(std::future::pending())
+        };
+        links.sync(&["a".into(), "b".into()], None, start);
+        assert_eq!(links.count(), 2);
+        let mut a = lines.lock().unwrap().remove(0);
+        assert_eq!(a.account(), "a");
+        smol::block_on(a.refused("the token is revoked".into(), "asking again in 10m"));
+        assert_eq!(links.refused("a").as_deref(), Some("the token is revoked"));
+        assert_eq!(links.refused("b"), None);
+        smol::block_on(a.accepted());
+        assert_eq!(links.refused("a"), None, "taken again");
+        smol::block_on(a.refused("the token is revoked".into(), "asking again in 10m"));
+        links.sync(&["b".into()], None, |_| unreachable!("b runs already"));
+        assert_eq!((links.count(), links.refused("a")), (1, None), "unbound: forgotten");
+        let up = a.counter();
+        let counted = crate::providers::socket::Up::new(&up);
+        assert_eq!(links.up(), 1);
+        drop(counted);
+        assert_eq!(links.up(), 0);
+    }
+}
