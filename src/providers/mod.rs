@@ -32,7 +32,6 @@ pub mod telegram;
 pub mod webhook;
 #[cfg(feature = "wechat")]
 pub mod wechat;
-pub mod workers;
 
 mod host;
 mod kit;

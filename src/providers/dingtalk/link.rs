@@ -28,6 +28,7 @@ use async_tungstenite::tungstenite::Message as WsMessage;
 
 use super::event::{self, Frame, RobotMessage};
 use super::DingTalk;
+use crate::providers::link::workers::Worker;
 use crate::providers::link::{conn, Conn, Dial, Ended, Heard, Keepalive, Line, Opened, Session};
 use crate::providers::socket::{Held, Lanes, Out};
 use crate::providers::Transient;
@@ -54,12 +55,12 @@ const KEEPALIVE: Keepalive = Keepalive::Pings {
 const DRAIN: Duration = Duration::from_secs(15);
 
 /// The link of `app`, given its state line.
-pub fn start(dingtalk: &Weak<DingTalk>, line: Line) -> smol::Task<()> {
+pub fn start(dingtalk: &Weak<DingTalk>, line: Line) -> Option<Worker> {
     let app = App {
         dingtalk: dingtalk.clone(),
         id: line.account().to_string(),
     };
-    runtime::spawn(crate::providers::link::supervise::run(Arc::new(app), line))
+    crate::providers::link::supervise::start(Arc::new(app), line)
 }
 
 /// One app's Stream link.

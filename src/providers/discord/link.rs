@@ -33,6 +33,7 @@ use super::Discord;
 use crate::atomic::AtomicU64;
 use crate::ids;
 use crate::json;
+use crate::providers::link::workers::Worker;
 use crate::providers::link::{self, conn, Conn, Dial, Ended, Heard, Keepalive, Line, Links, Opened, Owner, Session};
 use crate::providers::socket::{self, Budget, Held, Up};
 use crate::providers::Transient;
@@ -194,7 +195,7 @@ enum End {
 }
 
 /// The link of `bot`, given its state line.
-fn start(discord: &Weak<Discord>, line: Line, shared: Arc<Shared>) -> smol::Task<()> {
+fn start(discord: &Weak<Discord>, line: Line, shared: Arc<Shared>) -> Option<Worker> {
     let plain_ok = discord.upgrade().is_some_and(|d| d.api.base().starts_with("http://"));
     let (budget, room) = Budget::new(QUEUED_BYTES);
     let (d, b) = (discord.clone(), line.account().to_string());
@@ -217,7 +218,7 @@ fn start(discord: &Weak<Discord>, line: Line, shared: Arc<Shared>) -> smol::Task
             url: String::new(),
         }),
     };
-    runtime::spawn(link::supervise::run(Arc::new(bot), line))
+    link::supervise::start(Arc::new(bot), line)
 }
 
 /// What one bot's connections share, kept across reconnects: messages a lane is still storing

@@ -27,6 +27,7 @@ use super::frame::{Frame, MAX_FRAME};
 use super::longconn::{self, ClientConfig, Endpoint, EndpointError, Reassembly, Received};
 use super::Feishu;
 use crate::ids;
+use crate::providers::link::workers::Worker;
 use crate::providers::link::{Conn, Dial, Ended, Heard, Keepalive, Line, Opened, Session};
 use crate::providers::socket::{Held, Lanes, Out};
 use crate::quiet::Quiet;
@@ -43,13 +44,13 @@ const QUEUED_BYTES: usize = 2 << 20;
 const MIN_EVENT_COST: usize = 1024;
 
 /// The link of `app`, given its state line.
-pub fn start(feishu: &Weak<Feishu>, line: Line) -> smol::Task<()> {
+pub fn start(feishu: &Weak<Feishu>, line: Line) -> Option<Worker> {
     let app = App {
         feishu: feishu.clone(),
         id: line.account().to_string(),
         config: Mutex::default(),
     };
-    runtime::spawn(crate::providers::link::supervise::run(Arc::new(app), line))
+    crate::providers::link::supervise::start(Arc::new(app), line)
 }
 
 /// One app's long connection.

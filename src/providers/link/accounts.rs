@@ -1,6 +1,6 @@
 //! The links of one provider, one per account (a bot, an app), shared by every binding made
-//! through that account: a link starts with the account's first binding and stops with its
-//! last (`Links::sync`). Each link has a `Line`: its state, said once per change in the log,
+//! through that account: a link (a long connection's task, a poll loop's thread) starts with
+//! the account's first binding and stops with its last (`Links::sync`). Each link has a `Line`: its state, said once per change in the log,
 //! and, when the IM system refuses the account, that refusal in its bindings' Descriptors and
 //! `/status` until it takes the account again.
 
@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::providers::workers::{Worker, Workers};
+use super::workers::{Worker, Workers};
 use crate::providers::Host;
 use crate::runtime;
 use crate::source::Source;
@@ -57,22 +57,24 @@ impl Links {
     /// Starts a link (`start`, given its `Line`) for every account in `wanted` that has none,
     /// and stops the others. `owner`: whose bindings' Descriptors follow a refusal (none: a
     /// refusal is only logged).
-    pub fn sync(&self, wanted: &[String], owner: Option<Weak<dyn Owner>>, start: impl Fn(Line) -> smol::Task<()>) {
+    pub fn sync(&self, wanted: &[String], owner: Option<Weak<dyn Owner>>, start: impl Fn(Line) -> Option<Worker>) {
         self.running.sync(wanted, |account| {
             let line = Line {
                 account: account.clone(),
                 label: self.label,
                 link: self.link,
                 last: String::new(),
+                failing: false,
                 shared: self.shared.clone(),
                 owner: owner.clone(),
             };
-            Some(Worker::Task(start(line)))
+            start(line)
         });
         self.shared.refusals().retain(|account, _| wanted.contains(account));
     }
 
-    /// Stops the link of `account` (a refused one, bound again): the next `sync` starts anew.
+    /// Stops the link of `account` (a refused one bound again, a poll whose sign-in ended): the
+    /// next `sync` starts anew.
     pub fn forget(&self, account: &str) {
         self.running.forget(&account.to_string());
         self.shared.refusals().remove(account);
@@ -106,6 +108,8 @@ pub struct Line {
     /// `Socket Mode connection`
     link: &'static str,
     last: String,
+    /// The state said last was a failure (a warning).
+    failing: bool,
     shared: Arc<Shared>,
     owner: Option<Weak<dyn Owner>>,
 }
@@ -120,7 +124,8 @@ impl Line {
         self.link
     }
 
-    /// The state is `now`: one log line when it was something else.
+    /// The state is `now`: one log line when it was something else. (A poll loop's thread may
+    /// call it too.)
     pub fn set(&mut self, now: String, warn: bool) {
         if now != self.last {
             match warn {
@@ -128,6 +133,14 @@ impl Line {
                 false => log::info!("{} {}: {now}", self.label, self.account),
             }
             self.last = now;
+        }
+        self.failing = warn;
+    }
+
+    /// `what` (a poll) works: said once after a failure (`{what} works again`), not before.
+    pub fn works(&mut self, what: &str) {
+        if self.failing {
+            self.set(format!("{what} works again"), false);
         }
     }
 
@@ -193,7 +206,7 @@ mod tests {
         let lines = Mutex::new(Vec::new());
         let start = |line: Line| {
             lines.lock().unwrap().push(line);
-            runtime::spawn(std::future::pending())
+            Some(Worker::Task(runtime::spawn(std::future::pending())))
         };
         links.sync(&["a".into(), "b".into()], None, start);
         assert_eq!(links.count(), 2);

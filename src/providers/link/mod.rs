@@ -21,6 +21,7 @@
 pub mod accounts;
 pub mod conn;
 pub mod supervise;
+pub mod workers;
 
 pub use self::accounts::{Line, Links, Owner};
 pub use self::conn::{Conn, Heard, Keepalive};

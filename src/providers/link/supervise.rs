@@ -20,6 +20,7 @@ use smol::channel::{Receiver, Sender};
 use smol::future::FutureExt;
 
 use super::accounts::Line;
+use super::workers::Worker;
 use super::Pace;
 use crate::peer_wait;
 use crate::providers::socket::Up;
@@ -137,8 +138,13 @@ struct Running {
     _task: smol::Task<()>,
 }
 
+/// The link of `line`'s account, on the executor: `run` as a worker.
+pub fn start<D: Dial>(dial: Arc<D>, line: Line) -> Option<Worker> {
+    Some(Worker::Task(runtime::spawn(run(dial, line))))
+}
+
 /// The link of one account: forever, until its task is dropped.
-pub async fn run<D: Dial>(dial: Arc<D>, mut line: Line) {
+async fn run<D: Dial>(dial: Arc<D>, mut line: Line) {
     let link = line.link();
     let then = match D::REFUSED_WAIT {
         Some(wait) => format!("asking again in {}", crate::config::fmt_duration(wait)),

@@ -27,8 +27,8 @@ use crate::json;
 use crate::outbox::{Cursor, Enqueued};
 use crate::peer_wait;
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
-use crate::providers::link::Backoff;
-use crate::providers::workers::{Stop, Worker, Workers};
+use crate::providers::link::workers::{Stop, Worker};
+use crate::providers::link::{Backoff, Line};
 use crate::source::Source;
 
 /// The filter's timeline limit: events per room per answer (Synapse's own default).
@@ -50,45 +50,14 @@ pub(super) fn last_key(source: &Source) -> String {
     format!("matrix_last:{source}")
 }
 
-/// The running sync loops, by account.
-pub struct Syncers(Workers<String>);
-
-impl Default for Syncers {
-    fn default() -> Syncers {
-        Syncers(Workers::new("matrix: account", "sync loop"))
-    }
-}
-
-impl Syncers {
-    /// Starts a loop for every account in `wanted` and stops the loops of the others.
-    pub(super) fn sync(&self, mx: &Arc<Matrix>, wanted: &[(String, String)]) {
-        let accounts: Vec<String> = wanted.iter().map(|(a, _)| a.clone()).collect();
-        self.0.sync(&accounts, |account| {
-            let user = wanted
-                .iter()
-                .find(|(a, _)| a == account)
-                .map_or("", |(_, u)| u.as_str());
-            log::info!("matrix: syncing {} (account {account})", crate::quiet::shown(user));
-            let weak = Arc::downgrade(mx);
-            let id = account.clone();
-            Worker::thread(format!("mx-sync-{}", &account[..8.min(account.len())]), move |stop| {
-                run(weak, id, stop)
-            })
-        });
-    }
-
-    /// The loop of `account` ended on its own (its token is gone).
-    pub(super) fn forget(&self, account: &str) {
-        self.0.forget(&account.to_string());
-    }
-
-    pub(super) fn stop_all(&self) {
-        self.0.stop_all();
-    }
-
-    pub fn count(&self) -> usize {
-        self.0.count()
-    }
+/// The sync loop of `account` (signed in as `user`), on a thread of its own.
+pub(super) fn start(mx: &Weak<Matrix>, user: &str, line: Line) -> Option<Worker> {
+    let account = line.account().to_string();
+    log::info!("matrix: syncing {} (account {account})", crate::quiet::shown(user));
+    let mx = mx.clone();
+    Worker::thread(format!("mx-sync-{}", &account[..8.min(account.len())]), move |stop| {
+        run(mx, account, stop, line)
+    })
 }
 
 /// What a room's timeline is asked for: its messages, and encryption turned on (after which
@@ -137,7 +106,7 @@ fn query(since: Option<&str>, limit: u64, only: Option<&[String]>) -> String {
 }
 
 /// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
-fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
+fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>, mut line: Line) {
     let mut since: Option<String> = None;
     // The stored cursor is read once, at the start (not again after the server refused it).
     let mut stored = true;
@@ -148,7 +117,6 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
     // Set once an answer passed the cap at one event per room: the bound rooms only.
     let mut narrow = false;
     let mut backoff = Backoff::standard();
-    let mut last_error = String::new();
     loop {
         let Some(state) = mx.upgrade().and_then(|m| {
             if stop.is_stopped() {
@@ -187,17 +155,13 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
         let wait = match polled {
             Ok(o) => match event::read_sync(&o) {
                 None => Some(fail(
-                    &mut last_error,
-                    &account,
+                    &mut line,
                     "a /sync answer without a usable next_batch",
                     &mut backoff,
                 )),
                 Some(answer) => {
                     drop(o);
-                    if !last_error.is_empty() {
-                        log::info!("matrix: account {account}: syncing works again");
-                        last_error.clear();
-                    }
+                    line.works("syncing");
                     backoff.reset();
                     limit = limit.saturating_mul(2).min(MAX_TIMELINE);
                     let next = answer.next_batch.clone();
@@ -260,7 +224,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
                 None
             }
             Err(e) => {
-                let ours = fail(&mut last_error, &account, &format!("/sync failed: {e}"), &mut backoff);
+                let ours = fail(&mut line, &format!("/sync failed: {e}"), &mut backoff);
                 Some(peer_wait::retry_after(e.retry_after, ours))
             }
         };
@@ -274,11 +238,8 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>) {
 }
 
 /// Logs a failure once until it changes; the wait before the next try.
-fn fail(last: &mut String, account: &str, why: &str, backoff: &mut Backoff) -> Duration {
-    if why != last {
-        log::warn!("matrix: account {account}: {why}; retrying with backoff");
-        *last = why.to_string();
-    }
+fn fail(line: &mut Line, why: &str, backoff: &mut Backoff) -> Duration {
+    line.set(format!("{why}; retrying with backoff"), true);
     backoff.failed()
 }
 

@@ -29,6 +29,7 @@ use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
 use super::intake::Recent;
 use super::keyfiles::KeyFiles;
+use super::link::Links;
 use super::{
     field, send_id, served_mime, split_text, with_retry, Activity, AuthStep, Declaration, Description, Failure, Host,
     Input, Outbound, Provider, Registration, Upload,
@@ -110,7 +111,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(FETCH_DEADLINE),
-        syncers: link::Syncers::default(),
+        syncers: Links::new("matrix: account", "sync loop"),
         bound: Mutex::default(),
         names: Mutex::default(),
         members: Mutex::default(),
@@ -186,7 +187,7 @@ pub struct Matrix {
     me: Weak<Matrix>,
     host: Arc<Host>,
     api: Api,
-    syncers: link::Syncers,
+    syncers: Links,
     /// The bound rooms, as `bindings_changed` last said.
     bound: Mutex<Vec<(Source, RoomInfo)>>,
     /// `room\0user` → display name.
@@ -963,9 +964,14 @@ impl Provider for Matrix {
         }
         let in_use: Vec<String> = rooms.iter().map(|(_, i)| i.account.clone()).collect();
         *self.bound.lock().unwrap_or_else(|e| e.into_inner()) = rooms;
-        if let Some(me) = self.me.upgrade() {
-            self.syncers.sync(&me, &wanted);
-        }
+        let accounts: Vec<String> = wanted.iter().map(|(a, _)| a.clone()).collect();
+        self.syncers.sync(&accounts, None, |line| {
+            let user = wanted
+                .iter()
+                .find(|(a, _)| a == line.account())
+                .map(|(_, u)| u.clone())?;
+            link::start(&self.me, &user, line)
+        });
         self.token_files().forget_unused(&in_use, "matrix: token of account");
     }
 

@@ -29,6 +29,7 @@ use smol::stream::StreamExt;
 
 use super::event::{self, Event, Frame, Message};
 use super::Slack;
+use crate::providers::link::workers::Worker;
 use crate::providers::link::{conn, Conn, Dial, Ended, Heard, Keepalive, Line, Opened, Session};
 use crate::providers::socket::{Held, Lanes, Out};
 use crate::providers::Transient;
@@ -61,12 +62,12 @@ const LINK_DISABLED: &str =
     "Slack disabled the app's Socket Mode link (link_disabled): turn Socket Mode on in the app's settings";
 
 /// The link of `bot`, given its state line.
-pub fn start(slack: &Weak<Slack>, line: Line) -> smol::Task<()> {
+pub fn start(slack: &Weak<Slack>, line: Line) -> Option<Worker> {
     let bot = Bot {
         slack: slack.clone(),
         id: line.account().to_string(),
     };
-    runtime::spawn(crate::providers::link::supervise::run(Arc::new(bot), line))
+    crate::providers::link::supervise::start(Arc::new(bot), line)
 }
 
 /// One bot's Socket Mode link.

@@ -5,7 +5,6 @@
 //! between `getUpdates` and the commit re-reads the update (never skips it) and the commit
 //! that took a message also moved the offset past it (never accepts it twice).
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -17,54 +16,33 @@ use crate::outbox::{Cursor, Enqueued};
 use crate::peer_wait;
 use crate::providers::inbound::{FileItem, Inbound};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::link::workers::{Stop, Worker};
 use crate::providers::link::Backoff;
-use crate::providers::workers::{Stop, Worker, Workers};
-
-/// The running poll loops, by bot ID.
-pub struct Pollers(Workers<u64>);
-
-impl Default for Pollers {
-    fn default() -> Pollers {
-        Pollers(Workers::new("telegram: bot", "poller"))
-    }
-}
+use crate::providers::link::Line;
 
 pub(super) fn offset_key(bot_id: u64) -> String {
     format!("telegram_offset:{bot_id}")
 }
 
-impl Pollers {
-    /// Starts a loop for every bot in `wanted` and stops the loops of the others.
-    pub(super) fn sync(&self, tg: &Arc<Telegram>, wanted: HashMap<u64, ChatInfo>) {
-        let bots: Vec<u64> = wanted.keys().copied().collect();
-        self.0.sync(&bots, |bot| {
-            let info = wanted.get(bot)?.clone();
-            log::info!(
-                "telegram: polling bot @{} ({bot})",
-                crate::quiet::shown(&info.bot_username)
-            );
-            let weak = Arc::downgrade(tg);
-            Worker::thread(format!("tg-poll-{bot}"), move |stop| run(weak, info, stop))
-        });
-    }
-
-    /// Shutdown: every loop stops (one in a long poll leaves when it returns).
-    pub(super) fn stop_all(&self) {
-        self.0.stop_all();
-    }
-
-    pub fn count(&self) -> usize {
-        self.0.count()
-    }
+/// The poll loop of `info`'s bot, on a thread of its own.
+pub(super) fn start(tg: &Weak<Telegram>, info: ChatInfo, line: Line) -> Option<Worker> {
+    log::info!(
+        "telegram: polling bot @{} ({})",
+        crate::quiet::shown(&info.bot_username),
+        info.bot_id
+    );
+    let tg = tg.clone();
+    Worker::thread(format!("tg-poll-{}", info.bot_id), move |stop| {
+        run(tg, info, stop, line)
+    })
 }
 
 /// Updates one `getUpdates` asks for at most (Telegram's own default and maximum).
 const MAX_BATCH: u64 = 100;
 
 /// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
-fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
+fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>, mut line: Line) {
     let mut backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
-    let mut last_error = String::new();
     // Updates asked for at once: halved while answers pass `MAX_ANSWER`, doubled back after.
     let mut batch = MAX_BATCH;
     loop {
@@ -98,10 +76,7 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
             Ok(Value::Array(updates)) => {
                 backoff.reset();
                 batch = batch.saturating_mul(2).min(MAX_BATCH);
-                if !last_error.is_empty() {
-                    log::info!("telegram: bot {}: polling works again", info.bot_id);
-                    last_error.clear();
-                }
+                line.works("polling");
                 let Some(t) = tg.upgrade() else { return };
                 if stop.is_stopped() {
                     return;
@@ -121,14 +96,7 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                 None
             }
             Err(e) => {
-                let why = e.to_string();
-                if why != last_error {
-                    log::warn!(
-                        "telegram: bot {}: getUpdates failed: {why}; retrying with backoff",
-                        info.bot_id
-                    );
-                    last_error = why;
-                }
+                line.set(format!("getUpdates failed: {e}; retrying with backoff"), true);
                 let ours = backoff.failed();
                 Some(match e.code {
                     401 => Duration::from_secs(60),

@@ -21,6 +21,7 @@ use redb::TableDefinition;
 use self::api::{Api, ApiError};
 use super::bindings::Rows;
 use super::keyfiles::KeyFiles;
+use super::link::Links;
 use super::{
     field, Activity, AuthStep, Declaration, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Input,
     Outbound, Provider, Registration, Reply, Route,
@@ -124,7 +125,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         host: host.clone(),
         api: Api::new(&settings.api_base),
         settings,
-        pollers: link::Pollers::default(),
+        pollers: Links::new("telegram: bot", "poller"),
         typing: Mutex::new(HashMap::new()),
         edits: Mutex::new(HashMap::new()),
         unbound_updates: AtomicU64::new(0),
@@ -165,7 +166,7 @@ pub struct Telegram {
     settings: TelegramSettings,
     /// One client for every Bot API call, so connections are reused.
     api: Api,
-    pollers: link::Pollers,
+    pollers: Links,
     /// Chats showing "typing": the loop that refreshes it, at most one each.
     typing: Mutex<HashMap<i64, Arc<Typing>>>,
     /// Streamed messages (`chat:message`) and when each was last edited.
@@ -181,7 +182,7 @@ fn redact_id(id: i64) -> String {
 /// "typing" kept up in one chat while the agent is busy.
 struct Typing {
     until: Mutex<Instant>,
-    stop: crate::providers::workers::Stop,
+    stop: crate::providers::link::workers::Stop,
 }
 
 /// The first `MAX_TEXT` characters: what a streamed message can show.
@@ -683,7 +684,7 @@ impl Provider for Telegram {
                 }
                 let t = Arc::new(Typing {
                     until: Mutex::new(Instant::now() + TYPING_LIMIT),
-                    stop: crate::providers::workers::Stop::default(),
+                    stop: crate::providers::link::workers::Stop::default(),
                 });
                 typing.insert(info.chat_id, t.clone());
                 crate::runtime::spawn_blocking(move || me.keep_typing(&info, &token, &t));
@@ -711,17 +712,19 @@ impl Provider for Telegram {
     fn bindings_changed(&self, bound: &[Source]) {
         let chats = self.bound_chats(bound);
         let pushed = self.webhook_bot();
-        let mut wanted: HashMap<u64, ChatInfo> = HashMap::new();
+        let mut wanted: HashMap<String, ChatInfo> = HashMap::new();
         for (_, info) in &chats {
             // The default bot in webhook mode gets its updates from POST /telegram/webhook.
             if pushed == Some(info.bot_id) && !info.own_token {
                 continue;
             }
-            wanted.entry(info.bot_id).or_insert_with(|| info.clone());
+            wanted.entry(info.bot_id.to_string()).or_insert_with(|| info.clone());
         }
-        if let Some(me) = self.me.upgrade() {
-            self.pollers.sync(&me, wanted);
-        }
+        let bots: Vec<String> = wanted.keys().cloned().collect();
+        self.pollers.sync(&bots, None, |line| {
+            let info = wanted.get(line.account())?.clone();
+            link::start(&self.me, info, line)
+        });
         self.forget_unused_tokens(&chats);
     }
 
@@ -735,7 +738,7 @@ impl Provider for Telegram {
             let Ok((info, token)) = me.route(&source) else { return };
             let t = Arc::new(Typing {
                 until: Mutex::new(Instant::now()),
-                stop: crate::providers::workers::Stop::default(),
+                stop: crate::providers::link::workers::Stop::default(),
             });
             {
                 let mut typing = me.typing.lock().unwrap_or_else(|e| e.into_inner());

@@ -17,17 +17,26 @@ use super::{buf_key, context_key, Wechat, NAME};
 use crate::json::{obj, s};
 use crate::outbox::{Cursor, Enqueued};
 use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
-use crate::providers::link::Backoff;
-use crate::providers::workers::Stop;
+use crate::providers::link::workers::{Stop, Worker};
+use crate::providers::link::{Backoff, Line};
 use crate::source::Source;
 
 /// iLink holds a `getupdates` this long at most; the client waits a little longer.
 const LONG_POLL: Duration = Duration::from_secs(40);
 
 /// The loop. It holds the provider only between calls, so a long poll never delays a shutdown.
-pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
+/// The receiver of `line`'s bot, on a thread of its own.
+pub(super) fn start(wx: &Weak<Wechat>, line: Line) -> Option<Worker> {
+    let bot = line.account().to_string();
+    log::info!("wechat: receiving for bot {bot}");
+    let wx = wx.clone();
+    Worker::thread(format!("wx-{}", &bot[..bot.len().min(10)]), move |stop| {
+        run(wx, bot, stop, line)
+    })
+}
+
+fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>, mut line: Line) {
     let mut backoff = Backoff::standard();
-    let mut last_error = String::new();
     loop {
         let Some((api_base, token, buf)) = wx.upgrade().and_then(|w| {
             if stop.is_stopped() {
@@ -55,10 +64,7 @@ pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
         let wait = match polled {
             Ok(answer) => {
                 backoff.reset();
-                if !last_error.is_empty() {
-                    log::info!("wechat: bot {bot}: receiving works again");
-                    last_error.clear();
-                }
+                line.works("receiving");
                 let Some(w) = wx.upgrade() else { return };
                 if stop.is_stopped() {
                     return;
@@ -74,11 +80,7 @@ pub(super) fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>) {
             // The client's own timeout on an idle long poll: ask again at once.
             Err(e) if e.timed_out => None,
             Err(e) => {
-                let why = e.to_string();
-                if why != last_error {
-                    log::warn!("wechat: bot {bot}: getupdates failed: {why}; retrying with backoff");
-                    last_error = why;
-                }
+                line.set(format!("getupdates failed: {e}; retrying with backoff"), true);
                 Some(backoff.failed())
             }
         };

@@ -32,7 +32,7 @@ use miniserde::{Deserialize, Serialize};
 use self::api::Api;
 use super::inbound::FileItem;
 use super::keyfiles::KeyFiles;
-use super::workers::{Worker, Workers};
+use super::link::Links;
 use super::{
     split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Outbound, Provider, Registration,
 };
@@ -119,7 +119,7 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         settings,
         api: Api::default(),
         logins: login::Logins::default(),
-        pollers: Workers::new("wechat: bot", "receiver"),
+        pollers: Links::new("wechat: bot", "receiver"),
         unbound_messages: AtomicU64::new(0),
     })))
 }
@@ -148,7 +148,7 @@ pub struct Wechat {
     settings: WechatSettings,
     api: Api,
     logins: login::Logins,
-    pollers: Workers<String>,
+    pollers: Links,
     /// Messages to a bot whose channel binding is gone (counted, not stored).
     unbound_messages: AtomicU64,
 }
@@ -197,7 +197,7 @@ impl Wechat {
     fn login_ended(&self, bot: &str) {
         log::warn!("wechat: bot {bot}: WeChat ended its sign-in (session timeout); sign in again with a QR code");
         // Its receiver stops; a new sign-in starts another.
-        self.pollers.forget(&bot.to_string());
+        self.pollers.forget(bot);
         let now = ids::now_ms().to_string();
         if let Err(e) = self
             .host
@@ -510,19 +510,12 @@ impl Provider for Wechat {
 
     fn bindings_changed(&self, bound: &[Source]) {
         let bots = self.bound_bots(bound);
-        let Some(me) = self.me.upgrade() else { return };
         let receiving: Vec<String> = bots
             .iter()
             .filter(|b| self.account(b).is_some() && !matches!(self.meta(&ended_key(b)), Ok(Some(_))))
             .cloned()
             .collect();
-        self.pollers.sync(&receiving, |bot| {
-            log::info!("wechat: receiving for bot {bot}");
-            let (weak, bot) = (Arc::downgrade(&me), bot.clone());
-            Worker::thread(format!("wx-{}", &bot[..bot.len().min(10)]), move |stop| {
-                link::run(weak, bot, stop)
-            })
-        });
+        self.pollers.sync(&receiving, None, |line| link::start(&self.me, line));
         self.token_files().forget_unused(&bots, "wechat: token of bot");
     }
 
