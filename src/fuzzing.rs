@@ -9,7 +9,7 @@ pub use crate::outbox::read_log;
 pub use crate::protocol::Packet;
 pub use crate::providers::readers as config_readers;
 #[cfg(feature = "telegram")]
-pub use crate::providers::telegram::link::read_update as read_telegram_update;
+pub use crate::providers::telegram::event::read_update as read_telegram_update;
 pub use crate::providers::webhook::parse_body as parse_webhook_body;
 #[cfg(feature = "wechat")]
 pub use crate::providers::wechat::cdn::Decrypting as WechatDecrypting;

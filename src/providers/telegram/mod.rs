@@ -6,6 +6,7 @@
 //! line. The default bot of `[telegram] bot_token` is used when the form leaves the token empty.
 
 pub mod api;
+pub mod event;
 pub mod link;
 
 use crate::atomic::AtomicU64;
