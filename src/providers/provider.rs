@@ -10,6 +10,7 @@ use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::source::Source;
 use crate::store::{self, StoreError};
+use crate::upstream::{ApiError, Kind};
 
 use super::kit::Transient;
 
@@ -50,6 +51,19 @@ impl Failure {
         match e.temporary() {
             true => Failure::temporary(code, e.to_string()),
             false => Failure::new(code, e.to_string()),
+        }
+    }
+
+    /// An IM system's API error as a tool's failure, the same for the same kind on every
+    /// provider: a credential the platform refused is `connection_not_authenticated`, the rest
+    /// as `upstream`.
+    pub fn api(e: &ApiError) -> Failure {
+        match e.kind() {
+            Kind::Auth => Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                format!("{e} (the credentials were refused: bind the channel again)"),
+            ),
+            _ => Failure::upstream(e),
         }
     }
 

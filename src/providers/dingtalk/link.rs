@@ -291,7 +291,7 @@ async fn open(dingtalk: &Weak<DingTalk>, app: &str) -> Option<Opened> {
     let (endpoint, ticket) = match opened {
         Ok(o) => o,
         Err(None) => return Some(Opened::Failed("the app's secret is no longer available".into())),
-        Err(Some(e)) if e.temporary() || !e.credentials_refused() => return Some(Opened::Failed(e.to_string())),
+        Err(Some(e)) if e.temporary() || !super::api::credentials_refused(&e) => return Some(Opened::Failed(e.to_string())),
         Err(Some(e)) => {
             return Some(Opened::Refused(format!(
                 "DingTalk refused a Stream connection ({e}): check the app's Client ID and Client Secret, and that the robot uses Stream mode"

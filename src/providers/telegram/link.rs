@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::api::{Api, ApiError, FETCH_DEADLINE, POLL_SECONDS};
+use super::api::{Api, ApiError, FETCH_DEADLINE, PLATFORM, POLL_SECONDS};
 use super::{source_of, ChatInfo, Telegram};
 use crate::json::{self, obj, strs, Value};
 use crate::outbox::{Cursor, Enqueued};
@@ -130,9 +130,9 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>) {
                     last_error = why;
                 }
                 let ours = backoff.failed();
-                Some(match e.code {
+                Some(match e.status {
                     401 => Duration::from_secs(60),
-                    _ => peer_wait::retry_after(e.retry_after.map(Duration::from_secs), ours),
+                    _ => peer_wait::retry_after(e.retry_after, ours),
                 })
             }
         };
@@ -325,7 +325,7 @@ fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<File
     let files = &tg.host.files;
     // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
     let part = super::with_retry("file download", deadline, |left| {
-        let mut part = files.begin(source, "in").map_err(ApiError::cache)?;
+        let mut part = files.begin(source, "in").map_err(|e| PLATFORM.cache(e))?;
         api.download(token, &path, &mut part, left)?;
         Ok::<_, ApiError>(part)
     })
