@@ -36,8 +36,9 @@ impl Kind {
 pub struct Platform {
     /// How messages name it: `Slack`, `homeserver`.
     pub name: &'static str,
-    /// The kind of an answer with this status (never 0) and the platform's code ("" if none).
-    pub classify: fn(status: u16, code: &str) -> Kind,
+    /// What the platform's own codes say of an answer with this status (never 0) and code (""
+    /// if none); `None`: as HTTP says (429 a rate limit, 5xx the server's failure).
+    pub classify: fn(status: u16, code: &str) -> Option<Kind>,
     /// How long a rate limit that names no wait holds, if the platform's counting is known.
     pub rate_wait: Option<Duration>,
     /// Whether a call whose answer passed its cap may be made again (`false`: the answer is
@@ -46,6 +47,17 @@ pub struct Platform {
 }
 
 impl Platform {
+    /// A platform named `name` with its classifier; no known rate wait, a call whose answer
+    /// was too large may be made again.
+    pub const fn new(name: &'static str, classify: fn(u16, &str) -> Option<Kind>) -> Platform {
+        Platform {
+            name,
+            classify,
+            rate_wait: None,
+            retry_too_large: true,
+        }
+    }
+
     /// What `upstream` reported: no (whole) answer.
     pub fn unreachable(&'static self, e: Error) -> ApiError {
         ApiError {
@@ -106,7 +118,11 @@ impl ApiError {
     pub fn kind(&self) -> Kind {
         match self.status {
             0 => Kind::Unreachable,
-            status => (self.platform.classify)(status, &self.code),
+            status => (self.platform.classify)(status, &self.code).unwrap_or(match status {
+                429 => Kind::RateLimited,
+                500.. => Kind::Transient,
+                _ => Kind::Refused,
+            }),
         }
     }
 
@@ -142,17 +158,7 @@ impl std::fmt::Display for ApiError {
 mod tests {
     use super::*;
 
-    static TEST: Platform = Platform {
-        name: "Test",
-        classify: |status, code| match (status, code) {
-            (401, _) => Kind::Auth,
-            (429, _) => Kind::RateLimited,
-            (500.., _) => Kind::Transient,
-            _ => Kind::Refused,
-        },
-        rate_wait: None,
-        retry_too_large: false,
-    };
+    static TEST: Platform = Platform::new("Test", |status, _| (status == 401).then_some(Kind::Auth));
 
     #[test]
     fn an_error_shows_its_platform_status_code_and_escaped_words() {

@@ -48,13 +48,11 @@ pub struct AppCreds {
 /// DingTalk: the OpenAPI's `{code, message}` (a word: `InvalidAuthentication`), the legacy
 /// API's and session webhooks' `{errcode, errmsg}` (a number, as text).
 pub static PLATFORM: Platform = Platform {
-    name: "DingTalk",
-    classify,
     rate_wait: Some(THROTTLE_WAIT),
-    retry_too_large: true,
+    ..Platform::new("DingTalk", classify)
 };
 
-fn classify(status: u16, code: &str) -> Kind {
+fn classify(status: u16, code: &str) -> Option<Kind> {
     // Too many calls for this app or API (the legacy API's 90018; a session webhook's 130101,
     // "send too fast"), or for this user (flow control).
     let throttled = status == 429
@@ -64,13 +62,12 @@ fn classify(status: u16, code: &str) -> Kind {
         || code == "90018"
         || code == "130101";
     match status {
-        _ if throttled => Kind::RateLimited,
-        500.. => Kind::Transient,
-        _ if token_code(code) => Kind::Auth,
+        _ if throttled => Some(Kind::RateLimited),
+        _ if token_code(code) => Some(Kind::Auth),
         // The app's credentials or permissions refused (`Forbidden.AccessDenied...`).
-        400 | 401 | 403 if code.starts_with("Forbidden") => Kind::Auth,
-        _ if code == HOOK_EXPIRED => Kind::Gone,
-        _ => Kind::Refused,
+        400 | 401 | 403 if code.starts_with("Forbidden") => Some(Kind::Auth),
+        _ if code == HOOK_EXPIRED => Some(Kind::Gone),
+        _ => None,
     }
 }
 

@@ -42,20 +42,16 @@ const GLOBAL_WAIT: Duration = Duration::from_secs(1);
 
 /// Discord: a refusal is `{code, message}` with its status.
 pub static PLATFORM: Platform = Platform {
-    name: "Discord",
-    classify,
-    rate_wait: None,
     retry_too_large: false,
+    ..Platform::new("Discord", classify)
 };
 
-fn classify(status: u16, code: &str) -> Kind {
+fn classify(status: u16, code: &str) -> Option<Kind> {
     match (status, code) {
-        (429, _) => Kind::RateLimited,
-        (500.., _) => Kind::Transient,
-        (401, _) => Kind::Auth,
+        (401, _) => Some(Kind::Auth),
         // Unknown channel.
-        (404, _) | (_, "10003") => Kind::Gone,
-        _ => Kind::Refused,
+        (404, _) | (_, "10003") => Some(Kind::Gone),
+        _ => None,
     }
 }
 

@@ -34,21 +34,15 @@ pub struct AppCreds {
 }
 
 /// Feishu: a nonzero `code` is an error whatever the status.
-pub static PLATFORM: Platform = Platform {
-    name: "Feishu",
-    classify,
-    rate_wait: None,
-    retry_too_large: true,
-};
+pub static PLATFORM: Platform = Platform::new("Feishu", classify);
 
-fn classify(status: u16, code: &str) -> Kind {
-    match (status, code.parse::<i64>().unwrap_or(0)) {
-        (429, _) | (_, CODE_RATE_LIMITED) => Kind::RateLimited,
-        (500.., _) => Kind::Transient,
-        (_, c) if TOKEN_CODES.contains(&c) => Kind::Auth,
+fn classify(_: u16, code: &str) -> Option<Kind> {
+    match code.parse::<i64>().ok()? {
+        CODE_RATE_LIMITED => Some(Kind::RateLimited),
+        c if TOKEN_CODES.contains(&c) => Some(Kind::Auth),
         // A chat ID it does not know.
-        (_, 232001 | 232006) => Kind::Gone,
-        _ => Kind::Refused,
+        232001 | 232006 => Some(Kind::Gone),
+        _ => None,
     }
 }
 

@@ -23,22 +23,11 @@ pub const POLL_MS: u64 = 30_000;
 const MAX_ERROR: usize = 160;
 
 /// A homeserver: a refusal is `{errcode, error}` with its status.
-pub static PLATFORM: Platform = Platform {
-    name: "homeserver",
-    classify,
-    rate_wait: None,
-    retry_too_large: true,
-};
-
-fn classify(status: u16, errcode: &str) -> Kind {
-    match (status, errcode) {
-        (429, _) => Kind::RateLimited,
-        (500.., _) => Kind::Transient,
-        (401, _) => Kind::Auth,
-        (404, "M_NOT_FOUND") => Kind::Gone,
-        _ => Kind::Refused,
-    }
-}
+pub static PLATFORM: Platform = Platform::new("homeserver", |status, errcode| match (status, errcode) {
+    (401, _) => Some(Kind::Auth),
+    (404, "M_NOT_FOUND") => Some(Kind::Gone),
+    _ => None,
+});
 
 /// The token was revoked (logged out, deactivated): nothing works until a new binding.
 pub fn token_gone(e: &ApiError) -> bool {

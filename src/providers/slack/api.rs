@@ -19,12 +19,10 @@ pub const MAX_ANSWER: u64 = 1 << 20;
 /// Characters of an error's text kept (it reaches logs and tool results).
 const MAX_ERROR: usize = 100;
 
-/// Slack: a rate limit is `429` or `ratelimited`; its errors are `snake_case` words.
+/// Slack: its errors are `snake_case` words (a refusal answers 200).
 pub static PLATFORM: Platform = Platform {
-    name: "Slack",
-    classify,
-    rate_wait: None,
     retry_too_large: false,
+    ..Platform::new("Slack", classify)
 };
 
 /// Slack's `error` word, or what went wrong when Slack named none.
@@ -35,21 +33,18 @@ pub fn error(e: &ApiError) -> &str {
     }
 }
 
-fn classify(status: u16, error: &str) -> Kind {
-    match (status, error) {
-        (429, _) | (_, "ratelimited") => Kind::RateLimited,
-        (500.., _) | (_, "internal_error" | "fatal_error" | "service_unavailable") => Kind::Transient,
-        (
-            _,
-            "invalid_auth"
-            | "not_authed"
-            | "account_inactive"
-            | "token_revoked"
-            | "token_expired"
-            | "not_allowed_token_type",
-        ) => Kind::Auth,
-        (_, "channel_not_found") => Kind::Gone,
-        _ => Kind::Refused,
+fn classify(_: u16, error: &str) -> Option<Kind> {
+    match error {
+        "ratelimited" => Some(Kind::RateLimited),
+        "internal_error" | "fatal_error" | "service_unavailable" => Some(Kind::Transient),
+        "invalid_auth"
+        | "not_authed"
+        | "account_inactive"
+        | "token_revoked"
+        | "token_expired"
+        | "not_allowed_token_type" => Some(Kind::Auth),
+        "channel_not_found" => Some(Kind::Gone),
+        _ => None,
     }
 }
 

@@ -16,21 +16,7 @@ use crate::upstream::{self, Kind, Platform, Streamed};
 pub const POLL_SECONDS: u64 = 25;
 
 /// Telegram: its `error_code` is HTTP's; a bot token it does not know is `401`.
-pub static PLATFORM: Platform = Platform {
-    name: "Telegram",
-    classify,
-    rate_wait: None,
-    retry_too_large: true,
-};
-
-fn classify(code: u16, _: &str) -> Kind {
-    match code {
-        429 => Kind::RateLimited,
-        500.. => Kind::Transient,
-        401 => Kind::Auth,
-        _ => Kind::Refused,
-    }
-}
+pub static PLATFORM: Platform = Platform::new("Telegram", |code, _| (code == 401).then_some(Kind::Auth));
 
 /// A file is fetched for at most this long (a 5xx or 429 is retried) before the message goes on
 /// with a note instead: one broken file must not hold up the bot's other chats for long.

@@ -20,21 +20,9 @@ const LONGEST_CALL: Duration = Duration::from_secs(60);
 pub const SESSION_ENDED: i64 = -14;
 
 /// WeChat's iLink: `ret` or `errcode` other than 0 is an error whatever the status.
-pub static PLATFORM: Platform = Platform {
-    name: "WeChat",
-    classify,
-    rate_wait: None,
-    retry_too_large: true,
-};
-
-fn classify(status: u16, code: &str) -> Kind {
-    match (status, code.parse::<i64>().unwrap_or(0)) {
-        (429, _) => Kind::RateLimited,
-        (500.., _) => Kind::Transient,
-        (_, SESSION_ENDED) => Kind::Auth,
-        _ => Kind::Refused,
-    }
-}
+pub static PLATFORM: Platform = Platform::new("WeChat", |_, code| {
+    (code.parse::<i64>() == Ok(SESSION_ENDED)).then_some(Kind::Auth)
+});
 
 /// WeChat ended the login: the bot token is no longer good.
 pub fn session_ended(e: &ApiError) -> bool {
