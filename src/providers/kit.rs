@@ -11,8 +11,6 @@ use crate::upstream::{ApiError, Kind};
 
 /// An error of a provider's API that may pass if the call is made again.
 pub trait Transient: std::fmt::Display {
-    /// The server could not be reached (or answered nothing readable).
-    fn unreachable(&self) -> bool;
     /// Unreachable, rate limited or a server error.
     fn temporary(&self) -> bool;
     /// How long the server asked to wait before the next call, if it said.
@@ -22,10 +20,6 @@ pub trait Transient: std::fmt::Display {
 /// Every provider's API error, by its kind: a rate limit that names no wait holds as long as
 /// its platform counts.
 impl Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.status == 0
-    }
-
     fn temporary(&self) -> bool {
         self.kind().temporary() && (!self.too_large || self.platform.retry_too_large)
     }

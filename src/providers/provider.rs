@@ -41,29 +41,22 @@ impl Failure {
         }
     }
 
-    /// An IM system's API failed: `upstream_unreachable` or `upstream_rejected`, temporary when
-    /// the same call may pass later. The error's text must hold no secret.
-    pub fn upstream(e: &impl Transient) -> Failure {
-        let code = match e.unreachable() {
-            true => code::UPSTREAM_UNREACHABLE,
-            false => code::UPSTREAM_REJECTED,
-        };
-        match e.temporary() {
-            true => Failure::temporary(code, e.to_string()),
-            false => Failure::new(code, e.to_string()),
-        }
-    }
-
-    /// An IM system's API error as a tool's failure, the same for the same kind on every
-    /// provider: a credential the platform refused is `connection_not_authenticated`, the rest
-    /// as `upstream`.
+    /// An IM system's API failed, the same code for the same kind on every provider:
+    /// `connection_not_authenticated` when it refused the credential, `upstream_unreachable`
+    /// with no answer, else `upstream_rejected`; temporary when the same call may pass later.
+    /// The error's text holds no secret.
     pub fn api(e: &ApiError) -> Failure {
-        match e.kind() {
-            Kind::Auth => Failure::new(
+        let (code, message) = match e.kind() {
+            Kind::Auth => (
                 code::CONNECTION_NOT_AUTHENTICATED,
                 format!("{e} (the credentials were refused: bind the channel again)"),
             ),
-            _ => Failure::upstream(e),
+            Kind::Unreachable => (code::UPSTREAM_UNREACHABLE, e.to_string()),
+            _ => (code::UPSTREAM_REJECTED, e.to_string()),
+        };
+        match e.temporary() {
+            true => Failure::temporary(code, message),
+            false => Failure::new(code, message),
         }
     }
 

@@ -563,9 +563,6 @@ fn once_sent<T>(
         }
     }
     impl Transient for Throttled {
-        fn unreachable(&self) -> bool {
-            self.0.unreachable()
-        }
         fn temporary(&self) -> bool {
             self.0.retry_after().is_some()
         }
