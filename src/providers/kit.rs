@@ -7,15 +7,28 @@ use std::time::{Duration, Instant};
 use super::link::Backoff;
 use crate::peer_wait;
 use crate::quiet::Subjects;
+use crate::upstream::{ApiError, Kind};
 
 /// An error of a provider's API that may pass if the call is made again.
 pub trait Transient: std::fmt::Display {
-    /// The server could not be reached (or answered nothing readable).
-    fn unreachable(&self) -> bool;
     /// Unreachable, rate limited or a server error.
     fn temporary(&self) -> bool;
     /// How long the server asked to wait before the next call, if it said.
     fn retry_after(&self) -> Option<Duration>;
+}
+
+/// Every provider's API error, by its kind: a rate limit that names no wait holds as long as
+/// its platform counts.
+impl Transient for ApiError {
+    fn temporary(&self) -> bool {
+        self.kind().temporary() && (!self.too_large || self.platform.retry_too_large)
+    }
+
+    fn retry_after(&self) -> Option<Duration> {
+        // Bounded where it is used (`peer_wait::retry_after`).
+        let rate_wait = self.platform.rate_wait.filter(|_| self.kind() == Kind::RateLimited);
+        self.retry_after.or(rate_wait)
+    }
 }
 
 /// Runs `attempt` (one API call, given the time left) until it succeeds, fails for good, or

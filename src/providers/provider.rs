@@ -10,6 +10,7 @@ use crate::protocol::code;
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::source::Source;
 use crate::store::{self, StoreError};
+use crate::upstream::{ApiError, Kind};
 
 use super::kit::Transient;
 
@@ -40,16 +41,22 @@ impl Failure {
         }
     }
 
-    /// An IM system's API failed: `upstream_unreachable` or `upstream_rejected`, temporary when
-    /// the same call may pass later. The error's text must hold no secret.
-    pub fn upstream(e: &impl Transient) -> Failure {
-        let code = match e.unreachable() {
-            true => code::UPSTREAM_UNREACHABLE,
-            false => code::UPSTREAM_REJECTED,
+    /// An IM system's API failed, the same code for the same kind on every provider:
+    /// `connection_not_authenticated` when it refused the credential, `upstream_unreachable`
+    /// with no answer, else `upstream_rejected`; temporary when the same call may pass later.
+    /// The error's text holds no secret.
+    pub fn api(e: &ApiError) -> Failure {
+        let (code, message) = match e.kind() {
+            Kind::Auth => (
+                code::CONNECTION_NOT_AUTHENTICATED,
+                format!("{e} (the credentials were refused: bind the channel again)"),
+            ),
+            Kind::Unreachable => (code::UPSTREAM_UNREACHABLE, e.to_string()),
+            _ => (code::UPSTREAM_REJECTED, e.to_string()),
         };
         match e.temporary() {
-            true => Failure::temporary(code, e.to_string()),
-            false => Failure::new(code, e.to_string()),
+            true => Failure::temporary(code, message),
+            false => Failure::new(code, message),
         }
     }
 

@@ -18,17 +18,20 @@ use std::time::{Duration, Instant};
 use crate::config::Secret;
 use crate::files::{FileError, FilePart};
 use crate::json::{self, obj, s, Object, Value};
-use crate::providers::{StreamedForm, Transient, Upload};
-use crate::upstream::{self, Streamed};
+use crate::providers::{StreamedForm, Upload};
+pub use crate::upstream::ApiError;
+use crate::upstream::{self, Kind, Platform, Streamed};
 
 /// Answers larger than this are refused unread (DingTalk's JSON answers are small).
 const MAX_ANSWER: u64 = 256 << 10;
+/// Characters of a server's message kept (it reaches logs and tool results, escaped).
+const MAX_MESSAGE: usize = 200;
 /// Apps whose token is kept (each bound app has one; a binding attempt may add one).
 const MAX_TOKENS: usize = 64;
 /// A throttled call (`…QpsLimit…`) waits at least this long: DingTalk counts per second.
 const THROTTLE_WAIT: Duration = Duration::from_secs(1);
 /// The session webhook's `errcode` for a webhook past its life.
-const HOOK_EXPIRED: i64 = 300001;
+const HOOK_EXPIRED: &str = "300001";
 /// Not a code DingTalk sends: a batchSend it answered with the user in
 /// `flowControlledStaffIdList` (it held the message back from them).
 const FLOW_CONTROLLED: &str = "flowControlledStaffIdList";
@@ -42,109 +45,62 @@ pub struct AppCreds {
     pub secret: Secret,
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    /// The HTTP status, or 0 when the server could not be reached or answered nonsense.
-    pub status: u16,
-    /// DingTalk's `code` (`InvalidAuthentication`), or a legacy `errcode` as text.
-    pub code: String,
-    pub message: String,
-}
+/// DingTalk: the OpenAPI's `{code, message}` (a word: `InvalidAuthentication`), the legacy
+/// API's and session webhooks' `{errcode, errmsg}` (a number, as text).
+pub static PLATFORM: Platform = Platform {
+    rate_wait: Some(THROTTLE_WAIT),
+    ..Platform::new("DingTalk", classify)
+};
 
-impl ApiError {
-    fn unreachable(e: upstream::Error) -> ApiError {
-        ApiError {
-            status: 0,
-            code: String::new(),
-            message: e.to_string(),
-        }
-    }
-
-    /// The file cache refused the bytes: not temporary, its caps or its disk are not DingTalk's.
-    pub fn cache(e: FileError) -> ApiError {
-        ApiError {
-            status: 413,
-            code: String::new(),
-            message: e.to_string(),
-        }
-    }
-
-    /// A refusal of imgate's own making, or an answer without what it must hold.
-    pub fn refused(status: u16, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            code: String::new(),
-            message: message.into(),
-        }
-    }
-
-    /// DingTalk held a one-to-one message back from its user (`flowControlledStaffIdList`):
-    /// nothing was sent, so it is sent again as a throttled call is.
-    pub fn flow_controlled() -> ApiError {
-        ApiError {
-            status: 200,
-            code: FLOW_CONTROLLED.into(),
-            message: "DingTalk held the message back: the user is flow-controlled".into(),
-        }
-    }
-
-    pub fn is_flow_controlled(&self) -> bool {
-        self.code == FLOW_CONTROLLED
-    }
-
-    /// DingTalk no longer takes the token (400 or 401 `InvalidAuthentication`, or a legacy
-    /// code).
-    pub fn token_invalid(&self) -> bool {
-        self.code == "InvalidAuthentication"
-            || self.code.starts_with("InvalidAuthentication.")
-            || LEGACY_TOKEN_CODES.iter().any(|c| self.code == c.to_string())
-    }
-
-    /// DingTalk itself refused the app's credentials (a wrong `clientId` or secret, Stream mode
-    /// off): its JSON refusal, not a proxy's page.
-    pub fn credentials_refused(&self) -> bool {
-        matches!(self.status, 400 | 401 | 403) && !self.code.is_empty() && !self.throttled()
-    }
-
-    /// A session webhook past its life.
-    pub fn hook_expired(&self) -> bool {
-        self.code == HOOK_EXPIRED.to_string()
-    }
-
-    /// Too many calls for this app or API (the legacy API's 90018; a session webhook's 130101,
-    /// "send too fast"), or for this user (flow control).
-    pub fn throttled(&self) -> bool {
-        self.status == 429
-            || self.is_flow_controlled()
-            || self.code.contains("QpsLimit")
-            || self.code.contains("Throttling")
-            || self.code == "90018"
-            || self.code == "130101"
+fn classify(status: u16, code: &str) -> Option<Kind> {
+    // Too many calls for this app or API (the legacy API's 90018; a session webhook's 130101,
+    // "send too fast"), or for this user (flow control).
+    let throttled = status == 429
+        || code == FLOW_CONTROLLED
+        || code.contains("QpsLimit")
+        || code.contains("Throttling")
+        || code == "90018"
+        || code == "130101";
+    match status {
+        _ if throttled => Some(Kind::RateLimited),
+        _ if token_code(code) => Some(Kind::Auth),
+        // The app's credentials or permissions refused (`Forbidden.AccessDenied...`).
+        400 | 401 | 403 if code.starts_with("Forbidden") => Some(Kind::Auth),
+        _ if code == HOOK_EXPIRED => Some(Kind::Gone),
+        _ => None,
     }
 }
 
-impl Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.status == 0
-    }
+/// DingTalk's codes for a token it no longer takes (400 or 401 `InvalidAuthentication`, or a
+/// legacy code).
+fn token_code(code: &str) -> bool {
+    code == "InvalidAuthentication"
+        || code.starts_with("InvalidAuthentication.")
+        || LEGACY_TOKEN_CODES.iter().any(|c| code == c.to_string())
+}
 
-    fn temporary(&self) -> bool {
-        self.status == 0 || self.status >= 500 || self.throttled()
-    }
+/// DingTalk no longer takes the token: fetch a new one and call again.
+pub fn token_invalid(e: &ApiError) -> bool {
+    token_code(&e.code)
+}
 
-    fn retry_after(&self) -> Option<Duration> {
-        self.throttled().then_some(THROTTLE_WAIT)
+/// DingTalk itself refused the app's credentials (a wrong `clientId` or secret, Stream mode
+/// off): its JSON refusal, not a proxy's page.
+pub fn credentials_refused(e: &ApiError) -> bool {
+    matches!(e.status, 400 | 401 | 403) && !e.code.is_empty() && e.kind() != Kind::RateLimited
+}
+
+/// DingTalk held a one-to-one message back from its user (`flowControlledStaffIdList`):
+/// nothing was sent, so it is sent again as a throttled call is.
+pub fn flow_controlled() -> ApiError {
+    ApiError {
+        code: FLOW_CONTROLLED.into(),
+        ..PLATFORM.refused(200, "DingTalk held the message back: the user is flow-controlled")
     }
 }
 
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.status, self.code.as_str()) {
-            (0, _) => write!(f, "DingTalk unreachable: {}", self.message),
-            (status, "") => write!(f, "DingTalk answered HTTP {status}: {}", self.message),
-            (status, code) => write!(f, "DingTalk answered HTTP {status}, {code}: {}", self.message),
-        }
-    }
+pub fn is_flow_controlled(e: &ApiError) -> bool {
+    e.code == FLOW_CONTROLLED
 }
 
 struct Token {
@@ -187,7 +143,7 @@ impl Api {
         let o = self.post_json(&format!("{}/v1.0/oauth2/accessToken", self.base), None, &body, timeout)?;
         let value = json::get_str(&o, "accessToken")
             .filter(|t| !t.is_empty() && t.len() <= 512 && t.bytes().all(|b| b.is_ascii_graphic()))
-            .ok_or_else(|| ApiError::refused(502, "the token answer has no usable accessToken"))?
+            .ok_or_else(|| PLATFORM.refused(502, "the token answer has no usable accessToken"))?
             .to_string();
         let keep = crate::providers::token_kept_for(json::get_u64(&o, "expireIn").unwrap_or(0));
         let mut tokens = self.lock();
@@ -235,10 +191,7 @@ impl Api {
         };
         match (field("endpoint"), field("ticket")) {
             (Some(endpoint), Some(ticket)) => Ok((endpoint, ticket)),
-            _ => Err(ApiError::refused(
-                502,
-                "the connection answer has no endpoint or ticket",
-            )),
+            _ => Err(PLATFORM.refused(502, "the connection answer has no endpoint or ticket")),
         }
     }
 
@@ -268,7 +221,7 @@ impl Api {
                 upstream::query_value(token)
             );
             let mut form = StreamedForm::new(&[("type", None, kind)], "media", file)
-                .map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
+                .map_err(|e| PLATFORM.cache(FileError::Storage(e.to_string())))?;
             let sent = upstream::within(&self.files, self.files.post(&url), timeout)
                 .header(
                     "Content-Type",
@@ -281,7 +234,7 @@ impl Api {
             json::get_str(&o, "media_id")
                 .filter(|m| !m.is_empty() && m.len() <= 512 && m.bytes().all(|b| b.is_ascii_graphic()))
                 .map(str::to_string)
-                .ok_or_else(|| ApiError::refused(502, "the upload answer has no media_id"))
+                .ok_or_else(|| PLATFORM.refused(502, "the upload answer has no media_id"))
         })
     }
 
@@ -298,13 +251,13 @@ impl Api {
         let o = self.call(app, "/v1.0/robot/messageFiles/download", &body, timeout)?;
         let url = json::get_str(&o, "downloadUrl")
             .filter(|u| (u.starts_with("https://") || u.starts_with("http://")) && u.len() <= 4096)
-            .ok_or_else(|| ApiError::refused(502, "the download answer has no downloadUrl"))?;
+            .ok_or_else(|| PLATFORM.refused(502, "the download answer has no downloadUrl"))?;
         let mut resp = upstream::within(&self.files, self.files.get(url), timeout)
             .call()
             .map_err(|e| hidden(e, url, "the file's URL"))?;
         let status = resp.status().as_u16();
         if status != 200 {
-            return Err(ApiError::refused(status, "the file's download was refused"));
+            return Err(PLATFORM.refused(status, "the file's download was refused"));
         }
         let content_type = resp
             .headers()
@@ -313,8 +266,8 @@ impl Api {
             .map(|c| c.chars().take(128).collect::<String>());
         match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
             Ok(()) => Ok(content_type),
-            Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
-            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
+            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
         }
     }
 
@@ -327,7 +280,7 @@ impl Api {
     ) -> Result<T, ApiError> {
         let token = self.token(app, timeout)?;
         match attempt(&token) {
-            Err(e) if e.token_invalid() => {
+            Err(e) if token_invalid(&e) => {
                 // DingTalk may refuse every token it issues: a line a minute, not one a call.
                 static REFUSED_TOKEN: crate::quiet::Site = crate::quiet::Site::new();
                 if let Some(more) = REFUSED_TOKEN.admit() {
@@ -352,8 +305,8 @@ impl Api {
         }
         let mut resp = req
             .send(json::to_string(body).as_bytes())
-            .map_err(|e| ApiError::unreachable(e.into()))?;
-        match upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)? {
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
+        match upstream::read_json(&mut resp, MAX_ANSWER).map_err(|e| PLATFORM.unreachable(e))? {
             (200, Some(o)) => Ok(o),
             (status, o) => Err(error_of(if status == 200 { 502 } else { status }, o.as_ref())),
         }
@@ -362,21 +315,21 @@ impl Api {
 
 /// A call's failure with `secret` (a URL or token in it) shown as `name`.
 fn hidden(e: ureq::Error, secret: &str, name: &str) -> ApiError {
-    ApiError::unreachable(upstream::Error::from(e).hiding(secret, name))
+    PLATFORM.unreachable(upstream::Error::from(e).hiding(secret, name))
 }
 
 /// A legacy answer (`{errcode, errmsg}`): the object when `errcode` is 0.
 fn legacy_answer(resp: &mut upstream::Response) -> Result<Object, ApiError> {
-    let (status, o) = upstream::read_json(resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+    let (status, o) = upstream::read_json(resp, MAX_ANSWER).map_err(|e| PLATFORM.unreachable(e))?;
     let Some(o) = o else {
         return Err(error_of(if status == 200 { 502 } else { status }, None));
     };
     match json::get_i64(&o, "errcode") {
         Some(0) if status == 200 => Ok(o),
         Some(code) => Err(ApiError {
-            status,
             code: code.to_string(),
-            message: message_of(json::get_str(&o, "errmsg")),
+            from_peer: true,
+            ..PLATFORM.refused(status, message_of(json::get_str(&o, "errmsg")))
         }),
         None => Err(error_of(if status == 200 { 502 } else { status }, Some(&o))),
     }
@@ -393,20 +346,21 @@ fn error_of(status: u16, o: Option<&Object>) -> ApiError {
         None => "an answer that is not JSON".into(),
     };
     ApiError {
-        status,
         code: code.to_string(),
-        message,
+        from_peer: o.is_some(),
+        ..PLATFORM.refused(status, message)
     }
 }
 
-/// A server's message as logs and tool results show it: bounded, control characters escaped.
+/// A server's message, bounded (shown escaped).
 fn message_of(m: Option<&str>) -> String {
-    crate::quiet::shown(m.unwrap_or("no message"))
+    m.unwrap_or("no message").chars().take(MAX_MESSAGE).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::providers::Transient;
 
     fn error_text(status: u16, text: &str) -> ApiError {
         let v = json::parse(text).ok();
@@ -419,17 +373,20 @@ mod tests {
             401,
             r#"{"code":"InvalidAuthentication","message":"不合法的access_token"}"#,
         );
-        assert!(bad.token_invalid() && bad.credentials_refused() && !bad.temporary());
-        assert!(error_text(400, r#"{"code":"InvalidAuthentication","message":"x"}"#).token_invalid());
+        assert!(token_invalid(&bad) && credentials_refused(&bad) && !bad.temporary());
+        assert!(token_invalid(&error_text(
+            400,
+            r#"{"code":"InvalidAuthentication","message":"x"}"#
+        )));
         let qps = error_text(
             403,
             r#"{"code":"Forbidden.AccessDenied.QpsLimitForAppkeyAndApi","message":"too many"}"#,
         );
-        assert!(qps.temporary() && !qps.credentials_refused());
+        assert!(qps.temporary() && !credentials_refused(&qps));
         assert_eq!(qps.retry_after(), Some(THROTTLE_WAIT));
         assert!(error_text(502, "<html>").temporary());
-        let held = ApiError::flow_controlled();
-        assert!(held.is_flow_controlled() && held.temporary() && !held.credentials_refused());
+        let held = flow_controlled();
+        assert!(is_flow_controlled(&held) && held.temporary() && !credentials_refused(&held));
         assert_eq!(
             held.retry_after(),
             Some(THROTTLE_WAIT),

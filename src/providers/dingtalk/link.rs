@@ -84,7 +84,7 @@ impl Dial for App {
         let (endpoint, ticket) = match opened {
             Ok(o) => o,
             Err(None) => return Some(Opened::Failed("the app's secret is no longer available".into(), None)),
-            Err(Some(e)) if e.temporary() || !e.credentials_refused() => {
+            Err(Some(e)) if e.temporary() || !super::api::credentials_refused(&e) => {
                 return Some(Opened::Failed(e.to_string(), None))
             }
             Err(Some(e)) => {

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
-use self::api::{Api, ApiError, AppCreds};
+use self::api::{Api, ApiError, AppCreds, PLATFORM};
 use self::event::{DingFile, RobotMessage};
 use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
@@ -48,6 +48,7 @@ use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
 use crate::source::Source;
 use crate::store::StoreError;
+use crate::upstream::Kind;
 
 const NAME: &str = "dingtalk";
 /// source → `ConversationInfo`.
@@ -398,7 +399,7 @@ impl DingTalk {
         let deadline = Instant::now() + FETCH_DEADLINE;
         // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
         let (part, content_type) = with_retry("dingtalk: file download", deadline, |left| {
-            let mut part = files.begin(source.as_str(), "in").map_err(ApiError::cache)?;
+            let mut part = files.begin(source.as_str(), "in").map_err(|e| PLATFORM.cache(e))?;
             let content_type = self.api.download(creds, &file.download_code, &mut part, left)?;
             Ok::<_, ApiError>((part, content_type))
         })
@@ -470,11 +471,11 @@ impl DingTalk {
         let sent = once_sent("dingtalk: send", deadline, |left| {
             let sent = self.api.call(creds, path, &body, left)?;
             match one_to_one && listed(&sent, "flowControlledStaffIdList") {
-                true => Err(ApiError::flow_controlled()),
+                true => Err(api::flow_controlled()),
                 false => Ok(sent),
             }
         })
-        .map_err(|e| match e.is_flow_controlled() {
+        .map_err(|e| match api::is_flow_controlled(&e) {
             true => Failure::temporary(
                 code::BUSY,
                 "DingTalk is holding messages to this user back (flow control); nothing was sent: \
@@ -563,9 +564,6 @@ fn once_sent<T>(
         }
     }
     impl Transient for Throttled {
-        fn unreachable(&self) -> bool {
-            self.0.unreachable()
-        }
         fn temporary(&self) -> bool {
             self.0.retry_after().is_some()
         }
@@ -585,13 +583,13 @@ enum Handled {
 
 /// An API refusal as a tool's failure, with what the owner can do about it.
 fn refusal(e: &ApiError) -> Failure {
-    if e.token_invalid() || (e.credentials_refused() && e.code.starts_with("Forbidden")) {
+    if e.kind() == Kind::Auth {
         return Failure::new(
             code::CONNECTION_NOT_AUTHENTICATED,
             format!("DingTalk refused the app ({e}): check its permissions, or bind the conversation again"),
         );
     }
-    Failure::upstream(e)
+    Failure::api(e)
 }
 
 /// What a binding check met, as the reason the form shows.
@@ -599,7 +597,7 @@ fn bind_failure(what: &str, e: &ApiError) -> Failure {
     if e.temporary() {
         return Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the {what}: {e}"));
     }
-    if !e.credentials_refused() {
+    if !api::credentials_refused(e) {
         return Failure::new(code::UPSTREAM_REJECTED, format!("cannot check the {what}: {e}"));
     }
     let why = match what {
@@ -788,13 +786,13 @@ impl Provider for DingTalk {
                     // One attempt (no idempotency here either); throttled, the OpenAPI sends it.
                     match self.api.post_webhook(url, &body, left) {
                         Ok(()) => continue,
-                        Err(e) if e.hook_expired() => {
+                        Err(e) if e.kind() == Kind::Gone => {
                             log::info!("dingtalk: {source}: the session webhook expired; sending through the OpenAPI");
                             let mut dead = self.dead_hooks.lock().unwrap_or_else(|e| e.into_inner());
                             dead.insert(source.as_str().to_string());
                             hook = None;
                         }
-                        Err(e) if e.throttled() => {
+                        Err(e) if e.kind() == Kind::RateLimited => {
                             log::debug!("dingtalk: {source}: the session webhook is throttled; this part goes through the OpenAPI");
                         }
                         Err(e) => return Err(refusal(&e)),

@@ -23,7 +23,8 @@ use crate::json::{self, Value};
 use crate::peer_wait;
 use crate::providers::{StreamedForm, Upload};
 use crate::quiet::Site;
-use crate::upstream::{self, Streamed};
+pub use crate::upstream::ApiError;
+use crate::upstream::{self, Kind, Platform, Streamed};
 
 /// An answer larger than this is refused unread: a history page of 100 messages at their
 /// 4,000 characters, embeds included, stays well below it.
@@ -39,69 +40,18 @@ const MAX_HELD: usize = 64;
 /// How long a global 429 that names no wait holds the bot (Discord's limit is per second).
 const GLOBAL_WAIT: Duration = Duration::from_secs(1);
 
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    /// The HTTP status, or 0 when the server could not be reached.
-    pub status: u16,
-    /// Discord's JSON error code (10003 unknown channel, 50001 missing access...), 0 if none.
-    pub code: u64,
-    /// Its message, or what went wrong.
-    pub message: String,
-    pub retry_after: Option<Duration>,
-    /// The answer passed `MAX_ANSWER` and was not read.
-    pub too_large: bool,
-}
+/// Discord: a refusal is `{code, message}` with its status.
+pub static PLATFORM: Platform = Platform {
+    retry_too_large: false,
+    ..Platform::new("Discord", classify)
+};
 
-impl ApiError {
-    fn unreachable(e: upstream::Error) -> ApiError {
-        ApiError {
-            status: 0,
-            code: 0,
-            too_large: matches!(e, upstream::Error::TooLarge { .. }),
-            message: e.to_string(),
-            retry_after: None,
-        }
-    }
-
-    /// A refusal that is not Discord's JSON (a status, a page, the file cache).
-    pub fn refused(status: u16, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            code: 0,
-            message: message.into(),
-            retry_after: None,
-            too_large: false,
-        }
-    }
-
-    /// The file cache refused the bytes: not temporary, its caps or its disk are not Discord's.
-    pub fn cache(e: FileError) -> ApiError {
-        ApiError::refused(413, e.to_string())
-    }
-}
-
-impl crate::providers::Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.status == 0
-    }
-
-    fn temporary(&self) -> bool {
-        (self.status == 0 || self.status == 429 || self.status >= 500) && !self.too_large
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        // Bounded where it is used (`peer_wait::retry_after`).
-        self.retry_after
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.status, self.code) {
-            (0, _) => write!(f, "Discord unreachable: {}", self.message),
-            (status, 0) => write!(f, "Discord answered {status}: {}", self.message),
-            (status, code) => write!(f, "Discord answered {status} ({code}: {})", self.message),
-        }
+fn classify(status: u16, code: &str) -> Option<Kind> {
+    match (status, code) {
+        (401, _) => Some(Kind::Auth),
+        // Unknown channel.
+        (404, _) | (_, "10003") => Some(Kind::Gone),
+        _ => None,
     }
 }
 
@@ -171,7 +121,7 @@ impl Api {
                 .header("Content-Type", "application/json")
                 .send(b),
         };
-        let mut resp = sent.map_err(|e| ApiError::unreachable(e.into()))?;
+        let mut resp = sent.map_err(|e| PLATFORM.unreachable(e.into()))?;
         self.answer(token, &route, &mut resp)
     }
 
@@ -189,7 +139,7 @@ impl Api {
         self.wait_for_room(token, &route, deadline)?;
         let fields = [("payload_json", Some("application/json"), payload)];
         let mut form = StreamedForm::new(&fields, "files[0]", file)
-            .map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
+            .map_err(|e| PLATFORM.cache(FileError::Storage(e.to_string())))?;
         let url = format!("{}{path}", self.base);
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -204,7 +154,7 @@ impl Api {
         )
         .header("Content-Length", &form.length.to_string())
         .send(ureq::SendBody::from_reader(&mut form.body))
-        .map_err(|e| ApiError::unreachable(e.into()))?;
+        .map_err(|e| PLATFORM.unreachable(e.into()))?;
         self.answer(token, &route, &mut resp)
     }
 
@@ -227,13 +177,13 @@ impl Api {
         let retry_header = seconds(header("Retry-After"));
         let global_header = header("X-RateLimit-Global").is_some_and(|v| v.eq_ignore_ascii_case("true"))
             || header("X-RateLimit-Scope").is_some_and(|v| v.eq_ignore_ascii_case("global"));
-        let body = upstream::read_body(resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+        let body = upstream::read_body(resp, MAX_ANSWER).map_err(|e| PLATFORM.unreachable(e))?;
         if status == 204 {
             return Ok(Value::Null);
         }
         let value = String::from_utf8(body).ok().and_then(|t| json::parse(&t).ok());
         if (200..300).contains(&status) {
-            return value.ok_or_else(|| ApiError::refused(status, "the answer is not JSON"));
+            return value.ok_or_else(|| PLATFORM.refused(status, "the answer is not JSON"));
         }
         let refusal = value.as_ref().and_then(json::as_object);
         let retry_body = refusal
@@ -246,15 +196,19 @@ impl Api {
         if status == 429 && (global_header || global_body) {
             self.hold(token, peer_wait::retry_after(retry_body.or(retry_header), GLOBAL_WAIT));
         }
+        let message = refusal.and_then(|o| json::get_str(o, "message")).map_or_else(
+            || "an error it did not describe".into(),
+            |m| m.chars().take(MAX_ERROR).collect::<String>(),
+        );
         Err(ApiError {
-            status,
-            code: refusal.and_then(|o| json::get_u64(o, "code")).unwrap_or(0),
-            message: refusal
-                .and_then(|o| json::get_str(o, "message"))
-                .map(shown)
-                .unwrap_or_else(|| "an error it did not describe".into()),
+            code: refusal
+                .and_then(|o| json::get_u64(o, "code"))
+                .filter(|c| *c != 0)
+                .map(|c| c.to_string())
+                .unwrap_or_default(),
             retry_after: retry_body.or(retry_header),
-            too_large: false,
+            from_peer: refusal.is_some(),
+            ..PLATFORM.refused(status, message)
         })
     }
 
@@ -284,9 +238,10 @@ impl Api {
                     true => "Discord's global rate limit holds every call of this bot past the deadline",
                     false => "the route's rate limit has no room before the deadline",
                 };
-                let mut e = ApiError::refused(429, why);
-                e.retry_after = Some(wait);
-                return Err(e);
+                return Err(ApiError {
+                    retry_after: Some(wait),
+                    ..PLATFORM.refused(429, why)
+                });
             }
             std::thread::sleep(wait);
         }
@@ -332,7 +287,7 @@ impl Api {
     pub fn download(&self, url: &str, part: &mut FilePart, timeout: Duration) -> Result<Option<String>, ApiError> {
         let mut resp = upstream::within(&self.files, self.files.get(url), timeout)
             .call()
-            .map_err(|e| ApiError::unreachable(upstream::Error::from(e).hiding(url, "the attachment's URL")))?;
+            .map_err(|e| PLATFORM.unreachable(upstream::Error::from(e).hiding(url, "the attachment's URL")))?;
         let status = resp.status().as_u16();
         let content_type = resp
             .headers()
@@ -341,12 +296,12 @@ impl Api {
             .map(|c| c.chars().take(128).collect::<String>());
         if status != 200 {
             // A signed URL past its `ex` answers 404: the message's URL expired.
-            return Err(ApiError::refused(status, "the attachment's download was refused"));
+            return Err(PLATFORM.refused(status, "the attachment's download was refused"));
         }
         match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
             Ok(()) => Ok(content_type),
-            Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
-            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
+            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
         }
     }
 }
@@ -381,11 +336,6 @@ fn number(n: &miniserde::json::Number) -> Option<f64> {
 /// further); `None` otherwise.
 fn seconds_of(s: f64) -> Option<Duration> {
     (s.is_finite() && s >= 0.0).then(|| Duration::from_secs_f64(s.min(86_400.0)))
-}
-
-/// An error message from Discord, as a log line or a tool result may show it.
-fn shown(message: &str) -> String {
-    crate::quiet::shown(&message.chars().take(MAX_ERROR).collect::<String>())
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::api::ApiError;
+use super::api::{ApiError, PLATFORM};
 use super::event::{self, Message};
 use super::{cursor_key, ChannelInfo, Discord};
 use crate::json::{self, Value};
@@ -121,7 +121,7 @@ fn page_after(
         discord.api.get(token, &path, left)
     })?;
     let Value::Array(list) = answer else {
-        return Err(ApiError::refused(200, "the history answer is not a list"));
+        return Err(PLATFORM.refused(200, "the history answer is not a list"));
     };
     let mut page: Vec<Message> = list
         .iter()

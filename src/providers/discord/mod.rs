@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
-use self::api::{Api, ApiError};
+use self::api::{Api, ApiError, PLATFORM};
 use self::event::{Attachment, Message};
 use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
@@ -444,7 +444,7 @@ impl Discord {
         let deadline = Instant::now() + FETCH_DEADLINE;
         // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
         let (part, content_type) = with_retry("discord: attachment download", deadline, |left| {
-            let mut part = files.begin(source.as_str(), "in").map_err(ApiError::cache)?;
+            let mut part = files.begin(source.as_str(), "in").map_err(|e| PLATFORM.cache(e))?;
             let content_type = self.api.download(&a.url, &mut part, left)?;
             Ok::<_, ApiError>((part, content_type))
         })
@@ -576,17 +576,17 @@ fn message_payload(content: &str, nonce: &str, reply_to: Option<&str>) -> String
 /// A REST refusal as a tool's failure, with what the owner can do about it.
 fn refusal(e: &ApiError) -> Failure {
     let refused = |why: &str| Failure::new(code::UPSTREAM_REJECTED, why.to_string());
-    match (e.status, e.code) {
+    match (e.status, e.code.as_str()) {
         (401, _) => Failure::new(
             code::CONNECTION_NOT_AUTHENTICATED,
             "Discord refused the bot token: bind the channel again with a new token",
         ),
-        (_, 10003) => refused("Discord does not know this channel any more"),
-        (403, _) | (_, 50001 | 50013) => {
+        (_, "10003") => refused("Discord does not know this channel any more"),
+        (403, _) | (_, "50001" | "50013") => {
             refused("the bot lacks a permission in this channel (View Channel, Send Messages, Attach Files)")
         }
-        (413, _) | (_, 40005) => refused("the file is larger than Discord takes from this bot"),
-        _ => Failure::upstream(e),
+        (413, _) | (_, "40005") => refused("the file is larger than Discord takes from this bot"),
+        _ => Failure::api(e),
     }
 }
 
@@ -596,10 +596,10 @@ fn bind_failure(what: &str, e: &ApiError) -> Failure {
     if e.temporary() {
         return Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the {what}: {e}"));
     }
-    match (e.status, e.code) {
+    match (e.status, e.code.as_str()) {
         (401, _) => refused("Discord rejected the bot token (copy it again from the Developer Portal, Bot page)".into()),
-        (_, 10003) | (404, _) => refused("Discord does not know this channel (copy its ID with Developer Mode on)".into()),
-        (_, 50001) | (403, _) => refused(format!(
+        (_, "10003") | (404, _) => refused("Discord does not know this channel (copy its ID with Developer Mode on)".into()),
+        (_, "50001") | (403, _) => refused(format!(
             "the bot cannot see this channel: invite it to the server and give it View Channel and Read Message History ({e})"
         )),
         _ => refused(format!("Discord refused the {what} check ({e})")),

@@ -12,10 +12,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::config::Secret;
-use crate::files::{FileError, FilePart};
+use crate::files::FilePart;
 use crate::json::{self, obj, s, Value};
-use crate::providers::Transient;
-use crate::upstream::{self, Streamed};
+pub use crate::upstream::ApiError;
+use crate::upstream::{self, Kind, Platform, Streamed};
 
 /// Feishu's code for "too many requests" (with HTTP 429 or 400).
 const CODE_RATE_LIMITED: i64 = 99991400;
@@ -33,61 +33,22 @@ pub struct AppCreds {
     pub secret: Secret,
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    /// The HTTP status, or 0 when the server could not be reached or answered nonsense.
-    pub status: u16,
-    /// Feishu's `code` (0 when the answer had none).
-    pub code: i64,
-    pub msg: String,
-}
+/// Feishu: a nonzero `code` is an error whatever the status.
+pub static PLATFORM: Platform = Platform::new("Feishu", classify);
 
-impl ApiError {
-    fn unreachable(e: impl std::fmt::Display) -> ApiError {
-        ApiError {
-            status: 0,
-            code: 0,
-            msg: e.to_string(),
-        }
-    }
-
-    /// The file cache refused the bytes: not temporary, its caps or its disk are not Feishu's.
-    pub fn cache(e: FileError) -> ApiError {
-        ApiError {
-            status: 413,
-            code: 0,
-            msg: e.to_string(),
-        }
-    }
-
-    /// The server no longer takes the token.
-    pub fn token_invalid(&self) -> bool {
-        TOKEN_CODES.contains(&self.code)
+fn classify(_: u16, code: &str) -> Option<Kind> {
+    match code.parse::<i64>().ok()? {
+        CODE_RATE_LIMITED => Some(Kind::RateLimited),
+        c if TOKEN_CODES.contains(&c) => Some(Kind::Auth),
+        // A chat ID it does not know.
+        232001 | 232006 => Some(Kind::Gone),
+        _ => None,
     }
 }
 
-impl Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.status == 0
-    }
-
-    fn temporary(&self) -> bool {
-        self.status == 0 || self.status == 429 || self.status >= 500 || self.code == CODE_RATE_LIMITED
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        None
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.status, self.code) {
-            (0, _) => write!(f, "Feishu unreachable: {}", self.msg),
-            (status, 0) => write!(f, "Feishu answered HTTP {status}: {}", self.msg),
-            (status, code) => write!(f, "Feishu answered HTTP {status}, code {code}: {}", self.msg),
-        }
-    }
+/// Feishu no longer takes the token: fetch a new one and call again.
+pub fn token_invalid(e: &ApiError) -> bool {
+    e.kind() == Kind::Auth
 }
 
 struct Token {
@@ -127,7 +88,7 @@ impl Api {
         )?;
         let value = json::get_str(&o, "tenant_access_token")
             .filter(|t| !t.is_empty())
-            .ok_or_else(|| ApiError::unreachable("the token answer has no tenant_access_token"))?
+            .ok_or_else(|| PLATFORM.refused(0, "the token answer has no tenant_access_token"))?
             .to_string();
         let keep = crate::providers::token_kept_for(json::get_u64(&o, "expire").unwrap_or(0));
         self.lock().insert(
@@ -198,7 +159,7 @@ impl Api {
                 .get(path, timeout)
                 .header("Authorization", &format!("Bearer {token}"))
                 .call()
-                .map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
+                .map_err(|e| PLATFORM.unreachable(e.into()))?;
             let status = resp.status().as_u16();
             let content_type = resp
                 .headers()
@@ -216,9 +177,9 @@ impl Api {
             }
             match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
                 Ok(()) => Ok(content_type),
-                Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
+                Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
                 // Not temporary: the cache's caps or its disk, not Feishu.
-                Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+                Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
             }
         })
     }
@@ -232,15 +193,15 @@ impl Api {
             .header("locale", "en");
         let mut resp = req
             .send(json::to_string(&body).as_bytes())
-            .map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
         let status = resp.status().as_u16();
         if status != 200 {
             // A refusal keeps its status even when its body cannot be read.
             let o = upstream::read_json(&mut resp, MAX_ANSWER).ok().and_then(|(_, o)| o);
             return Err(error_of(status, o.as_ref()));
         }
-        let body = upstream::read_body(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
-        String::from_utf8(body).map_err(|_| ApiError::unreachable("the endpoint answer is not text"))
+        let body = upstream::read_body(&mut resp, MAX_ANSWER).map_err(|e| PLATFORM.unreachable(e))?;
+        String::from_utf8(body).map_err(|_| PLATFORM.refused(0, "the endpoint answer is not text"))
     }
 
     fn post(&self, path: &str, timeout: Duration) -> ureq::RequestBuilder<ureq::typestate::WithBody> {
@@ -262,7 +223,7 @@ impl Api {
     ) -> Result<T, ApiError> {
         let token = self.token(app, timeout)?;
         match attempt(&token) {
-            Err(e) if e.token_invalid() => {
+            Err(e) if token_invalid(&e) => {
                 log::info!(
                     "feishu: app {}: the server refused its token ({e}); fetching a new one",
                     app.app_id
@@ -306,8 +267,8 @@ impl Api {
 
 /// Reads a JSON answer: the object when its `code` is 0.
 fn read_answer(sent: Result<upstream::Response, ureq::Error>) -> Result<json::Object, ApiError> {
-    let mut resp = sent.map_err(|e| ApiError::unreachable(upstream::Error::from(e)))?;
-    match upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)? {
+    let mut resp = sent.map_err(|e| PLATFORM.unreachable(e.into()))?;
+    match upstream::read_json(&mut resp, MAX_ANSWER).map_err(|e| PLATFORM.unreachable(e))? {
         (200, Some(o)) if code_of(&o) == Some(0) => Ok(o),
         (status, o) => Err(error_of(status, o.as_ref())),
     }
@@ -333,18 +294,22 @@ fn error_of(status: u16, o: Option<&json::Object>) -> ApiError {
         })
         .chars()
         .take(200)
-        .collect();
+        .collect::<String>();
     ApiError {
+        code: match code {
+            0 => String::new(),
+            c => c.to_string(),
+        },
+        from_peer: o.is_some(),
         // A 200 with a nonzero code is still an error; keep the status it came with.
-        status: if status == 0 { 500 } else { status },
-        code,
-        msg,
+        ..PLATFORM.refused(if status == 0 { 500 } else { status }, msg)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::providers::Transient;
 
     fn error_text(status: u16, text: &str) -> ApiError {
         let o = json::parse(text).ok().and_then(|v| match v {
@@ -357,12 +322,19 @@ mod tests {
     #[test]
     fn answers_with_a_code_are_errors_and_rate_limits_and_server_errors_are_temporary() {
         let e = error_text(400, r#"{"code":232011,"msg":"Operator can NOT be out of the chat."}"#);
-        assert_eq!((e.status, e.code), (400, 232011));
+        assert_eq!((e.status, e.code.as_str()), (400, "232011"));
         assert!(!e.temporary());
         assert!(error_text(400, r#"{"code":99991400,"msg":"request trigger frequency limit"}"#).temporary());
         assert!(error_text(502, "<html>bad gateway</html>").temporary());
-        assert!(error_text(200, r#"{"code":99991663,"msg":"Invalid access token"}"#).token_invalid());
+        assert!(token_invalid(&error_text(
+            200,
+            r#"{"code":99991663,"msg":"Invalid access token"}"#
+        )));
         let long = format!(r#"{{"code":1,"msg":"{}"}}"#, "x".repeat(5000));
-        assert_eq!(error_text(400, &long).msg.len(), 200, "a server's message is bounded");
+        assert_eq!(
+            error_text(400, &long).message.len(),
+            200,
+            "a server's message is bounded"
+        );
     }
 }

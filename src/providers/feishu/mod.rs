@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
-use self::api::{Api, ApiError, AppCreds};
+use self::api::{Api, ApiError, AppCreds, PLATFORM};
 use super::bindings::Rows;
 use super::inbound::{self, FileItem};
 use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
@@ -339,7 +339,7 @@ impl Feishu {
         let files = &self.host.files;
         // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
         let (part, content_type) = with_retry("feishu: message resource", deadline, |left| {
-            let mut part = files.begin(source.as_str(), "in").map_err(ApiError::cache)?;
+            let mut part = files.begin(source.as_str(), "in").map_err(|e| PLATFORM.cache(e))?;
             let content_type = self.api.download(&creds, &path, &mut part, left)?;
             Ok::<_, ApiError>((part, content_type))
         })
@@ -377,7 +377,7 @@ impl Feishu {
         let sent = with_retry("feishu: send", to.deadline, |left| {
             self.api.call(to.creds, "POST", &path, Some(&body), left)
         })
-        .map_err(|e| Failure::upstream(&e))?;
+        .map_err(|e| Failure::api(&e))?;
         Ok(json::as_object(&sent)
             .and_then(|o| json::get_str(o, "message_id"))
             .unwrap_or_default()
@@ -412,7 +412,7 @@ impl Feishu {
         let uploaded = with_retry("feishu: upload", to.deadline, |left| {
             self.api.upload(to.creds, api_path, &boundary, &body, left)
         })
-        .map_err(|e| Failure::upstream(&e))?;
+        .map_err(|e| Failure::api(&e))?;
         let file_key = json::as_object(&uploaded)
             .and_then(|o| json::get_str(o, key))
             .filter(|k| !k.is_empty())
@@ -477,16 +477,16 @@ fn file_type_of(filename: &str) -> &'static str {
 /// What the binding checks met, as the reason the form shows.
 fn chat_failure(e: &ApiError) -> Failure {
     let refused = |why: &str| Failure::new(code::CONNECTION_NOT_AUTHENTICATED, why.to_string());
-    match e.code {
-        232011 | 230002 => refused("the app's bot is not in this chat: add the bot to the chat, then bind again"),
-        232006 | 232001 => refused("Feishu does not know this chat ID (it looks like oc_...)"),
-        232025 | 230006 => refused("the app has no bot: enable the bot ability in the developer console and publish the app"),
-        232034 => refused("the app is not installed or not enabled in this tenant"),
-        99991672 | 99991679 => Failure::new(
+    match e.code.as_str() {
+        "232011" | "230002" => refused("the app's bot is not in this chat: add the bot to the chat, then bind again"),
+        "232006" | "232001" => refused("Feishu does not know this chat ID (it looks like oc_...)"),
+        "232025" | "230006" => refused("the app has no bot: enable the bot ability in the developer console and publish the app"),
+        "232034" => refused("the app is not installed or not enabled in this tenant"),
+        "99991672" | "99991679" => Failure::new(
             code::CONNECTION_NOT_AUTHENTICATED,
-            format!("the app lacks a permission scope the chat check needs ({}): add im:chat:readonly and im:message, then publish", e.msg),
+            format!("the app lacks a permission scope the chat check needs ({}): add im:chat:readonly and im:message, then publish", e.message),
         ),
-        _ => Failure::upstream(e),
+        _ => Failure::api(e),
     }
 }
 
@@ -578,7 +578,7 @@ impl Feishu {
             true => Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the app: {e}")),
             false => Failure::new(
                 code::CONNECTION_NOT_AUTHENTICATED,
-                format!("Feishu rejected the App ID or App Secret ({})", e.msg),
+                format!("Feishu rejected the App ID or App Secret ({})", e.message),
             ),
         })?;
         let endpoint = self

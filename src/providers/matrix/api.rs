@@ -11,7 +11,8 @@ use std::time::Duration;
 use crate::files::{FileError, FilePart};
 use crate::json::{self, Object, Value};
 use crate::providers::Upload;
-use crate::upstream::{self, query_value, Streamed};
+pub use crate::upstream::ApiError;
+use crate::upstream::{self, query_value, Kind, Platform, Streamed};
 
 /// An answer larger than this is refused unread. Past it a /sync asks for half the events per
 /// room, down to one, and then for the bound rooms only (`link.rs`).
@@ -21,90 +22,16 @@ pub const POLL_MS: u64 = 30_000;
 /// Characters of the server's error text kept (it reaches logs and tool results).
 const MAX_ERROR: usize = 160;
 
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    /// The HTTP status, or 0 when the server could not be reached.
-    pub status: u16,
-    /// Matrix's `errcode` (`M_UNKNOWN_TOKEN`, `M_FORBIDDEN`, `M_LIMIT_EXCEEDED`…), empty if none.
-    pub errcode: String,
-    pub message: String,
-    pub retry_after: Option<Duration>,
-    /// The answer passed its cap and was not read.
-    pub too_large: bool,
-}
+/// A homeserver: a refusal is `{errcode, error}` with its status.
+pub static PLATFORM: Platform = Platform::new("homeserver", |status, errcode| match (status, errcode) {
+    (401, _) => Some(Kind::Auth),
+    (404, "M_NOT_FOUND") => Some(Kind::Gone),
+    _ => None,
+});
 
-impl ApiError {
-    fn unreachable(e: upstream::Error) -> ApiError {
-        ApiError {
-            status: 0,
-            errcode: String::new(),
-            too_large: matches!(e, upstream::Error::TooLarge { .. }),
-            message: e.to_string(),
-            retry_after: None,
-        }
-    }
-
-    /// A refusal that is not Matrix's JSON (a status, a page, the file cache).
-    pub fn refused(status: u16, message: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            errcode: String::new(),
-            message: message.into(),
-            retry_after: None,
-            too_large: false,
-        }
-    }
-
-    /// The file cache refused the bytes: not temporary, its caps or its disk are not the
-    /// homeserver's.
-    pub fn cache(e: FileError) -> ApiError {
-        ApiError::refused(413, e.to_string())
-    }
-
-    /// The error with `token` shown as `<token>`: a server (or a proxy) may echo a request's
-    /// header in its error text.
-    fn hiding(mut self, token: &str) -> ApiError {
-        if !token.is_empty() {
-            self.message = self.message.replace(token, "<token>");
-        }
-        self
-    }
-
-    /// The token was revoked (logged out, deactivated): nothing works until a new binding.
-    pub fn token_gone(&self) -> bool {
-        self.status == 401 && self.errcode == "M_UNKNOWN_TOKEN"
-    }
-}
-
-impl crate::providers::Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.status == 0
-    }
-
-    fn temporary(&self) -> bool {
-        self.status == 0 || self.status == 429 || self.status >= 500
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        // Bounded where it is used (`peer_wait::retry_after`).
-        self.retry_after
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The server's words, escaped: they reach log lines and tool results.
-        let message = crate::quiet::shown(&self.message);
-        match (self.status, self.errcode.is_empty()) {
-            (0, _) => write!(f, "homeserver unreachable: {message}"),
-            (s, true) => write!(f, "homeserver answered {s}: {message}"),
-            (s, false) => write!(
-                f,
-                "homeserver answered {s} {}: {message}",
-                crate::quiet::shown(&self.errcode)
-            ),
-        }
-    }
+/// The token was revoked (logged out, deactivated): nothing works until a new binding.
+pub fn token_gone(e: &ApiError) -> bool {
+    e.kind() == Kind::Auth && e.code == "M_UNKNOWN_TOKEN"
 }
 
 /// One account on one homeserver: where to call and with what.
@@ -139,7 +66,7 @@ impl Api {
     /// `GET /_matrix/client/versions` needs no token: whether `homeserver` speaks Matrix.
     pub fn versions(&self, homeserver: &str) -> Result<Object, ApiError> {
         let req = self.http.get(&format!("{homeserver}/_matrix/client/versions"));
-        let mut resp = req.call().map_err(|e| ApiError::unreachable(e.into()))?;
+        let mut resp = req.call().map_err(|e| PLATFORM.unreachable(e.into()))?;
         answer(&mut resp, MAX_ERROR_ANSWER)
     }
 
@@ -149,8 +76,8 @@ impl Api {
         let req = upstream::within(&self.http, self.http.get(&url), timeout);
         let mut resp = authorized(req, acct.token)
             .call()
-            .map_err(|e| ApiError::unreachable(e.into()))?;
-        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token))
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
+        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token, "<token>"))
     }
 
     /// `/sync` (`query` is its whole query string): a long poll of up to `POLL_MS`.
@@ -158,8 +85,8 @@ impl Api {
         let url = format!("{}/_matrix/client/v3/sync?{query}", acct.homeserver);
         let mut resp = authorized(self.poll.get(&url), acct.token)
             .call()
-            .map_err(|e| ApiError::unreachable(e.into()))?;
-        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token))
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
+        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token, "<token>"))
     }
 
     /// A PUT or POST of a JSON body to the client API, within `timeout`.
@@ -181,8 +108,8 @@ impl Api {
         let mut resp = authorized(req, acct.token)
             .header("Content-Type", "application/json")
             .send(json::to_string(body).as_bytes())
-            .map_err(|e| ApiError::unreachable(e.into()))?;
-        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token))
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
+        answer(&mut resp, MAX_ANSWER).map_err(|e| e.hiding(acct.token, "<token>"))
     }
 
     /// Uploads a file from the cache (`POST /_matrix/media/v3/upload`), streamed from disk;
@@ -195,18 +122,18 @@ impl Api {
         );
         let mut bytes = std::fs::File::open(file.path)
             .map(|f| std::io::Read::take(f, file.size))
-            .map_err(|e| ApiError::cache(FileError::Storage(e.to_string())))?;
+            .map_err(|e| PLATFORM.cache(FileError::Storage(e.to_string())))?;
         let req = upstream::within(&self.files, self.files.post(&url), timeout);
         let mut resp = authorized(req, acct.token)
             .header("Content-Type", file.mime)
             .header("Content-Length", &file.size.to_string())
             .send(ureq::SendBody::from_reader(&mut bytes))
-            .map_err(|e| ApiError::unreachable(e.into()))?;
-        let o = answer(&mut resp, MAX_ERROR_ANSWER).map_err(|e| e.hiding(acct.token))?;
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
+        let o = answer(&mut resp, MAX_ERROR_ANSWER).map_err(|e| e.hiding(acct.token, "<token>"))?;
         json::get_str(&o, "content_uri")
             .filter(|u| u.starts_with("mxc://"))
             .map(str::to_string)
-            .ok_or_else(|| ApiError::refused(502, "the upload's answer has no content_uri"))
+            .ok_or_else(|| PLATFORM.refused(502, "the upload's answer has no content_uri"))
     }
 
     /// Downloads `mxc://server/id` into `part` through authenticated media (Matrix 1.11), or the
@@ -219,28 +146,29 @@ impl Api {
         part: &mut FilePart,
         timeout: Duration,
     ) -> Result<Option<String>, ApiError> {
-        let (server, id) = mxc_parts(mxc).ok_or_else(|| ApiError::refused(400, "not an mxc:// URI"))?;
+        let (server, id) = mxc_parts(mxc).ok_or_else(|| PLATFORM.refused(400, "not an mxc:// URI"))?;
         let path = format!("{}/{}", seg(server), seg(id));
         let authenticated = format!("{}/_matrix/client/v1/media/download/{path}", acct.homeserver);
         let req = upstream::within(&self.files, self.files.get(&authenticated), timeout);
         let mut resp = authorized(req, acct.token)
             .call()
-            .map_err(|e| ApiError::unreachable(e.into()))?;
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
         let status = resp.status().as_u16();
         // A server older than Matrix 1.11 does not know the route (404 M_UNRECOGNIZED, 405).
         if status == 404 || status == 405 {
-            let unknown_route = matches!(answer(&mut resp, MAX_ERROR_ANSWER), Err(e) if e.errcode == "M_UNRECOGNIZED" || e.status == 405);
+            let unknown_route =
+                matches!(answer(&mut resp, MAX_ERROR_ANSWER), Err(e) if e.code == "M_UNRECOGNIZED" || e.status == 405);
             if !unknown_route {
-                return Err(ApiError::refused(404, "the homeserver does not have this file"));
+                return Err(PLATFORM.refused(404, "the homeserver does not have this file"));
             }
             let legacy = format!("{}/_matrix/media/v3/download/{path}", acct.homeserver);
             let req = upstream::within(&self.files, self.files.get(&legacy), timeout);
-            resp = req.call().map_err(|e| ApiError::unreachable(e.into()))?;
+            resp = req.call().map_err(|e| PLATFORM.unreachable(e.into()))?;
         }
         if resp.status().as_u16() != 200 {
             return answer(&mut resp, MAX_ERROR_ANSWER)
-                .and(Err(ApiError::refused(502, "file download refused")))
-                .map_err(|e| e.hiding(acct.token));
+                .and(Err(PLATFORM.refused(502, "file download refused")))
+                .map_err(|e| e.hiding(acct.token, "<token>"));
         }
         let served = resp
             .headers()
@@ -249,8 +177,8 @@ impl Api {
             .map(str::to_string);
         match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
             Ok(()) => Ok(served),
-            Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
-            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
+            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
         }
     }
 }
@@ -281,36 +209,33 @@ fn authorized<B>(req: ureq::RequestBuilder<B>, token: &str) -> ureq::RequestBuil
 
 /// A success's JSON object, or the refusal it is.
 fn answer(resp: &mut upstream::Response, cap: u64) -> Result<Object, ApiError> {
-    let header_wait = resp
-        .headers()
-        .get("Retry-After")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
-    let (status, body) = upstream::read_json(resp, cap).map_err(ApiError::unreachable)?;
+    let header_wait = upstream::retry_after(resp);
+    let (status, body) = upstream::read_json(resp, cap).map_err(|e| PLATFORM.unreachable(e))?;
     match body {
         Some(o) if (200..300).contains(&status) => Ok(o),
         Some(o) => Err(ApiError {
-            status,
-            errcode: json::get_str(&o, "errcode")
+            code: json::get_str(&o, "errcode")
                 .unwrap_or_default()
                 .chars()
                 .take(64)
-                .collect(),
-            message: json::get_str(&o, "error")
-                .unwrap_or("no reason given")
-                .chars()
-                .take(MAX_ERROR)
                 .collect(),
             // `retry_after_ms` first (the spec's field), else the header; clamped by the caller.
             retry_after: json::get_u64(&o, "retry_after_ms")
                 .map(Duration::from_millis)
                 .or(header_wait),
-            too_large: false,
+            from_peer: true,
+            ..PLATFORM.refused(
+                status,
+                json::get_str(&o, "error")
+                    .unwrap_or("no reason given")
+                    .chars()
+                    .take(MAX_ERROR)
+                    .collect::<String>(),
+            )
         }),
         None => Err(ApiError {
             retry_after: header_wait,
-            ..ApiError::refused(status, format!("an answer that is not a JSON object (status {status})"))
+            ..PLATFORM.refused(status, format!("an answer that is not a JSON object (status {status})"))
         }),
     }
 }

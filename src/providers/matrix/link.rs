@@ -196,7 +196,7 @@ fn run(mx: Weak<Matrix>, account: String, stop: Arc<Stop>, mut line: Line) {
                     None
                 }
             },
-            Err(e) if e.token_gone() => {
+            Err(e) if super::api::token_gone(&e) => {
                 m.token_revoked(&account);
                 return;
             }
@@ -532,7 +532,7 @@ fn page(
             Err(e) if e.too_large && limit > 1 => limit /= 2,
             Err(e) => {
                 m.history_failed(&info.room_id, &e);
-                if e.token_gone() || crate::providers::Transient::temporary(&e) {
+                if super::api::token_gone(&e) || crate::providers::Transient::temporary(&e) {
                     return Err(Stopped(peer_wait::retry_after(e.retry_after, Duration::from_secs(5))));
                 }
                 return Ok(None);

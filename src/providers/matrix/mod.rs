@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
-use self::api::{seg, Account, Api, ApiError};
+use self::api::{seg, Account, Api, ApiError, PLATFORM};
 use self::event::{valid_id, Event, Media, Message};
 use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
@@ -41,6 +41,7 @@ use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::{shown, Site};
 use crate::source::Source;
 use crate::store::StoreError;
+use crate::upstream::Kind;
 
 const NAME: &str = "matrix";
 /// source → `RoomInfo`.
@@ -421,7 +422,7 @@ impl Matrix {
         let acct = state.account();
         // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
         let (part, served) = with_retry("matrix: file download", deadline, |left| {
-            let mut part = files.begin(source, "in").map_err(ApiError::cache)?;
+            let mut part = files.begin(source, "in").map_err(|e| PLATFORM.cache(e))?;
             let served = self.api.download(&acct, &media.mxc, &mut part, left)?;
             Ok::<_, ApiError>((part, served))
         })
@@ -486,14 +487,14 @@ impl Matrix {
 
     /// A failed call of a tool: a gone token expires the account's bindings.
     fn failed(&self, state: &AccountState, e: &ApiError) -> Failure {
-        if e.token_gone() {
+        if api::token_gone(e) {
             self.token_revoked(&state.id);
             return Failure::new(
                 code::CONNECTION_NOT_AUTHENTICATED,
                 "the homeserver no longer accepts the access token: bind this channel again with a new one",
             );
         }
-        Failure::upstream(e)
+        Failure::api(e)
     }
 
     /// Sends one `m.room.message` event under a transaction ID derived from the tool call, so a
@@ -648,7 +649,7 @@ impl Matrix {
                     "this room is end-to-end encrypted, which imgate does not support: use a room without encryption",
                 ))
             }
-            Err(e) if e.status == 404 && e.errcode == "M_NOT_FOUND" => {}
+            Err(e) if e.kind() == Kind::Gone => {}
             Err(e) => return Err(cannot("check the room's encryption", &e)),
         }
         let members = match self

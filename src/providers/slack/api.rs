@@ -8,9 +8,10 @@
 
 use std::time::Duration;
 
-use crate::files::{FileError, FilePart};
+use crate::files::FilePart;
 use crate::json::{self, Object, Value};
-use crate::upstream::{self, Streamed};
+pub use crate::upstream::ApiError;
+use crate::upstream::{self, Kind, Platform, Streamed};
 
 /// An answer larger than this is refused unread: a history page of 200 messages at Slack's
 /// 40,000 characters each would pass it, so the catch-up asks for fewer when it is refused.
@@ -18,94 +19,32 @@ pub const MAX_ANSWER: u64 = 1 << 20;
 /// Characters of an error's text kept (it reaches logs and tool results).
 const MAX_ERROR: usize = 100;
 
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    /// The HTTP status, or 0 when the server could not be reached.
-    pub status: u16,
-    /// Slack's `error` (`invalid_auth`, `not_in_channel`), or what went wrong.
-    pub error: String,
-    /// `missing_scope`'s `needed`.
-    pub needed: Option<String>,
-    pub retry_after: Option<u64>,
-    /// The answer passed `MAX_ANSWER` and was not read.
-    pub too_large: bool,
-    /// Slack itself refused (its JSON said `ok: false`), not a proxy, a network or a cache.
-    pub from_slack: bool,
-}
+/// Slack: its errors are `snake_case` words (a refusal answers 200).
+pub static PLATFORM: Platform = Platform {
+    retry_too_large: false,
+    ..Platform::new("Slack", classify)
+};
 
-impl ApiError {
-    fn unreachable(e: upstream::Error) -> ApiError {
-        ApiError {
-            status: 0,
-            too_large: matches!(e, upstream::Error::TooLarge { .. }),
-            error: e.to_string(),
-            needed: None,
-            retry_after: None,
-            from_slack: false,
-        }
-    }
-
-    /// A refusal that is not Slack's JSON (a status, a page, the file cache).
-    pub fn refused(status: u16, error: impl Into<String>) -> ApiError {
-        ApiError {
-            status,
-            error: error.into(),
-            needed: None,
-            retry_after: None,
-            too_large: false,
-            from_slack: false,
-        }
-    }
-
-    /// The file cache refused the bytes: not temporary, its caps or its disk are not Slack's.
-    pub fn cache(e: FileError) -> ApiError {
-        ApiError::refused(413, e.to_string())
-    }
-
-    /// Slack refused the token itself.
-    pub fn bad_token(&self) -> bool {
-        matches!(
-            self.error.as_str(),
-            "invalid_auth"
-                | "not_authed"
-                | "account_inactive"
-                | "token_revoked"
-                | "token_expired"
-                | "not_allowed_token_type"
-        )
+/// Slack's `error` word, or what went wrong when Slack named none.
+pub fn error(e: &ApiError) -> &str {
+    match e.code.is_empty() {
+        true => &e.message,
+        false => &e.code,
     }
 }
 
-impl crate::providers::Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.status == 0
-    }
-
-    fn temporary(&self) -> bool {
-        // An answer too large is as large the next time: the caller asks for less.
-        let again = self.status == 0
-            || self.status == 429
-            || self.status >= 500
-            || matches!(
-                self.error.as_str(),
-                "ratelimited" | "internal_error" | "fatal_error" | "service_unavailable"
-            );
-        again && !self.too_large
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        // Bounded where it is used (`peer_wait::retry_after`).
-        self.retry_after.map(Duration::from_secs)
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match (self.status, &self.needed) {
-            (0, _) => write!(f, "Slack unreachable: {}", self.error),
-            (_, Some(scope)) => write!(f, "Slack refused: missing_scope (the app needs {scope})"),
-            (status, None) => write!(f, "Slack answered {status}: {}", self.error),
-        }
+fn classify(_: u16, error: &str) -> Option<Kind> {
+    match error {
+        "ratelimited" => Some(Kind::RateLimited),
+        "internal_error" | "fatal_error" | "service_unavailable" => Some(Kind::Transient),
+        "invalid_auth"
+        | "not_authed"
+        | "account_inactive"
+        | "token_revoked"
+        | "token_expired"
+        | "not_allowed_token_type" => Some(Kind::Auth),
+        "channel_not_found" => Some(Kind::Gone),
+        _ => None,
     }
 }
 
@@ -140,17 +79,14 @@ impl Api {
             .header("Authorization", &format!("Bearer {token}"))
             .header("Content-Type", "application/x-www-form-urlencoded")
             .send(body.as_bytes())
-            .map_err(|e| ApiError::unreachable(e.into()))?;
-        let retry_after = resp
-            .headers()
-            .get("Retry-After")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok());
-        let (status, answer) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
+        let retry_after = upstream::retry_after(&resp);
+        let (status, answer) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(|e| PLATFORM.unreachable(e))?;
         let Some(o) = answer else {
-            let mut e = ApiError::refused(status, format!("the answer to {method} is not JSON"));
-            e.retry_after = retry_after;
-            return Err(e);
+            return Err(ApiError {
+                retry_after,
+                ..PLATFORM.refused(status, format!("the answer to {method} is not JSON"))
+            });
         };
         if status == 200 && matches!(o.get("ok"), Some(Value::Bool(true))) {
             return Ok(o);
@@ -162,14 +98,19 @@ impl Api {
                 .filter(|e| e.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.:,-".contains(&b)))
                 .map(|e| e.chars().take(MAX_ERROR).collect::<String>())
         };
-        let error = text(&o, "error").unwrap_or_else(|| "an error it did not name".into());
+        let code = text(&o, "error").unwrap_or_default();
+        let needed = text(&o, "needed").filter(|_| code == "missing_scope");
+        let message = match (&needed, code.is_empty()) {
+            (Some(scope), _) => format!("the app needs {scope}"),
+            (None, true) => "an error it did not name".into(),
+            (None, false) => String::new(),
+        };
         Err(ApiError {
-            status: if status == 200 { 400 } else { status },
-            needed: text(&o, "needed").filter(|_| error == "missing_scope"),
-            error,
+            code,
             retry_after,
-            too_large: false,
-            from_slack: true,
+            from_peer: true,
+            detail: needed,
+            ..PLATFORM.refused(if status == 200 { 400 } else { status }, message)
         })
     }
 
@@ -184,7 +125,7 @@ impl Api {
         let mut resp = upstream::within(&self.files, self.files.get(url), timeout)
             .header("Authorization", &format!("Bearer {token}"))
             .call()
-            .map_err(|e| ApiError::unreachable(upstream::Error::from(e).hiding(url, "the file's URL")))?;
+            .map_err(|e| PLATFORM.unreachable(upstream::Error::from(e).hiding(url, "the file's URL")))?;
         let status = resp.status().as_u16();
         let content_type = resp
             .headers()
@@ -192,19 +133,19 @@ impl Api {
             .and_then(|v| v.to_str().ok())
             .map(|c| c.chars().take(128).collect::<String>());
         if status != 200 {
-            return Err(ApiError::refused(status, "the file download was refused"));
+            return Err(PLATFORM.refused(status, "the file download was refused"));
         }
         // Slack answers a request it does not accept with its sign-in page, not with a status.
         if content_type.as_deref().is_some_and(|c| c.starts_with("text/html")) {
-            return Err(ApiError::refused(
+            return Err(PLATFORM.refused(
                 403,
                 "Slack answered a web page, not the file (does the app have the files:read scope?)",
             ));
         }
         match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
             Ok(()) => Ok(content_type),
-            Err(Streamed::Read(e)) => Err(ApiError::unreachable(e)),
-            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
+            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
         }
     }
 
@@ -213,13 +154,13 @@ impl Api {
         let mut resp = upstream::within(&self.files, self.files.post(url), timeout)
             .header("Content-Type", "application/octet-stream")
             .send(bytes)
-            .map_err(|e| ApiError::unreachable(upstream::Error::from(e).hiding(url, "the upload URL")))?;
+            .map_err(|e| PLATFORM.unreachable(upstream::Error::from(e).hiding(url, "the upload URL")))?;
         let status = resp.status().as_u16();
         // The body is a short status line; read (capped) so the connection can be reused.
         let _ = upstream::read_body(&mut resp, 4096);
         match status {
             200 => Ok(()),
-            _ => Err(ApiError::refused(status, "the upload was refused")),
+            _ => Err(PLATFORM.refused(status, "the upload was refused")),
         }
     }
 }

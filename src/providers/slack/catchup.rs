@@ -23,7 +23,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::api::ApiError;
+use super::api::{ApiError, PLATFORM};
 use super::event::{self, ts_micros, ts_of, Message};
 use super::{high_water_key, ChannelInfo, Slack};
 use crate::json::{self, Object, Value};
@@ -223,10 +223,7 @@ fn newer_than(slack: &Slack, token: &str, channel: &str, from: u64) -> Result<Ga
     loop {
         pages += 1;
         if pages > MAX_PAGES {
-            return Err(ApiError::refused(
-                400,
-                "the history did not end after as many pages as a catch-up reads",
-            ));
+            return Err(PLATFORM.refused(400, "the history did not end after as many pages as a catch-up reads"));
         }
         let limit_text = limit.to_string();
         let mut params = vec![("channel", channel), ("limit", limit_text.as_str())];
@@ -267,10 +264,7 @@ fn newer_than(slack: &Slack, token: &str, channel: &str, from: u64) -> Result<Ga
             // More, but no way to them: the channel stays behind rather than skip them (past
             // the mark, only threads would be missed).
             _ if more && before == 0 => {
-                return Err(ApiError::refused(
-                    400,
-                    "the history has more pages but no usable cursor",
-                ))
+                return Err(PLATFORM.refused(400, "the history has more pages but no usable cursor"))
             }
             _ => break,
         }
@@ -363,7 +357,7 @@ fn thread_stamps(
         let more = matches!(answer.get("has_more"), Some(Value::Bool(true)));
         match next_cursor(&answer) {
             Some(next) if next != cursor => cursor = next.to_string(),
-            _ if more => return Err(ApiError::refused(400, "the thread has more pages but no usable cursor")),
+            _ if more => return Err(PLATFORM.refused(400, "the thread has more pages but no usable cursor")),
             _ => return Ok((replies, true)),
         }
     }
@@ -373,7 +367,7 @@ fn thread_stamps(
 /// Slack refused to read one thread (it is gone, or the bot may not read threads): its replies
 /// are left out, the rest of the channel is caught up. Passing trouble keeps the channel behind.
 fn refused_thread(e: &ApiError) -> bool {
-    e.from_slack && !e.temporary()
+    e.from_peer && !e.temporary()
 }
 
 /// A window's messages, `after` < ts ≤ `last`, oldest first: the history's and its threads'

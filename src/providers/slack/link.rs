@@ -98,13 +98,13 @@ impl Dial for Bot {
             Ok(url) => url,
             Err(None) => return Some(Opened::Failed("no usable URL (or the tokens are gone)".into(), None)),
             // Only Slack's own refusal (its JSON) disables the bot; a proxy's page is a failure.
-            Err(Some(e)) if e.temporary() || !e.from_slack => {
+            Err(Some(e)) if e.temporary() || !e.from_peer => {
                 return Some(Opened::Failed(e.to_string(), e.retry_after()))
             }
             Err(Some(e)) => {
                 return Some(Opened::Refused(format!(
                     "Slack refused a Socket Mode connection ({}): check the app-level token and that Socket Mode is on",
-                    e.error
+                    super::api::error(&e)
                 )))
             }
         };

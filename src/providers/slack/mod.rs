@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use miniserde::{Deserialize, Serialize};
 use redb::TableDefinition;
 
-use self::api::{Api, ApiError};
+use self::api::{Api, ApiError, PLATFORM};
 use self::event::{Message, SlackFile};
 use super::bindings::Rows;
 use super::inbound::{self, FileItem, Inbound};
@@ -50,6 +50,7 @@ use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
 use crate::source::Source;
 use crate::store::StoreError;
+use crate::upstream::Kind;
 
 const NAME: &str = "slack";
 /// source → `ChannelInfo`.
@@ -468,7 +469,7 @@ impl Slack {
         let deadline = Instant::now() + FETCH_DEADLINE;
         // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
         let (part, content_type) = with_retry("slack: file download", deadline, |left| {
-            let mut part = files.begin(source.as_str(), "in").map_err(ApiError::cache)?;
+            let mut part = files.begin(source.as_str(), "in").map_err(|e| PLATFORM.cache(e))?;
             let content_type = self.api.download(bot_token, &file.url, &mut part, left)?;
             Ok::<_, ApiError>((part, content_type))
         })
@@ -554,7 +555,7 @@ impl Slack {
         let (url, file_id) = (url.to_string(), file_id.to_string());
         with_retry("slack: upload", deadline, |left| {
             let bytes = std::fs::File::open(path)
-                .map_err(|e| ApiError::cache(crate::files::FileError::Storage(e.to_string())))?;
+                .map_err(|e| PLATFORM.cache(crate::files::FileError::Storage(e.to_string())))?;
             self.api.upload(&url, &bytes, left)
         })
         .map_err(|e| refusal(&e))?;
@@ -610,16 +611,16 @@ fn display_name(user: &Object) -> Option<String> {
 /// A Web API refusal as a tool's failure, with what the owner can do about it.
 fn refusal(e: &ApiError) -> Failure {
     let refused = |why: String| Failure::new(code::UPSTREAM_REJECTED, why);
-    match e.error.as_str() {
+    match e.code.as_str() {
         "not_in_channel" | "channel_not_found" => {
             refused("the bot is not in this channel any more: invite it again".into())
         }
         "missing_scope" => refused(e.to_string()),
-        _ if e.bad_token() => Failure::new(
+        _ if e.kind() == Kind::Auth => Failure::new(
             code::CONNECTION_NOT_AUTHENTICATED,
-            format!("Slack refused the bot token ({}): bind the channel again", e.error),
+            format!("Slack refused the bot token ({}): bind the channel again", e.code),
         ),
-        _ => Failure::upstream(e),
+        _ => Failure::api(e),
     }
 }
 
@@ -629,20 +630,20 @@ fn bind_failure(what: &str, e: &ApiError) -> Failure {
     if e.temporary() {
         return Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the {what}: {e}"));
     }
-    match (what, e.error.as_str()) {
+    match (what, api::error(e)) {
         (_, "missing_scope") => refused(format!(
             "the app lacks the scope {} (add it under OAuth & Permissions, reinstall the app, then bind again)",
-            e.needed.as_deref().unwrap_or("the check needs")
+            e.detail.as_deref().unwrap_or("the check needs")
         )),
         ("bot token", _) => refused(format!(
             "Slack rejected the bot token ({}): it looks like xoxb-...",
-            e.error
+            api::error(e)
         )),
         ("app token", "not_allowed_token_type") => refused(
             "the app token is not an app-level token: create one with the connections:write scope (xapp-...)".into(),
         ),
         ("app token", "invalid_auth" | "not_authed" | "token_revoked") => {
-            refused(format!("Slack rejected the app token ({})", e.error))
+            refused(format!("Slack rejected the app token ({})", api::error(e)))
         }
         ("app token", other) => refused(format!(
             "Slack refused a Socket Mode connection ({other}): turn on Socket Mode in the app's settings"
@@ -739,7 +740,13 @@ impl Slack {
         let flag = |k: &str| matches!(info.get(k), Some(Value::Bool(true)));
         let dm = flag("is_im");
         if !dm && matches!(info.get("is_member"), Some(Value::Bool(false))) {
-            return Err(bind_failure("channel", &ApiError::refused(400, "not_in_channel")));
+            return Err(bind_failure(
+                "channel",
+                &ApiError {
+                    code: "not_in_channel".into(),
+                    ..PLATFORM.refused(400, "")
+                },
+            ));
         }
         // The catch-up reads the history: check it can, and start from its newest message.
         let newest = self

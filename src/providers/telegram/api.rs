@@ -7,47 +7,16 @@
 
 use std::time::Duration;
 
-use crate::files::{FileError, FilePart};
+use crate::files::FilePart;
 use crate::json::{self, Value};
-use crate::upstream::{self, Streamed};
+pub use crate::upstream::ApiError;
+use crate::upstream::{self, Kind, Platform, Streamed};
 
 /// Long polls wait this long at Telegram; the HTTP timeout adds a margin.
 pub const POLL_SECONDS: u64 = 25;
 
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    /// Telegram's `error_code` (HTTP-like), or 0 when the server could not be reached.
-    pub code: u16,
-    pub description: String,
-    pub retry_after: Option<u64>,
-    /// The answer passed `MAX_ANSWER` and was not read.
-    pub too_large: bool,
-}
-
-impl crate::providers::Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.code == 0
-    }
-
-    fn temporary(&self) -> bool {
-        self.code == 0 || self.code == 429 || self.code >= 500
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        // Bounded where it is used (`peer_wait::retry_after`).
-        self.retry_after.map(Duration::from_secs)
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.code == 0 {
-            write!(f, "Telegram unreachable: {}", self.description)
-        } else {
-            write!(f, "Telegram answered {}: {}", self.code, self.description)
-        }
-    }
-}
+/// Telegram: its `error_code` is HTTP's; a bot token it does not know is `401`.
+pub static PLATFORM: Platform = Platform::new("Telegram", |code, _| (code == 401).then_some(Kind::Auth));
 
 /// A file is fetched for at most this long (a 5xx or 429 is retried) before the message goes on
 /// with a note instead: one broken file must not hold up the bot's other chats for long.
@@ -69,30 +38,9 @@ pub const MAX_ANSWER: u64 = 1 << 20;
 /// Characters of an error's `description` kept (it reaches logs and tool results).
 const MAX_DESCRIPTION: usize = 200;
 
-impl ApiError {
-    /// What `upstream` reported, the token scrubbed from it.
-    fn of(e: upstream::Error, token: &str) -> ApiError {
-        ApiError {
-            code: 0,
-            too_large: matches!(e, upstream::Error::TooLarge { .. }),
-            description: e.hiding(token, "<token>").to_string(),
-            retry_after: None,
-        }
-    }
-
-    /// The file cache refused the bytes: not temporary, its caps or its disk are not Telegram's.
-    pub fn cache(e: FileError) -> ApiError {
-        ApiError::refused(413, e.to_string())
-    }
-
-    fn refused(code: u16, description: impl Into<String>) -> ApiError {
-        ApiError {
-            code,
-            description: description.into(),
-            retry_after: None,
-            too_large: false,
-        }
-    }
+/// What `upstream` reported, the token scrubbed from it.
+fn unreachable(e: upstream::Error, token: &str) -> ApiError {
+    PLATFORM.unreachable(e.hiding(token, "<token>"))
 }
 
 impl Api {
@@ -144,15 +92,15 @@ impl Api {
         let url = format!("{}/file/bot{token}/{file_path}", self.base);
         let mut resp = upstream::within(&self.files, self.files.get(&url), timeout)
             .call()
-            .map_err(|e| ApiError::of(e.into(), token))?;
+            .map_err(|e| unreachable(e.into(), token))?;
         let status = resp.status().as_u16();
         if status != 200 {
-            return Err(ApiError::refused(status, "file download refused"));
+            return Err(PLATFORM.refused(status, "file download refused"));
         }
         match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
             Ok(()) => Ok(()),
-            Err(Streamed::Read(e)) => Err(ApiError::of(e, token)),
-            Err(Streamed::Write(e)) => Err(ApiError::cache(e)),
+            Err(Streamed::Read(e)) => Err(unreachable(e, token)),
+            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
         }
     }
 
@@ -174,26 +122,30 @@ impl Api {
         let mut resp = req
             .header("Content-Type", ctype)
             .send(&body[..])
-            .map_err(|e| ApiError::of(e.into(), token))?;
+            .map_err(|e| unreachable(e.into(), token))?;
         drop(body);
-        let (status, answer) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(|e| ApiError::of(e, token))?;
+        let (status, answer) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(|e| unreachable(e, token))?;
         let Some(mut o) = answer else {
-            return Err(ApiError::refused(status, format!("answer to {method} is not JSON")));
+            return Err(PLATFORM.refused(status, format!("answer to {method} is not JSON")));
         };
         if matches!(o.get("ok"), Some(Value::Bool(true))) {
             return Ok(o.remove("result").unwrap_or(Value::Null));
         }
         let code = json::get_u64(&o, "error_code").map_or(status, |c| u16::try_from(c).unwrap_or(500));
+        let description = json::get_str(&o, "description").unwrap_or("no description");
         Err(ApiError {
-            code: if code == 0 { 500 } else { code },
-            description: json::get_str(&o, "description")
-                .unwrap_or("no description")
-                .replace(token, "<token>")
-                .chars()
-                .take(MAX_DESCRIPTION)
-                .collect(),
-            retry_after: json::get_obj(&o, "parameters").and_then(|p| json::get_u64(p, "retry_after")),
-            too_large: false,
+            retry_after: json::get_obj(&o, "parameters")
+                .and_then(|p| json::get_u64(p, "retry_after"))
+                .map(Duration::from_secs),
+            from_peer: true,
+            ..PLATFORM.refused(
+                if code == 0 { 500 } else { code },
+                description
+                    .replace(token, "<token>")
+                    .chars()
+                    .take(MAX_DESCRIPTION)
+                    .collect::<String>(),
+            )
         })
     }
 }

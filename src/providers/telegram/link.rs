@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::api::{Api, ApiError, FETCH_DEADLINE, POLL_SECONDS};
+use super::api::{Api, ApiError, FETCH_DEADLINE, PLATFORM, POLL_SECONDS};
 use super::event::{read_update, Media};
 use super::{source_of, ChatInfo, Telegram};
 use crate::json::{self, obj, strs, Value};
@@ -99,9 +99,9 @@ fn run(tg: Weak<Telegram>, info: ChatInfo, stop: Arc<Stop>, mut line: Line) {
             Err(e) => {
                 line.set(format!("getUpdates failed: {e}; retrying with backoff"), true);
                 let ours = backoff.failed();
-                Some(match e.code {
+                Some(match e.status {
                     401 => Duration::from_secs(60),
-                    _ => peer_wait::retry_after(e.retry_after.map(Duration::from_secs), ours),
+                    _ => peer_wait::retry_after(e.retry_after, ours),
                 })
             }
         };
@@ -224,7 +224,7 @@ fn fetch(tg: &Telegram, token: &str, source: &str, media: &Media) -> Result<File
     let files = &tg.host.files;
     // Each attempt writes a new `.part` (a failed one removes its bytes as it drops).
     let part = super::with_retry("file download", deadline, |left| {
-        let mut part = files.begin(source, "in").map_err(ApiError::cache)?;
+        let mut part = files.begin(source, "in").map_err(|e| PLATFORM.cache(e))?;
         api.download(token, &path, &mut part, left)?;
         Ok::<_, ApiError>(part)
     })

@@ -193,7 +193,7 @@ fn shown(text: &str) -> &str {
 
 /// Telegram's answer to an edit that changes nothing; not a failure.
 fn unchanged(e: &ApiError) -> bool {
-    e.code == 400 && e.description.contains("not modified")
+    e.status == 400 && e.message.contains("not modified")
 }
 
 /// Splits text at Telegram's limit.
@@ -367,7 +367,7 @@ impl Telegram {
             let sent = with_retry("sendMessage", deadline, |left| {
                 self.api.call_within(token, "sendMessage", &params, left)
             })
-            .map_err(|e| Failure::upstream(&e))?;
+            .map_err(|e| Failure::api(&e))?;
             let id = json::as_object(&sent)
                 .and_then(|o| json::get_u64(o, "message_id"))
                 .unwrap_or(0);
@@ -402,7 +402,7 @@ impl Telegram {
         let sent = with_retry(method, deadline, |left| {
             self.api.call_multipart(token, method, &boundary, body.clone(), left)
         })
-        .map_err(|e| Failure::upstream(&e))?;
+        .map_err(|e| Failure::api(&e))?;
         let id = json::as_object(&sent)
             .and_then(|o| json::get_u64(o, "message_id"))
             .unwrap_or(0);
@@ -436,7 +436,7 @@ impl Telegram {
         }) {
             Ok(_) => {}
             Err(e) if unchanged(&e) => {}
-            Err(e) => return Err(Failure::upstream(&e)),
+            Err(e) => return Err(Failure::api(&e)),
         }
         self.edited(handle);
         Ok(())
@@ -541,7 +541,7 @@ impl Telegram {
                 ))
             }
         };
-        let me = self.api.call(token, "getMe", &obj([])).map_err(|e| match e.code {
+        let me = self.api.call(token, "getMe", &obj([])).map_err(|e| match e.status {
             401 | 404 => Failure::new(code::CONNECTION_NOT_AUTHENTICATED, "Telegram rejected the bot token"),
             _ => Failure::new(code::UPSTREAM_UNREACHABLE, format!("cannot check the bot token: {e}")),
         })?;
@@ -552,7 +552,7 @@ impl Telegram {
         let chat = self
             .api
             .call(token, "getChat", &obj([("chat_id", chat_param)]))
-            .map_err(|e| match e.code {
+            .map_err(|e| match e.status {
                 400 => Failure::new(
                     code::CONNECTION_NOT_AUTHENTICATED,
                     "Telegram does not know this chat for the bot: check the chat ID, add the bot to the group, or send the bot a message first",

@@ -9,8 +9,8 @@
 use std::time::Duration;
 
 use crate::json::{self, obj, s, Object, Value};
-use crate::providers::Transient;
-use crate::upstream;
+pub use crate::upstream::ApiError;
+use crate::upstream::{self, Kind, Platform};
 
 /// Answers larger than this are refused (a batch of updates is small; media go to the CDN).
 pub const MAX_ANSWER: u64 = 4 << 20;
@@ -19,57 +19,14 @@ const LONGEST_CALL: Duration = Duration::from_secs(60);
 /// `errcode` of a login WeChat ended (session timeout): a new QR login is needed.
 pub const SESSION_ENDED: i64 = -14;
 
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    /// The HTTP status, or 0 when the server could not be reached or answered nonsense.
-    pub status: u16,
-    /// iLink's `ret` or `errcode` (0 when the answer had none).
-    pub code: i64,
-    pub msg: String,
-    /// No answer within the call's time (a long poll with nothing to say ends so too).
-    pub timed_out: bool,
-}
+/// WeChat's iLink: `ret` or `errcode` other than 0 is an error whatever the status.
+pub static PLATFORM: Platform = Platform::new("WeChat", |_, code| {
+    (code.parse::<i64>() == Ok(SESSION_ENDED)).then_some(Kind::Auth)
+});
 
-impl ApiError {
-    fn unreachable(e: impl Into<upstream::Error>) -> ApiError {
-        let e = e.into();
-        ApiError {
-            status: 0,
-            code: 0,
-            timed_out: e == upstream::Error::TimedOut,
-            msg: e.to_string(),
-        }
-    }
-
-    /// WeChat ended the login: the bot token is no longer good.
-    pub fn session_ended(&self) -> bool {
-        self.code == SESSION_ENDED
-    }
-}
-
-impl Transient for ApiError {
-    fn unreachable(&self) -> bool {
-        self.status == 0
-    }
-
-    fn temporary(&self) -> bool {
-        self.status == 0 || self.status == 429 || self.status >= 500
-    }
-
-    fn retry_after(&self) -> Option<Duration> {
-        None
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let msg = crate::quiet::shown(&self.msg);
-        match (self.status, self.code) {
-            (0, _) => write!(f, "WeChat unreachable: {msg}"),
-            (status, 0) => write!(f, "WeChat answered HTTP {status}: {msg}"),
-            (status, code) => write!(f, "WeChat answered HTTP {status}, code {code}: {msg}"),
-        }
-    }
+/// WeChat ended the login: the bot token is no longer good.
+pub fn session_ended(e: &ApiError) -> bool {
+    e.kind() == Kind::Auth
 }
 
 #[derive(Clone)]
@@ -102,7 +59,7 @@ impl Api {
         let url = format!("{}/{path}", base.trim_end_matches('/'));
         let resp = upstream::within(&self.http, self.http.get(&url), timeout)
             .call()
-            .map_err(ApiError::unreachable)?;
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
         read_answer(resp)
     }
 
@@ -130,26 +87,21 @@ impl Api {
             .header("Authorization", &format!("Bearer {token}"))
             .header("X-WECHAT-UIN", &random_uin())
             .send(json::to_string(&Value::Object(body)).as_bytes())
-            .map_err(ApiError::unreachable)?;
+            .map_err(|e| PLATFORM.unreachable(e.into()))?;
         read_answer(resp)
     }
 }
 
 /// The answer's object: an error when the status is not 200, or `ret`/`errcode` is not 0.
 fn read_answer(mut resp: upstream::Response) -> Result<Object, ApiError> {
-    let (status, parsed) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(ApiError::unreachable)?;
+    let (status, parsed) = upstream::read_json(&mut resp, MAX_ANSWER).map_err(|e| PLATFORM.unreachable(e))?;
     let Some(o) = parsed else {
         let msg = if status == 200 {
             "an answer that is not a JSON object"
         } else {
             "no readable answer"
         };
-        return Err(ApiError {
-            status: if status == 200 { 0 } else { status },
-            code: 0,
-            msg: msg.into(),
-            timed_out: false,
-        });
+        return Err(PLATFORM.refused(if status == 200 { 0 } else { status }, msg));
     };
     let code = [json::get_i64(&o, "ret"), json::get_i64(&o, "errcode")]
         .into_iter()
@@ -157,12 +109,13 @@ fn read_answer(mut resp: upstream::Response) -> Result<Object, ApiError> {
         .find(|c| *c != 0)
         .unwrap_or(0);
     if status != 200 || code != 0 {
-        let msg = json::get_str(&o, "errmsg").unwrap_or("refused").to_string();
         return Err(ApiError {
-            status,
-            code,
-            msg,
-            timed_out: false,
+            code: match code {
+                0 => String::new(),
+                c => c.to_string(),
+            },
+            from_peer: true,
+            ..PLATFORM.refused(status, json::get_str(&o, "errmsg").unwrap_or("refused"))
         });
     }
     Ok(o)

@@ -71,7 +71,7 @@ fn run(wx: Weak<Wechat>, bot: String, stop: Arc<Stop>, mut line: Line) {
                 }
                 accept(&w, &bot, &buf, update::read_batch(&answer))
             }
-            Err(e) if e.session_ended() => {
+            Err(e) if super::api::session_ended(&e) => {
                 if let Some(w) = wx.upgrade() {
                     w.login_ended(&bot);
                 }

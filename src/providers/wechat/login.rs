@@ -113,7 +113,7 @@ impl Logins {
                     "Waiting for the scan",
                 ))
             }
-            Err(e) => return Err(Failure::upstream(&e)),
+            Err(e) => return Err(Failure::api(&e)),
         };
         let step = self.step(wx, handle, started, &status);
         if !matches!(step, Ok(AuthStep::Waiting(_))) {
@@ -212,7 +212,7 @@ fn new_code(wx: &Wechat) -> Result<(Waiting, String), Failure> {
     let o = wx
         .api
         .get(&wx.settings.api_base, &path, Duration::from_secs(10))
-        .map_err(|e| Failure::upstream(&e))?;
+        .map_err(|e| Failure::api(&e))?;
     let qrcode = json::get_str(&o, "qrcode").filter(|q| url_safe(q));
     let shown = json::get_str(&o, "qrcode_img_content").filter(|c| !c.is_empty() && c.len() <= qr::MAX_TEXT);
     let (Some(qrcode), Some(shown)) = (qrcode, shown) else {

@@ -298,7 +298,7 @@ impl Wechat {
             self.api
                 .post(&base, "ilink/bot/getuploadurl", &account.bot_token, ask.clone(), left)
         })
-        .map_err(|e| Failure::upstream(&e))?;
+        .map_err(|e| Failure::api(&e))?;
         let cdn_base = self.settings.cdn_base.trim_end_matches('/');
         let url = match (
             json::get_str(&answer, "upload_full_url"),
@@ -379,7 +379,7 @@ impl Wechat {
         });
         match sent {
             Ok(_) => Ok(()),
-            Err(e) if e.session_ended() => {
+            Err(e) if api::session_ended(&e) => {
                 self.login_ended(bot);
                 Err(Failure::new(
                     code::CONNECTION_NOT_AUTHENTICATED,
@@ -393,7 +393,7 @@ impl Wechat {
                     e.code
                 ),
             )),
-            Err(e) => Err(Failure::upstream(&e)),
+            Err(e) => Err(Failure::api(&e)),
         }
     }
 

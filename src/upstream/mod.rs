@@ -11,7 +11,12 @@
 //! - downloads: streamed to a writer (the file cache's `.part`) 64 KiB at a time
 //!   (`stream_body`), so memory does not grow with a file's size.
 //!
-//! Waits a server names (`retry_after`, reconnect intervals) are bounded by `peer_wait`.
+//! Waits a server names (`retry_after`, reconnect intervals) are bounded by `peer_wait`. An IM
+//! system's refusal is one `ApiError` whatever the provider (`api_error`).
+
+mod api_error;
+
+pub use api_error::{ApiError, Kind, Platform};
 
 use std::io::Read;
 use std::time::Duration;
@@ -42,6 +47,19 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
 pub fn within<B>(agent: &ureq::Agent, req: ureq::RequestBuilder<B>, timeout: Duration) -> ureq::RequestBuilder<B> {
     let limit = agent.config().timeouts().global.unwrap_or(timeout);
     req.config().timeout_global(Some(timeout.min(limit))).build()
+}
+
+/// The wait an answer's `Retry-After` names in whole seconds, as it said it (bounded where used).
+pub fn retry_after(resp: &Response) -> Option<Duration> {
+    let seconds = resp
+        .headers()
+        .get("Retry-After")?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(Duration::from_secs(seconds))
 }
 
 /// Percent-encodes a query value (RFC 3986 unreserved characters stay).
