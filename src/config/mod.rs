@@ -166,7 +166,6 @@ pub struct Files {
 pub trait Settings: Any + Send + Sync {
     /// Lines for `imgate check`; secrets only as set or not set.
     fn summary(&self) -> String;
-    fn as_any(&self) -> &dyn Any;
 }
 
 /// How a provider reads its part of the file.
@@ -388,7 +387,7 @@ impl Config {
             .iter()
             .find(|(n, _)| *n == name)
             .and_then(|(_, s)| s.as_deref())
-            .and_then(|s| s.as_any().downcast_ref::<T>())
+            .and_then(|s| (s as &dyn Any).downcast_ref::<T>())
     }
 
     /// Whether provider `name` is enabled.
@@ -472,9 +471,6 @@ mod tests {
     impl Settings for Thing {
         fn summary(&self) -> String {
             format!("thing:             {}\n", self.0)
-        }
-        fn as_any(&self) -> &dyn Any {
-            self
         }
     }
 

@@ -267,6 +267,21 @@ impl Declaration {
         }
     }
 
+    /// A channel of this provider that works, shown as `name` (with a redacted `hint`).
+    pub fn connected(&self, name: String, hint: Option<String>) -> Description {
+        Description::connected(self.target_of(name, hint), self.tools)
+    }
+
+    /// A channel of this provider that cannot work now (`status` `error` or `expired`), and why.
+    pub fn unusable(&self, status: &'static str, name: String, hint: Option<String>, why: &str) -> Description {
+        Description::unusable(status, self.target_of(name, hint), self.tools, why)
+    }
+
+    /// A binding whose row or credentials are gone: it is bound again.
+    pub fn lost(&self, why: &str) -> Description {
+        self.unusable("error", format!("{} (binding lost: bind again)", self.label), None, why)
+    }
+
     /// Its entry in the Card's `supports.targets`.
     pub fn target(&self) -> Value {
         obj([

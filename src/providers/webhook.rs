@@ -81,10 +81,6 @@ impl Settings for Endpoints {
             })
             .collect()
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 /// Endpoint names appear in URLs (`/hooks/NAME`) and in auth input, so keep them plain.

@@ -97,10 +97,6 @@ impl Settings for DingTalkSettings {
             self.api_base, self.oapi_base
         )
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
@@ -739,22 +735,20 @@ impl Provider for DingTalk {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let lost = |why: &str| {
-            let target = DECLARATION.target_of("DingTalk (binding lost: bind again)".into(), None);
-            Description::unusable("error", target, TOOLS, why)
-        };
         Ok(match self.info(source)? {
-            Some(info) if self.creds(&info.client_id).is_none() => lost("the app's secret is no longer available"),
+            Some(info) if self.creds(&info.client_id).is_none() => {
+                DECLARATION.lost("the app's secret is no longer available")
+            }
             Some(info) => {
                 // A conversation ID is no secret, and it is what tells two bindings apart
                 // before their first message names them.
-                let target = DECLARATION.target_of(Self::display_name(&info), Some(info.conversation.clone()));
+                let (name, hint) = (Self::display_name(&info), Some(info.conversation.clone()));
                 match self.links.refused(&info.client_id) {
-                    Some(why) => Description::unusable("error", target, TOOLS, &why),
-                    None => Description::connected(target, TOOLS),
+                    Some(why) => DECLARATION.unusable("error", name, hint, &why),
+                    None => DECLARATION.connected(name, hint),
                 }
             }
-            None => lost("the DingTalk binding is gone"),
+            None => DECLARATION.lost("the DingTalk binding is gone"),
         })
     }
 
@@ -819,19 +813,13 @@ impl Provider for DingTalk {
     }
 
     fn metrics(&self, out: &mut String) {
+        self.links.metrics(
+            out,
+            "imgate_dingtalk_connections",
+            "Stream connections running, one per bound app.",
+            "Stream sockets open now.",
+        );
         let lines = [
-            (
-                "imgate_dingtalk_connections",
-                "gauge",
-                "Stream connections running, one per bound app.",
-                self.links.count() as u64,
-            ),
-            (
-                "imgate_dingtalk_connections_up",
-                "gauge",
-                "Stream sockets open now.",
-                self.links.up() as u64,
-            ),
             (
                 "imgate_dingtalk_unbound_messages_total",
                 "counter",

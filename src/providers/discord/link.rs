@@ -129,13 +129,9 @@ impl Sessions {
         self.links.stop_all();
     }
 
-    pub fn count(&self) -> usize {
-        self.links.count()
-    }
-
-    /// Sessions that are ready (READY or RESUMED) and open now.
-    pub fn up(&self) -> usize {
-        self.links.up()
+    /// The sessions; one is up while it is ready (READY or RESUMED).
+    pub fn links(&self) -> &Links {
+        &self.links
     }
 
     pub fn identifies(&self) -> u64 {

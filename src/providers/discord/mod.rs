@@ -104,10 +104,6 @@ impl Settings for DiscordSettings {
             self.api_base, self.accept_bots
         )
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
@@ -840,19 +836,15 @@ impl Provider for Discord {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let lost = |why: &str| {
-            let target = DECLARATION.target_of("Discord (binding lost: bind again)".into(), None);
-            Description::unusable("error", target, TOOLS, why)
-        };
         Ok(match self.channel_info(source.as_str())? {
-            Some(info) if self.token(&info.bot_user).is_none() => lost("the bot's token is no longer available"),
+            Some(info) if self.token(&info.bot_user).is_none() => {
+                DECLARATION.lost("the bot's token is no longer available")
+            }
             Some(info) => match self.sessions.refused(&info.bot_user) {
-                Some(why) => {
-                    Description::unusable("error", DECLARATION.target_of(info.channel_name, None), TOOLS, &why)
-                }
+                Some(why) => DECLARATION.unusable("error", info.channel_name, None, &why),
                 None => {
                     let hint = Some(inbound::redact(&info.channel));
-                    let mut d = Description::connected(DECLARATION.target_of(info.channel_name, hint), TOOLS);
+                    let mut d = DECLARATION.connected(info.channel_name, hint);
                     // No session: nothing arrives, but the tools work (sends are REST calls).
                     if let Some(at) = self.sessions.spent_until(&info.bot_user) {
                         let why = format!(
@@ -867,7 +859,7 @@ impl Provider for Discord {
                     d
                 }
             },
-            None => lost("the Discord binding is gone"),
+            None => DECLARATION.lost("the Discord binding is gone"),
         })
     }
 
@@ -936,19 +928,13 @@ impl Provider for Discord {
     }
 
     fn metrics(&self, out: &mut String) {
+        self.sessions.links().metrics(
+            out,
+            "imgate_discord_sessions",
+            "Gateway sessions running, one per bound bot.",
+            "Gateway sessions ready now.",
+        );
         let lines = [
-            (
-                "imgate_discord_sessions",
-                "gauge",
-                "Gateway sessions running, one per bound bot.",
-                self.sessions.count() as u64,
-            ),
-            (
-                "imgate_discord_sessions_up",
-                "gauge",
-                "Gateway sessions ready now.",
-                self.sessions.up() as u64,
-            ),
             (
                 "imgate_discord_identifies_total",
                 "counter",

@@ -42,7 +42,6 @@ use crate::files::FileRecord;
 use crate::json::{self, obj, s, Object, Value};
 use crate::outbox::{Enqueued, Ticket};
 use crate::protocol::code;
-use crate::protocol::descriptor::Target;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
 use crate::source::Source;
@@ -97,10 +96,6 @@ impl Settings for FeishuSettings {
             self.app_id.as_deref().unwrap_or("not set"),
             self.api_base
         )
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
     }
 }
 
@@ -653,25 +648,13 @@ impl Provider for Feishu {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let label = self.declaration().label;
-        let target = |display_name: String, account_hint| Target {
-            provider: NAME.into(),
-            label: label.into(),
-            display_name,
-            account_hint,
-        };
         let info = self.chat_info(source.as_str())?;
         Ok(match info.filter(|i| self.creds_of(&i.app_id).is_some()) {
-            Some(info) => Description::connected(
-                target(info.chat_name.clone(), Some(inbound::redact(&info.chat_id))),
-                TOOLS,
-            ),
-            None => Description::unusable(
-                "error",
-                target(format!("{label} (binding lost: bind again)"), None),
-                TOOLS,
-                "the app secret is no longer available",
-            ),
+            Some(info) => {
+                let hint = Some(inbound::redact(&info.chat_id));
+                self.declaration().connected(info.chat_name.clone(), hint)
+            }
+            None => self.declaration().lost("the app secret is no longer available"),
         })
     }
 
@@ -727,19 +710,13 @@ impl Provider for Feishu {
     }
 
     fn metrics(&self, out: &mut String) {
+        self.links.metrics(
+            out,
+            "imgate_feishu_connections",
+            "Long connections running, one per bound app.",
+            "Long connections open now.",
+        );
         let lines = [
-            (
-                "imgate_feishu_connections",
-                "gauge",
-                "Long connections running, one per bound app.",
-                self.links.count() as u64,
-            ),
-            (
-                "imgate_feishu_connections_up",
-                "gauge",
-                "Long connections open now.",
-                self.links.up() as u64,
-            ),
             (
                 "imgate_feishu_unbound_events_total",
                 "counter",

@@ -94,6 +94,13 @@ impl Links {
         self.shared.up.load(Ordering::Relaxed)
     }
 
+    /// `/metrics`: `family` (links running, `running` its help) and `{family}_up` (connections
+    /// open, `up` its help).
+    pub fn metrics(&self, out: &mut String, family: &str, running: &str, up: &str) {
+        crate::metrics::single(out, family, "gauge", running, self.count());
+        crate::metrics::single(out, &format!("{family}_up"), "gauge", up, self.up());
+    }
+
     /// Why the IM system refuses `account`, if it does.
     pub fn refused(&self, account: &str) -> Option<String> {
         self.shared.refusals().get(account).cloned()

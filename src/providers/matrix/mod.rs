@@ -91,10 +91,6 @@ impl Settings for MatrixSettings {
     fn summary(&self) -> String {
         "matrix:            on (each binding names its homeserver)\n".into()
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
@@ -862,14 +858,10 @@ impl Provider for Matrix {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let lost = |why: &str| {
-            let target = DECLARATION.target_of("Matrix (binding lost: bind again)".into(), None);
-            Description::unusable("error", target, TOOLS, why)
-        };
         Ok(match ROOMS.get::<RoomInfo>(&self.host.db, source.as_str())? {
-            None => lost("the Matrix binding is gone"),
+            None => DECLARATION.lost("the Matrix binding is gone"),
             Some(info) if self.token_files().read(&info.account).is_none() => {
-                lost("the access token is no longer available")
+                DECLARATION.lost("the access token is no longer available")
             }
             Some(info) => {
                 let shown = if info.name.is_empty() {
@@ -877,16 +869,16 @@ impl Provider for Matrix {
                 } else {
                     &info.name
                 };
-                let target = DECLARATION.target_of(shown.clone(), Some(info.user_id.clone()));
+                let (name, hint) = (shown.clone(), Some(info.user_id.clone()));
                 match (info.revoked, info.encrypted) {
-                    (true, _) => Description::unusable(
+                    (true, _) => DECLARATION.unusable(
                         "expired",
-                        target,
-                        TOOLS,
+                        name,
+                        hint,
                         "the homeserver no longer accepts the access token: bind again with a new one",
                     ),
-                    (_, true) => Description::unusable("error", target, TOOLS, ENCRYPTED),
-                    _ => Description::connected(target, TOOLS),
+                    (_, true) => DECLARATION.unusable("error", name, hint, ENCRYPTED),
+                    _ => DECLARATION.connected(name, hint),
                 }
             }
         })

@@ -100,10 +100,6 @@ impl Settings for SlackSettings {
     fn summary(&self) -> String {
         format!("slack:             api_base {}\n", self.api_base)
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
@@ -849,22 +845,15 @@ impl Provider for Slack {
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
-        let lost = |why: &str| {
-            let target = DECLARATION.target_of("Slack (binding lost: bind again)".into(), None);
-            Description::unusable("error", target, TOOLS, why)
-        };
         Ok(match self.channel_info(source.as_str())? {
-            Some(info) if self.tokens(&info.bot_user).is_none() => lost("the bot's tokens are no longer available"),
+            Some(info) if self.tokens(&info.bot_user).is_none() => {
+                DECLARATION.lost("the bot's tokens are no longer available")
+            }
             Some(info) => match self.links.refused(&info.bot_user) {
-                Some(why) => {
-                    Description::unusable("error", DECLARATION.target_of(info.channel_name, None), TOOLS, &why)
-                }
-                None => {
-                    let hint = Some(inbound::redact(&info.channel));
-                    Description::connected(DECLARATION.target_of(info.channel_name, hint), TOOLS)
-                }
+                Some(why) => DECLARATION.unusable("error", info.channel_name, None, &why),
+                None => DECLARATION.connected(info.channel_name, Some(inbound::redact(&info.channel))),
             },
-            None => lost("the Slack binding is gone"),
+            None => DECLARATION.lost("the Slack binding is gone"),
         })
     }
 
@@ -914,19 +903,13 @@ impl Provider for Slack {
     }
 
     fn metrics(&self, out: &mut String) {
+        self.links.metrics(
+            out,
+            "imgate_slack_connections",
+            "Socket Mode connections running, one per bound bot.",
+            "Socket Mode sockets open now.",
+        );
         let lines = [
-            (
-                "imgate_slack_connections",
-                "gauge",
-                "Socket Mode connections running, one per bound bot.",
-                self.links.count() as u64,
-            ),
-            (
-                "imgate_slack_connections_up",
-                "gauge",
-                "Socket Mode sockets open now.",
-                self.links.up() as u64,
-            ),
             (
                 "imgate_slack_unbound_messages_total",
                 "counter",

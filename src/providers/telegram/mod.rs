@@ -86,10 +86,6 @@ impl Settings for TelegramSettings {
             self.mode, self.api_base
         )
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 fn read(cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
@@ -614,14 +610,9 @@ impl Provider for Telegram {
             match self.chat_info(source.as_str())?.filter(|i| self.token_for(i).is_some()) {
                 Some(info) => {
                     let shown = format!("@{} in {}", info.bot_username, info.chat_title);
-                    Description::connected(DECLARATION.target_of(shown, Some(redact_id(info.chat_id))), TOOLS)
+                    DECLARATION.connected(shown, Some(redact_id(info.chat_id)))
                 }
-                None => Description::unusable(
-                    "error",
-                    DECLARATION.target_of("Telegram (binding lost: bind again)".into(), None),
-                    TOOLS,
-                    "the bot token is no longer available",
-                ),
+                None => DECLARATION.lost("the bot token is no longer available"),
             },
         )
     }

@@ -88,10 +88,6 @@ impl Settings for WechatSettings {
             self.api_base, self.cdn_base
         )
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 fn read(_cfg: &Config, sections: &[&Section], p: &mut Problems) -> Option<Arc<dyn Settings>> {
@@ -476,15 +472,15 @@ impl Provider for Wechat {
         let ended = self.meta(&ended_key(bot))?.is_some();
         let account = self.account(bot);
         let hint = account.as_ref().map(|a| crate::providers::inbound::redact(&a.user_id));
-        let target = DECLARATION.target_of(format!("WeChat ({bot})"), hint);
+        let name = format!("WeChat ({bot})");
         let why = match (ended, &account) {
             (true, _) => Some("WeChat ended this sign-in; sign in again with a QR code"),
             (false, None) => Some("the sign-in is gone; sign in again with a QR code"),
             (false, Some(_)) => None,
         };
         Ok(match why {
-            None => Description::connected(target, TOOLS),
-            Some(why) => Description::unusable("expired", target, TOOLS, why),
+            None => DECLARATION.connected(name, hint),
+            Some(why) => DECLARATION.unusable("expired", name, hint, why),
         })
     }
 
