@@ -1322,3 +1322,400 @@ fn rand_bytes(s: &mut State, n: usize) -> Vec<u8> {
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
+
+// ---------- self-checks: a tiny client of tungstenite + ureq speaking as the SDK does ----------
+
+#[cfg(test)]
+mod selfcheck {
+    use super::*;
+    use aes::cipher::BlockDecrypt;
+    use tungstenite::{Message, WebSocket};
+
+    // Generous: a bound on a wait for progress, reached only when something is wrong.
+    const WAIT: Duration = Duration::from_secs(15);
+    type Ws = WebSocket<TcpStream>;
+
+    fn connect(sim: &WecomSim) -> Ws {
+        let stream = TcpStream::connect(sim.ws_url.trim_start_matches("ws://")).unwrap();
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        tungstenite::client(sim.ws_url.as_str(), stream).unwrap().0
+    }
+
+    fn send(ws: &mut Ws, v: Value) {
+        ws.send(Message::Text(v.to_string().into())).unwrap();
+    }
+
+    /// The next text frame; None when the link closed.
+    fn next(ws: &mut Ws) -> Option<Value> {
+        loop {
+            match ws.read() {
+                Ok(Message::Text(t)) => return Some(serde_json::from_str(t.as_str()).unwrap()),
+                Ok(Message::Close(_)) | Err(_) => return None,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// Sends `{cmd, headers: {req_id}, body}` and reads up to its answer (a frame with no cmd).
+    fn call(ws: &mut Ws, cmd: &str, req_id: &str, body: Value) -> Value {
+        send(ws, json!({"cmd": cmd, "headers": {"req_id": req_id}, "body": body}));
+        loop {
+            let f = next(ws).expect("an answer");
+            if f.get("cmd").is_none() && f["headers"]["req_id"] == req_id {
+                return f;
+            }
+        }
+    }
+
+    fn subscribe(ws: &mut Ws, bot: &str, secret: &str) -> i64 {
+        let id = format!("{SUBSCRIBE}_{}_0badcafe", now_ms());
+        call(ws, SUBSCRIBE, &id, json!({"bot_id": bot, "secret": secret})).code()
+    }
+
+    trait Code {
+        fn code(&self) -> i64;
+    }
+    impl Code for Value {
+        fn code(&self) -> i64 {
+            self["errcode"].as_i64().unwrap()
+        }
+    }
+
+    fn stream(id: &str, content: &str, finish: bool) -> Value {
+        json!({"msgtype": "stream", "stream": {"id": id, "finish": finish, "content": content}})
+    }
+
+    /// The SDK's decryptFile (`crypto.ts`, `crypto_utils.py`): key from base64 (padding
+    /// restored), IV = key[..16], AES-256-CBC, PKCS#7 with pad 1..=32.
+    fn decrypt(aeskey: &str, data: &[u8]) -> Vec<u8> {
+        let padded = format!("{aeskey}{}", "=".repeat((4 - aeskey.len() % 4) % 4));
+        let key = base64_decode(&padded);
+        let cipher = Aes256::new(GenericArray::from_slice(&key));
+        let mut prev: Vec<u8> = key[..16].to_vec();
+        let mut out = Vec::new();
+        for block in data.chunks(16) {
+            let mut b = GenericArray::clone_from_slice(block);
+            cipher.decrypt_block(&mut b);
+            out.extend(b.iter().zip(&prev).map(|(x, p)| x ^ p));
+            prev = block.to_vec();
+        }
+        let pad = *out.last().unwrap() as usize;
+        assert!((1..=32).contains(&pad) && out[out.len() - pad..].iter().all(|b| *b as usize == pad));
+        out.truncate(out.len() - pad);
+        out
+    }
+
+    fn get(url: &str) -> (u16, Option<String>, Vec<u8>) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(5)))
+            .build()
+            .into();
+        let mut r = agent.get(url).call().unwrap();
+        let cd = r
+            .headers()
+            .get("content-disposition")
+            .map(|v| v.to_str().unwrap().to_string());
+        (r.status().as_u16(), cd, r.body_mut().read_to_vec().unwrap())
+    }
+
+    /// subscribe (errors, then right) → ping → callbacks single and group → stream replies one at
+    /// a time → reply errors → proactive sends → a second link kicks the first.
+    #[test]
+    fn subscribe_callbacks_replies_and_kick() {
+        let sim = WecomSim::start();
+        sim.robot("bot1", "secret1");
+        let mut a = connect(&sim);
+        assert_eq!(subscribe(&mut a, "bot1", "wrong"), INVALID_SECRET);
+        assert_eq!(subscribe(&mut a, "nobot", "secret1"), INVALID_BOT_ID);
+        let early = call(
+            &mut a,
+            SEND_MSG,
+            "aibot_send_msg_1_x",
+            json!({"chatid": "u", "msgtype": "markdown"}),
+        );
+        assert_eq!(early.code(), NOT_SUBSCRIBED);
+        assert_eq!(subscribe(&mut a, "bot1", "secret1"), 0);
+        assert!(sim.wait_subscribes("bot1", 1, WAIT));
+        assert_eq!(sim.auth_failures().len(), 2);
+
+        let pong = call(&mut a, PING, "ping_1_abc", Value::Null);
+        assert_eq!((pong.code(), pong.get("cmd")), (0, None), "{pong}");
+        assert_eq!(sim.pings("bot1").len(), 1);
+
+        let single = Chat::single("zhangsan");
+        let p = sim.send_text("bot1", &single, "hello");
+        assert!(p.delivered);
+        let f = next(&mut a).unwrap();
+        assert_eq!(
+            (f["cmd"].as_str(), f["headers"]["req_id"].as_str()),
+            (Some(MSG_CALLBACK), Some(p.req_id.as_str()))
+        );
+        let b = &f["body"];
+        assert_eq!(
+            (b["chattype"].as_str(), b["from"]["userid"].as_str()),
+            (Some("single"), Some("zhangsan"))
+        );
+        assert!(b.get("chatid").is_none(), "one-to-one callbacks carry no chatid: {b}");
+        assert_eq!(
+            (b["msgtype"].as_str(), b["text"]["content"].as_str()),
+            (Some("text"), Some("hello"))
+        );
+        assert_eq!(
+            (b["aibotid"].as_str(), b["msgid"].as_str()),
+            (Some("bot1"), Some(p.msgid.as_str()))
+        );
+
+        let group = Chat::group("wrgroup1", "lisi");
+        let g = sim.send_voice("bot1", &group, "说的话");
+        let f = next(&mut a).unwrap();
+        assert_eq!(
+            (f["body"]["chattype"].as_str(), f["body"]["chatid"].as_str()),
+            (Some("group"), Some("wrgroup1"))
+        );
+        assert_eq!(f["body"]["voice"]["content"], "说的话");
+
+        // One frame at a time on the callback's req_id, each after its answer.
+        for (i, (content, finish)) in [("he", false), ("hello", false), ("hello **world**", true)]
+            .into_iter()
+            .enumerate()
+        {
+            let a1 = call(&mut a, RESPOND, &p.req_id, stream("s1", content, finish));
+            assert_eq!(a1.code(), 0, "frame {i}: {a1}");
+        }
+        assert!(sim.wait_finished(&p.req_id, WAIT));
+        let r = sim.replies(&p.req_id);
+        let contents: Vec<_> = r
+            .iter()
+            .map(|f| f["frame"]["body"]["stream"]["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(contents, ["he", "hello", "hello **world**"]);
+        assert!(sim.overlaps().is_empty());
+        let big = "x".repeat(MAX_STREAM_BYTES + 1);
+        assert_eq!(
+            call(&mut a, RESPOND, &g.req_id, stream("s2", &big, true)).code(),
+            INVALID_PARAM
+        );
+        assert_eq!(
+            call(&mut a, RESPOND, "made_up", stream("s3", "x", true)).code(),
+            INVALID_REQ_ID
+        );
+
+        let md = |chatid: &str| json!({"chatid": chatid, "msgtype": "markdown", "markdown": {"content": "**hi**"}});
+        assert_eq!(call(&mut a, SEND_MSG, "aibot_send_msg_2_x", md("zhangsan")).code(), 0);
+        assert_eq!(call(&mut a, SEND_MSG, "aibot_send_msg_3_x", md("wrgroup1")).code(), 0);
+        assert_eq!(
+            call(&mut a, SEND_MSG, "aibot_send_msg_4_x", md("stranger")).code(),
+            NOT_ACTIVATED
+        );
+        let text = json!({"chatid": "zhangsan", "msgtype": "text", "text": {"content": "hi"}});
+        assert_eq!(
+            call(&mut a, SEND_MSG, "aibot_send_msg_5_x", text).code(),
+            INVALID_MSGTYPE
+        );
+        assert_eq!(sim.frames_of(SEND_MSG).len(), 5);
+
+        // A second link for the robot: the first gets disconnected_event, then is closed.
+        let mut b2 = connect(&sim);
+        assert_eq!(subscribe(&mut b2, "bot1", "secret1"), 0);
+        let ev = next(&mut a).unwrap();
+        assert_eq!(
+            (ev["cmd"].as_str(), ev["body"]["event"]["eventtype"].as_str()),
+            (Some(EVENT_CALLBACK), Some("disconnected_event"))
+        );
+        assert!(next(&mut a).is_none(), "the kicked link is closed");
+        assert_eq!((sim.kicks("bot1"), sim.subscribes("bot1")), (1, 2));
+        assert!(sim.wait_open_links("bot1", 1, WAIT));
+        let p2 = sim.send_text("bot1", &single, "again");
+        assert_eq!(next(&mut b2).unwrap()["headers"]["req_id"], p2.req_id.as_str());
+
+        // Outside the window: 846608.
+        sim.set_reply_window(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(
+            call(&mut b2, RESPOND, &p2.req_id, stream("s4", "late", true)).code(),
+            STREAM_EXPIRED
+        );
+    }
+
+    /// Media: served encrypted as the SDK decrypts it, named by Content-Disposition; mixed and
+    /// file callbacks; an upload init/chunk/finish whose media_id a send then names.
+    #[test]
+    fn media_downloads_and_uploads() {
+        let sim = WecomSim::start();
+        sim.robot("bot1", "secret1");
+        let mut a = connect(&sim);
+        assert_eq!(subscribe(&mut a, "bot1", "secret1"), 0);
+        let chat = Chat::single("wangwu");
+
+        let png: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+        let p = sim.send_image("bot1", &chat, &png, "图 1.png");
+        let f = next(&mut a).unwrap();
+        let (url, key) = (
+            f["body"]["image"]["url"].as_str().unwrap(),
+            f["body"]["image"]["aeskey"].as_str().unwrap(),
+        );
+        assert_eq!((url, key), (p.media[0].0.as_str(), p.media[0].1.as_str()));
+        assert_eq!(key.len(), 43);
+        let (status, cd, body) = get(url);
+        assert_eq!(status, 200);
+        assert_eq!(body.len() % 32, 0, "padded to 32 bytes");
+        assert_eq!(decrypt(key, &body), png);
+        let cd = cd.unwrap();
+        let name = cd.split("filename*=UTF-8''").nth(1).unwrap();
+        assert_eq!(kit::url_decode(name), "图 1.png");
+        assert_eq!(decrypt(key, &encrypt(key, &[7u8; 32])), [7u8; 32]);
+        assert_eq!(encrypt(key, &[7u8; 32]).len(), 64, "a whole block of padding");
+
+        let m = sim.send_mixed(
+            "bot1",
+            &chat,
+            &[
+                Part::Text("看图"),
+                Part::Image {
+                    bytes: b"jpg",
+                    filename: "a.jpg",
+                },
+            ],
+        );
+        let f = next(&mut a).unwrap();
+        let items = f["body"]["mixed"]["msg_item"].as_array().unwrap();
+        assert_eq!(
+            (items[0]["text"]["content"].as_str(), items[1]["msgtype"].as_str()),
+            (Some("看图"), Some("image"))
+        );
+        assert_eq!(decrypt(&m.media[0].1, &get(&m.media[0].0).2), b"jpg");
+        sim.send_file("bot1", &chat, b"%PDF-1.4", "r.pdf");
+        assert_eq!(next(&mut a).unwrap()["body"]["msgtype"], "file");
+
+        // Upload: 600 KiB in two chunks (0-based, as the SDK sends them).
+        let data: Vec<u8> = (0..600 * 1024u32).map(|i| (i % 251) as u8).collect();
+        let init = call(
+            &mut a,
+            UPLOAD_INIT,
+            "aibot_upload_media_init_1_x",
+            json!({"type": "file", "filename": "big.bin", "total_size": data.len(), "total_chunks": 2, "md5": "m"}),
+        );
+        let upload_id = init["body"]["upload_id"].as_str().unwrap().to_string();
+        let too_big = kit::base64(&vec![0u8; MAX_CHUNK_BYTES + 1]);
+        let c = call(
+            &mut a,
+            UPLOAD_CHUNK,
+            "aibot_upload_media_chunk_0_x",
+            json!({"upload_id": upload_id, "chunk_index": 0, "base64_data": too_big}),
+        );
+        assert_eq!(c.code(), INVALID_PARAM);
+        for (i, part) in data.chunks(MAX_CHUNK_BYTES).enumerate() {
+            let c = call(
+                &mut a,
+                UPLOAD_CHUNK,
+                &format!("aibot_upload_media_chunk_{i}_y"),
+                json!({"upload_id": upload_id, "chunk_index": i, "base64_data": kit::base64(part)}),
+            );
+            assert_eq!(c.code(), 0, "{c}");
+        }
+        let fin = call(
+            &mut a,
+            UPLOAD_FINISH,
+            "aibot_upload_media_finish_1_x",
+            json!({"upload_id": upload_id}),
+        );
+        assert_eq!((fin.code(), fin["body"]["type"].as_str()), (0, Some("file")), "{fin}");
+        let media_id = fin["body"]["media_id"].as_str().unwrap();
+        assert_eq!(sim.uploaded(media_id).unwrap(), data);
+        let send = |id: &str| json!({"chatid": "wangwu", "msgtype": "file", "file": {"media_id": id}});
+        assert_eq!(call(&mut a, SEND_MSG, "aibot_send_msg_1_x", send(media_id)).code(), 0);
+        assert_eq!(
+            call(&mut a, SEND_MSG, "aibot_send_msg_2_x", send("nope")).code(),
+            INVALID_MEDIA_ID
+        );
+        assert!(sim
+            .frames_of(UPLOAD_CHUNK)
+            .iter()
+            .all(|f| f["frame"]["body"]["base64_data"].as_str().unwrap().starts_with('<')));
+
+        // An endless download: headers, then bytes that keep coming.
+        sim.set_download(Download::Endless);
+        let mut s = TcpStream::connect(sim.http_base.trim_start_matches("http://")).unwrap();
+        let path = p.media[0].0.trim_start_matches(&sim.http_base).to_string();
+        let head = crate::common::send_and_read_head(
+            &mut s,
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes(),
+            WAIT,
+        );
+        assert!(
+            head.starts_with("HTTP/1.1 200") && !head.to_ascii_lowercase().contains("content-length"),
+            "{head}"
+        );
+        let mut got = 0;
+        let mut buf = [0u8; 4096];
+        while got < 8192 {
+            got += s.read(&mut buf).unwrap();
+        }
+        drop(s);
+        sim.set_download(Download::Normal);
+        sim.set_media_ttl(Duration::ZERO);
+        assert_eq!(get(&p.media[0].0).0, 404, "a media URL expires");
+    }
+
+    /// The links' knobs: a silent link answers nothing, a deaf one answers pings but delivers
+    /// nothing; delayed answers show a second frame sent early; faults; a kick that stays open.
+    #[test]
+    fn silent_deaf_delayed_and_faults() {
+        let sim = WecomSim::start();
+        sim.robot("bot1", "secret1");
+        let chat = Chat::single("zhaoliu");
+        let mut a = connect(&sim);
+        assert_eq!(subscribe(&mut a, "bot1", "secret1"), 0);
+        sim.go_silent("bot1");
+        send(&mut a, json!({"cmd": PING, "headers": {"req_id": "ping_2_x"}}));
+        assert!(!sim.send_text("bot1", &chat, "lost").delivered);
+        a.get_ref().set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+        assert!(next(&mut a).is_none(), "a silent link answers nothing");
+        assert!(sim.wait_frames(PING, 1, WAIT), "but hears");
+
+        let mut b = connect(&sim);
+        assert_eq!(subscribe(&mut b, "bot1", "secret1"), 0);
+        sim.go_deaf("bot1");
+        assert_eq!(call(&mut b, PING, "ping_3_x", Value::Null).code(), 0);
+        assert!(!sim.send_text("bot1", &chat, "lost too").delivered);
+        assert_eq!(sim.lost(), 2);
+
+        let mut c = connect(&sim);
+        assert_eq!(subscribe(&mut c, "bot1", "secret1"), 0);
+        let p = sim.send_text("bot1", &chat, "hi");
+        assert_eq!(next(&mut c).unwrap()["headers"]["req_id"], p.req_id.as_str());
+        sim.set_ack_delay(Some(Duration::from_millis(300)));
+        send(
+            &mut c,
+            json!({"cmd": RESPOND, "headers": {"req_id": p.req_id}, "body": stream("s", "a", false)}),
+        );
+        send(
+            &mut c,
+            json!({"cmd": RESPOND, "headers": {"req_id": p.req_id}, "body": stream("s", "ab", true)}),
+        );
+        assert!(sim.wait_frames(RESPOND, 2, WAIT));
+        assert_eq!(sim.overlaps(), std::slice::from_ref(&p.req_id));
+        assert_eq!(next(&mut c).unwrap().code(), 0);
+        assert_eq!(next(&mut c).unwrap().code(), 0);
+        sim.set_ack_delay(Some(Duration::ZERO));
+
+        sim.fail_next(SEND_MSG, 45_009, "api freq out of limit");
+        let md = json!({"chatid": "zhaoliu", "msgtype": "markdown", "markdown": {"content": "x"}});
+        assert_eq!(call(&mut c, SEND_MSG, "aibot_send_msg_6_x", md.clone()).code(), 45_009);
+        assert_eq!(call(&mut c, SEND_MSG, "aibot_send_msg_7_x", md).code(), 0);
+
+        sim.set_kick_closes(false);
+        assert!(sim.kick("bot1"));
+        assert_eq!(
+            next(&mut c).unwrap()["body"]["event"]["eventtype"],
+            "disconnected_event"
+        );
+        assert_eq!(
+            call(&mut c, PING, "ping_4_x", Value::Null).code(),
+            0,
+            "a half-alive kicked link"
+        );
+        assert!(!sim.send_text("bot1", &chat, "nobody").delivered);
+    }
+}
