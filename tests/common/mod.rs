@@ -15,6 +15,7 @@ pub mod matrix;
 mod scratch;
 pub mod slack;
 pub mod synapse;
+pub mod wecom;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
