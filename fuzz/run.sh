@@ -14,7 +14,7 @@ cd "$(dirname "$0")"
 secs=${1:-20}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(packet webhook multipart config request_head telegram_update connection outbox_log feishu_frame feishu_longconn feishu_event wechat_update slack_frame discord_frame dingtalk_frame matrix_sync)
+[ ${#targets[@]} -gt 0 ] || targets=(packet webhook multipart config request_head telegram_update connection outbox_log feishu_frame feishu_longconn feishu_event wechat_update slack_frame discord_frame dingtalk_frame wecom_frame matrix_sync)
 
 command -v cargo-fuzz >/dev/null || {
   echo "== cargo install cargo-fuzz"

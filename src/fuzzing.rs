@@ -41,6 +41,12 @@ pub mod dingtalk {
     pub use crate::providers::dingtalk::event;
 }
 
+/// WeCom's long-connection frames and robot messages, and its media decryption.
+#[cfg(feature = "wecom")]
+pub mod wecom {
+    pub use crate::providers::wecom::{event, media};
+}
+
 /// Matrix's `/sync` answers, history pages and room events.
 #[cfg(feature = "matrix")]
 pub mod matrix {

@@ -10,7 +10,8 @@
         feature = "slack",
         feature = "discord",
         feature = "dingtalk",
-        feature = "matrix"
+        feature = "matrix",
+        feature = "wecom"
     )),
     allow(dead_code, unused_imports)
 )]

@@ -439,6 +439,7 @@ enum Bot {
     Discord(common::discord::DiscordSim, String, common::discord::User),
     DingTalk(common::dingtalk::DingTalkSim),
     Matrix(common::matrix::MatrixSim),
+    WeCom(common::wecom::WecomSim),
 }
 
 impl Bot {
@@ -447,6 +448,8 @@ impl Bot {
     const DINGTALK_GROUP: &str = "cidBudget0001==";
     const MATRIX_ROOM: &str = "!budget:sim";
     const MATRIX_TOKEN: &str = "syt_budget_bot";
+    const WECOM_BOT: &str = "aibBudget01";
+    const WECOM_GROUP: &str = "wrcBudget01";
 
     fn start(kind: &str) -> Bot {
         match kind {
@@ -480,6 +483,11 @@ impl Bot {
                 sim.add_room(Self::MATRIX_ROOM, &["@bot:sim", "@ann:sim"], false);
                 Bot::Matrix(sim)
             }
+            "wecom" => {
+                let sim = common::wecom::WecomSim::start();
+                sim.robot(Self::WECOM_BOT, "budget-secret");
+                Bot::WeCom(sim)
+            }
             _ => Bot::None,
         }
     }
@@ -494,6 +502,7 @@ impl Bot {
                 sim.api_base, sim.oapi_base
             ),
             Bot::Matrix(_) => "[matrix]\n".into(),
+            Bot::WeCom(sim) => format!("[wecom]\nws_url = {}\n", sim.ws_url),
         }
     }
 
@@ -517,6 +526,10 @@ impl Bot {
                 "matrix_room_binding",
                 serde_json::json!({"homeserver": sim.base, "access_token": Self::MATRIX_TOKEN, "room_id": Self::MATRIX_ROOM}),
             ),
+            Bot::WeCom(_) => (
+                "wecom_bot_binding",
+                serde_json::json!({"bot_id": Self::WECOM_BOT, "secret": "budget-secret", "chat_id": Self::WECOM_GROUP}),
+            ),
         };
         let (cch, _) = x.open(None);
         let a = x.request(
@@ -530,6 +543,7 @@ impl Bot {
             Bot::Discord(sim, ..) => sim.wait_until(Duration::from_secs(10), |r| r.ready >= 1),
             Bot::DingTalk(sim) => sim.wait_connected(Self::DINGTALK_APP, 1, Duration::from_secs(10)),
             Bot::Matrix(sim) => sim.wait_polling(Duration::from_secs(10)),
+            Bot::WeCom(sim) => sim.wait_open_links(Self::WECOM_BOT, 1, Duration::from_secs(10)),
             Bot::None => true,
         };
         assert!(up, "the bot is connected");
@@ -545,6 +559,7 @@ impl Bot {
             Bot::DingTalk(sim) => sim.ws_pings(Self::DINGTALK_APP) as u64,
             // A long poll's answer (every 30 s when idle).
             Bot::Matrix(sim) => sim.syncs() as u64,
+            Bot::WeCom(sim) => sim.pings(Self::WECOM_BOT).len() as u64,
         }
     }
 
@@ -563,13 +578,17 @@ impl Bot {
             Bot::Matrix(sim) => {
                 sim.post_text(Self::MATRIX_ROOM, "@ann:sim", text);
             }
+            Bot::WeCom(sim) => {
+                let group = common::wecom::Chat::group(Self::WECOM_GROUP, "ann");
+                sim.send_text(Self::WECOM_BOT, &group, text);
+            }
         }
     }
 
     /// Whether what is posted while imgate is stopped reaches it afterwards: DingTalk sends a
     /// robot message once, so its messages are posted live instead, once it is connected again.
     fn keeps_history(&self) -> bool {
-        !matches!(self, Bot::DingTalk(_))
+        !matches!(self, Bot::DingTalk(_) | Bot::WeCom(_))
     }
 }
 
@@ -584,7 +603,7 @@ fn a_bot_idle_and_a_catch_up_beside_webhooks() {
     const N: usize = 1000;
     let text = "a message of a busy channel, about two hundred bytes long, as people write them: ".repeat(2);
     let mut rows = Vec::new();
-    for kind in ["webhook", "slack", "discord", "dingtalk", "matrix"] {
+    for kind in ["webhook", "slack", "discord", "dingtalk", "matrix", "wecom"] {
         let bot = Bot::start(kind);
         let dir = temp_dir(&format!("budgets-bot-{kind}"));
         let conf =
@@ -645,6 +664,11 @@ fn a_bot_idle_and_a_catch_up_beside_webhooks() {
             scope.spawn(|| post_load(&d, 1, N, &text, "load"));
             if let Bot::DingTalk(sim) = &bot {
                 assert!(sim.wait_connected(Bot::DINGTALK_APP, 2, Duration::from_secs(30)));
+                scope.spawn(post_all);
+            }
+            if let Bot::WeCom(sim) = &bot {
+                // The binding's check, the first link, and the link after the restart.
+                assert!(sim.wait_subscribes(Bot::WECOM_BOT, 3, Duration::from_secs(30)));
                 scope.spawn(post_all);
             }
             for _ in 0..want {

@@ -37,7 +37,7 @@ fn version_names_version_git_rev_and_build_time() {
     assert_eq!(shape, "9999-99-99 99:99", "{line}");
     assert!(
         line.trim_end()
-            .ends_with("; providers: webhook telegram feishu wechat slack discord dingtalk matrix"),
+            .ends_with("; providers: webhook telegram feishu wechat slack discord dingtalk matrix wecom"),
         "the default build carries every provider: {line}"
     );
 }

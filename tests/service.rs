@@ -662,7 +662,8 @@ fn webhook_posts_refused_for_their_secret_signature_body_or_size_are_counted_ref
 fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
     // Every provider whose section needs no account, so their families are in too.
     let extra = "[slack]\napi_base = http://127.0.0.1:9\n[discord]\napi_base = http://127.0.0.1:9\n\
-                 [dingtalk]\napi_base = http://127.0.0.1:9\noapi_base = http://127.0.0.1:9\n[wechat]\n[matrix]\n";
+                 [dingtalk]\napi_base = http://127.0.0.1:9\noapi_base = http://127.0.0.1:9\n[wechat]\n[matrix]\n\
+                 [wecom]\nws_url = ws://127.0.0.1:9\n";
     let dir = temp_dir("metrics-lint");
     let d = Daemon::start(&dir, &config_text(free_port(), &dir, None, extra));
     let (mut x, _) = d.bound_xagent();
@@ -701,6 +702,7 @@ fn metrics_follow_prometheus_rules_and_describe_the_build_and_the_process() {
         "imgate_dingtalk_connections",
         "imgate_wechat_receivers",
         "imgate_matrix_sync_loops",
+        "imgate_wecom_connections",
         "imgate_channel_pending",
     ] {
         assert!(text.contains(&format!("# TYPE {family} ")), "{family} missing:\n{text}");

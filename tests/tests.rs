@@ -33,3 +33,5 @@ mod v2;
 mod wal;
 #[cfg(feature = "wechat")]
 mod wechat;
+#[cfg(feature = "wecom")]
+mod wecom;

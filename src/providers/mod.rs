@@ -32,6 +32,8 @@ pub mod telegram;
 pub mod webhook;
 #[cfg(feature = "wechat")]
 pub mod wechat;
+#[cfg(feature = "wecom")]
+pub mod wecom;
 
 mod host;
 mod kit;
@@ -70,6 +72,8 @@ pub const REGISTRATIONS: &[Registration] = &[
     dingtalk::REGISTRATION,
     #[cfg(feature = "matrix")]
     matrix::REGISTRATION,
+    #[cfg(feature = "wecom")]
+    wecom::REGISTRATION,
 ];
 
 /// The providers this build left out (their Cargo feature off). Their sections are refused
@@ -89,6 +93,8 @@ const LEFT_OUT: &[&str] = &[
     "dingtalk",
     #[cfg(not(feature = "matrix"))]
     "matrix",
+    #[cfg(not(feature = "wecom"))]
+    "wecom",
 ];
 
 /// One provider's entry: how it reads the config, how it starts.

@@ -19,6 +19,7 @@
 //! ready, and asking again at once would be a storm.
 
 pub mod accounts;
+pub mod calls;
 pub mod conn;
 pub mod supervise;
 pub mod workers;

@@ -1,0 +1,141 @@
+//! Requests a provider makes over its account's long connection, answered on the same
+//! connection by an ID (WeCom's replies, sends and uploads): a tool's blocking thread hands its
+//! frame to the connection up now and waits for the answer with its ID, within its deadline.
+//! At most `MAX_PENDING` wait at once; an answer nobody waits for is dropped.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use async_tungstenite::tungstenite::Message;
+use smol::channel::Sender;
+use smol::future::FutureExt;
+
+use crate::providers::socket::Out;
+
+/// Calls waiting for their answers at once, per account.
+const MAX_PENDING: usize = 64;
+
+/// Why a call got no answer.
+#[derive(Debug, PartialEq)]
+pub enum CallError {
+    /// No connection is up to take it.
+    NotConnected,
+    /// `MAX_PENDING` calls wait already.
+    Busy,
+    /// The frame was written (or queued) and no answer came within the deadline, or the
+    /// connection ended first: it may have been done.
+    NoAnswer,
+}
+
+/// The calls of one account.
+pub struct Calls<A> {
+    /// The writer's queue of the connection up now.
+    out: Mutex<Option<Sender<Out>>>,
+    pending: Mutex<HashMap<String, Sender<A>>>,
+}
+
+impl<A> Default for Calls<A> {
+    fn default() -> Calls<A> {
+        Calls {
+            out: Mutex::new(None),
+            pending: Mutex::default(),
+        }
+    }
+}
+
+impl<A: Send + 'static> Calls<A> {
+    /// The connection whose writer is `out` takes the calls from now on.
+    pub fn connected(&self, out: Sender<Out>) {
+        *self.out.lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
+    }
+
+    /// The connection whose writer is `out` ended: calls wait for the next one.
+    pub fn ended(&self, out: &Sender<Out>) {
+        let mut current = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        if current.as_ref().is_some_and(|c| c.same_channel(out)) {
+            *current = None;
+        }
+    }
+
+    /// Whether a connection takes calls now.
+    pub fn connected_now(&self) -> bool {
+        let out = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        out.as_ref().is_some_and(|o| !o.is_closed())
+    }
+
+    /// Writes `frame` on the connection up now and waits, until `deadline`, for the answer
+    /// named `id`. On a blocking thread only.
+    pub fn call(&self, id: &str, frame: Message, deadline: Instant) -> Result<A, CallError> {
+        let out = self.out.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let out = out.filter(|o| !o.is_closed()).ok_or(CallError::NotConnected)?;
+        let (tx, rx) = smol::channel::bounded(1);
+        {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if pending.len() >= MAX_PENDING {
+                return Err(CallError::Busy);
+            }
+            pending.insert(id.to_string(), tx);
+        }
+        let answered = smol::block_on(
+            async {
+                out.send((frame, None)).await.map_err(|_| CallError::NotConnected)?;
+                rx.recv().await.map_err(|_| CallError::NoAnswer)
+            }
+            .or(async {
+                smol::Timer::at(deadline).await;
+                Err(CallError::NoAnswer)
+            }),
+        );
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        answered
+    }
+
+    /// The answer named `id` came: whether a call waited for it.
+    pub fn answered(&self, id: &str, answer: A) -> bool {
+        let waiting = self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        waiting.is_some_and(|tx| tx.try_send(answer).is_ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[test]
+    fn a_call_gets_the_answer_with_its_id_and_none_without_a_connection_or_in_time() {
+        let calls: Arc<Calls<u32>> = Arc::default();
+        let soon = || Instant::now() + Duration::from_millis(200);
+        assert_eq!(
+            calls.call("a", Message::Text("x".into()), soon()),
+            Err(CallError::NotConnected)
+        );
+        let (out, written) = smol::channel::bounded::<Out>(4);
+        calls.connected(out.clone());
+        let answerer = {
+            let calls = calls.clone();
+            std::thread::spawn(move || {
+                let (frame, _) = smol::block_on(written.recv()).unwrap();
+                assert_eq!(frame, Message::Text("x".into()));
+                assert!(!calls.answered("other", 1), "nobody waits for it");
+                assert!(calls.answered("a", 7));
+            })
+        };
+        assert_eq!(
+            calls.call("a", Message::Text("x".into()), Instant::now() + Duration::from_secs(10)),
+            Ok(7)
+        );
+        answerer.join().unwrap();
+        assert_eq!(
+            calls.call("b", Message::Text("y".into()), soon()),
+            Err(CallError::NoAnswer)
+        );
+        calls.ended(&out);
+        assert_eq!(
+            calls.call("c", Message::Text("z".into()), soon()),
+            Err(CallError::NotConnected)
+        );
+    }
+}
