@@ -205,7 +205,12 @@ fn files_go_both_ways_decrypted_in_and_uploaded_in_chunks_out() {
     assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
     assert_eq!(sim.frames_of("aibot_upload_media_chunk").len(), 3, "512 KiB chunks");
     let sends = sim.frames_of("aibot_send_msg");
-    let body = &sends.last().expect("the media message")["frame"]["body"];
+    assert_eq!(
+        sends.len(),
+        1,
+        "the media message alone, no empty text before it: {sends:?}"
+    );
+    let body = &sends[0]["frame"]["body"];
     assert_eq!(body["msgtype"], "file", "{body}");
     let media_id = body["file"]["media_id"].as_str().unwrap();
     assert_same_bytes(&sim.uploaded(media_id).expect("uploaded"), &report, "the uploaded file");

@@ -120,9 +120,10 @@ impl Sessions {
     }
 
     /// Stops the session of `bot` (a refused one, bound again): the next `sync` starts anew.
-    pub fn forget(&self, bot: &str) {
-        self.links.forget(bot);
+    /// Whether a refusal was cleared (the bot's other channels' Descriptors change).
+    pub fn forget(&self, bot: &str) -> bool {
         self.shared.set_spent(bot, None);
+        self.links.forget(bot)
     }
 
     pub fn stop_all(&self) {

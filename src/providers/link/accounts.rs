@@ -74,10 +74,11 @@ impl Links {
     }
 
     /// Stops the link of `account` (a refused one bound again, a poll whose sign-in ended): the
-    /// next `sync` starts anew.
-    pub fn forget(&self, account: &str) {
+    /// next `sync` starts anew. Whether a refusal was cleared (the account's bindings'
+    /// Descriptors change: the caller tells them).
+    pub fn forget(&self, account: &str) -> bool {
         self.running.forget(&account.to_string());
-        self.shared.refusals().remove(account);
+        self.shared.refusals().remove(account).is_some()
     }
 
     pub fn stop_all(&self) {

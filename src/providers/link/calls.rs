@@ -21,7 +21,7 @@ const MAX_PENDING: usize = 64;
 pub enum CallError {
     /// No connection is up to take it.
     NotConnected,
-    /// `MAX_PENDING` calls wait already.
+    /// `MAX_PENDING` calls wait already, or one with the same ID does.
     Busy,
     /// The frame was written (or queued) and no answer came within the deadline, or the
     /// connection ended first: it may have been done.
@@ -50,11 +50,13 @@ impl<A: Send + 'static> Calls<A> {
         *self.out.lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
     }
 
-    /// The connection whose writer is `out` ended: calls wait for the next one.
+    /// The connection whose writer is `out` ended: no answer comes on it, so the calls
+    /// waiting end at once (`NoAnswer`), and new ones wait for the next connection.
     pub fn ended(&self, out: &Sender<Out>) {
         let mut current = self.out.lock().unwrap_or_else(|e| e.into_inner());
         if current.as_ref().is_some_and(|c| c.same_channel(out)) {
             *current = None;
+            self.pending.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
     }
 
@@ -72,10 +74,10 @@ impl<A: Send + 'static> Calls<A> {
         let (tx, rx) = smol::channel::bounded(1);
         {
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            if pending.len() >= MAX_PENDING {
+            if pending.len() >= MAX_PENDING || pending.contains_key(id) {
                 return Err(CallError::Busy);
             }
-            pending.insert(id.to_string(), tx);
+            pending.insert(id.to_string(), tx.clone());
         }
         let answered = smol::block_on(
             async {
@@ -87,7 +89,11 @@ impl<A: Send + 'static> Calls<A> {
                 Err(CallError::NoAnswer)
             }),
         );
-        self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
+        // Only this call's entry: after an `ended`, another call may wait under the same ID.
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if pending.get(id).is_some_and(|w| w.same_channel(&tx)) {
+            pending.remove(id);
+        }
         answered
     }
 
@@ -113,6 +119,7 @@ mod tests {
             Err(CallError::NotConnected)
         );
         let (out, written) = smol::channel::bounded::<Out>(4);
+        let _kept = written.clone();
         calls.connected(out.clone());
         let answerer = {
             let calls = calls.clone();

@@ -18,8 +18,14 @@ pub const MAX_FRAME: usize = 1 << 20;
 pub const MAX_CONTENT: usize = 20_480;
 /// The subscribe's answer must come this soon after the handshake.
 const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(10);
-/// WeCom's answer to a reply after the message's window closed: the reply goes as a send.
+/// WeCom's answers to a reply after the message's window closed, and on a `req_id` it does
+/// not know (a reply after a reconnect may meet it): the reply goes as a send.
 pub const REPLY_EXPIRED: i64 = 846_608;
+pub const REPLY_UNKNOWN: i64 = 846_605;
+/// Subscribe codes that say the robot's ID or secret is wrong (the SDKs name none; these are
+/// WeCom's "invalid credential" and "invalid bot_id"): only they stop the link as a refusal,
+/// anything else is retried with backoff.
+pub const CREDENTIALS_REFUSED: [i64; 2] = [40_001, 93_019];
 
 /// The answer to a frame imgate sent.
 #[derive(Debug, Clone)]
@@ -118,8 +124,8 @@ pub const MAX_FILE: u64 = 20_000_000;
 
 /// Why a subscribe did not give a connection.
 pub enum Refusal {
-    /// WeCom refused the robot's ID or secret: why, for its owner.
-    Refused(String),
+    /// WeCom answered the subscribe with an error code: the code, and why, for the owner.
+    Refused(i64, String),
     /// Could not ask now.
     Failed(String),
 }
@@ -158,10 +164,13 @@ pub async fn subscribe(url: &str, bot: &str, secret: &str) -> Result<wsclient::W
     };
     match answered.or(late).await {
         Ok((0, _)) => Ok(ws),
-        Ok((code, msg)) => Err(Refusal::Refused(format!(
-            "WeCom refused the robot's subscribe ({code}: {})",
-            crate::quiet::shown(&msg)
-        ))),
+        Ok((code, msg)) => Err(Refusal::Refused(
+            code,
+            format!(
+                "WeCom refused the robot's subscribe ({code}: {})",
+                crate::quiet::shown(&msg)
+            ),
+        )),
         Err(why) => Err(Refusal::Failed(crate::quiet::shown(&why))),
     }
 }

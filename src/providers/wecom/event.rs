@@ -183,6 +183,7 @@ fn mixed(part: Option<&Object>) -> (String, Option<Media>) {
 
 fn media(o: &Object, kind: &str) -> Option<Media> {
     let url = json::get_str(o, "url").filter(|u| u.len() <= MAX_URL && u.starts_with("http"))?;
+    // Without a key the SDK takes the bytes as they come.
     let aeskey = json::get_str(o, "aeskey").filter(|k| k.len() <= 64).unwrap_or_default();
     Some(Media {
         kind: if kind == "image" { "image" } else { "file" },

@@ -78,7 +78,10 @@ impl Dial for Robot {
         };
         Some(match api::subscribe(&url, &self.id, &secret).await {
             Ok(ws) => Opened::Up(Box::new(ws)),
-            Err(Refusal::Refused(why)) => Opened::Refused(format!("{why}: check the robot's Bot ID and Secret")),
+            Err(Refusal::Refused(code, why)) if api::CREDENTIALS_REFUSED.contains(&code) => {
+                Opened::Refused(format!("{why}: check the robot's Bot ID and Secret"))
+            }
+            Err(Refusal::Refused(_, why)) => Opened::Failed(why, None),
             Err(Refusal::Failed(why)) => Opened::Failed(why, None),
         })
     }

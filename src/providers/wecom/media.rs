@@ -94,7 +94,11 @@ pub fn download(
     part: &mut FilePart,
     timeout: Duration,
 ) -> Result<(Option<String>, Option<String>), String> {
-    let mut decrypting = Decrypting::new(aeskey).ok_or("the message's aeskey is not a key")?;
+    // No key: the bytes are the file, as the SDK takes them.
+    let mut decrypting = match aeskey.is_empty() {
+        true => None,
+        false => Some(Decrypting::new(aeskey).ok_or("the message's aeskey is not a key")?),
+    };
     let mut resp = upstream::within(agent, agent.get(url), timeout)
         .call()
         .map_err(|e| upstream::Error::from(e).hiding(url, "the file's URL").to_string())?;
@@ -113,12 +117,18 @@ pub fn download(
         .and_then(|v| v.to_str().ok())
         .map(|c| c.chars().take(128).collect::<String>());
     let mut write = |plain: &[u8]| part.write(plain);
-    match upstream::stream_body(&mut resp, |piece| decrypting.push(piece, &mut write)) {
+    let streamed = upstream::stream_body(&mut resp, |piece| match decrypting.as_mut() {
+        Some(d) => d.push(piece, &mut write),
+        None => write(piece),
+    });
+    match streamed {
         Ok(()) => {}
         Err(upstream::Streamed::Read(e)) => return Err(e.to_string()),
         Err(upstream::Streamed::Write(e)) => return Err(e.to_string()),
     }
-    decrypting.finish(&mut write)?;
+    if let Some(d) = decrypting {
+        d.finish(&mut write)?;
+    }
     Ok((name, content_type))
 }
 

@@ -496,26 +496,55 @@ impl WeCom {
         // The check is a subscribe, and WeCom keeps one connection per robot: a robot whose
         // connection is up with this secret is not asked again (that would close it).
         let proven = self.secret(bot_id).as_deref() == Some(secret) && self.calls_of(bot_id).connected_now();
-        if !proven {
-            let url = self.settings.ws_url.clone();
-            match smol::block_on(api::subscribe(&url, bot_id, secret)) {
-                Ok(ws) => drop(ws),
-                Err(api::Refusal::Refused(why)) => {
-                    return Err(Failure::new(
-                        code::CONNECTION_NOT_AUTHENTICATED,
-                        format!("{why}: check the robot's Bot ID and Secret, and that it uses the long connection"),
-                    ))
-                }
-                Err(api::Refusal::Failed(why)) => {
-                    return Err(Failure::temporary(
-                        code::UPSTREAM_UNREACHABLE,
-                        format!("cannot reach WeCom's long connection: {why}"),
-                    ))
-                }
-            }
-            // The check took the robot's connection: its link starts anew at the next sync.
-            self.links.forget(bot_id);
+        if proven {
+            return self.keep(bot_id, secret, chat);
         }
+        // The check takes the robot's connection over: its link stops first (it must not take
+        // the takeover for another client's) and starts again, whatever the check says.
+        let cleared = self.links.forget(bot_id);
+        let kept = self
+            .check(bot_id, secret)
+            .and_then(|()| self.keep(bot_id, secret, chat));
+        self.relink();
+        if cleared {
+            for source in self.bound_through(bot_id) {
+                self.host.binding_state_changed(&source);
+            }
+        }
+        kept
+    }
+
+    /// A subscribe with `bot_id` and `secret`, answered 0.
+    fn check(&self, bot_id: &str, secret: &str) -> Result<(), Failure> {
+        match smol::block_on(api::subscribe(&self.settings.ws_url, bot_id, secret)) {
+            Ok(ws) => {
+                drop(ws);
+                Ok(())
+            }
+            Err(api::Refusal::Refused(_, why)) => Err(Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                format!("{why}: check the robot's Bot ID and Secret, and that it uses the long connection"),
+            )),
+            Err(api::Refusal::Failed(why)) => Err(Failure::temporary(
+                code::UPSTREAM_UNREACHABLE,
+                format!("cannot reach WeCom's long connection: {why}"),
+            )),
+        }
+    }
+
+    /// The links of the robots bound now (the binding being made joins at `bindings_changed`).
+    fn relink(&self) {
+        let bound = self.host.channels.bound_sources().unwrap_or_default();
+        let robots = self.bound_robots(&bound);
+        let owner: Weak<dyn Owner> = self.me.clone();
+        let quiet = self.settings.replace_quiet;
+        self.links.sync(&robots, Some(owner), |line| {
+            link::start(&self.me, self.calls_of(line.account()), quiet, line)
+        });
+    }
+
+    /// Keeps a checked binding: the secret's file and the chat's row.
+    fn keep(&self, bot_id: &str, secret: &str, chat: &str) -> Result<Source, Failure> {
         self.secret_files()
             .store(bot_id, secret)
             .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the secret: {e}")))?;
@@ -639,7 +668,11 @@ impl Provider for WeCom {
         let mut reply_on = (out.reply_to == Some(route.msgid.as_str()) && in_window && !route.req_id.is_empty())
             .then_some(route.req_id.as_str());
         let mut last = String::new();
-        for (i, part) in split_text(out.text, MAX_TEXT).iter().enumerate() {
+        let parts = match out.text.is_empty() {
+            true => Vec::new(),
+            false => split_text(out.text, MAX_TEXT),
+        };
+        for (i, part) in parts.iter().enumerate() {
             if let Some(req_id) = reply_on.take() {
                 let stream = send_id(out.idempotency_key, i, 16);
                 let answer = self.call(&info.bot_id, req_id, api::reply(req_id, &stream, part))?;
@@ -648,8 +681,9 @@ impl Provider for WeCom {
                         last = req_id.to_string();
                         continue;
                     }
-                    // The window closed on the way: the part goes as a message.
-                    api::REPLY_EXPIRED => {}
+                    // The window closed on the way, or WeCom no longer knows the req_id: the
+                    // part goes as a message.
+                    api::REPLY_EXPIRED | api::REPLY_UNKNOWN => {}
                     code => return Err(rejected(code, &answer.errmsg)),
                 }
             }
