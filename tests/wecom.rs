@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::common::wecom::{Chat, WecomSim};
+use crate::common::wecom::{Chat, Download, Part, WecomSim};
 use crate::common::*;
 use serde_json::{json, Value};
 
@@ -277,4 +277,48 @@ fn a_frame_past_the_cap_ends_its_connection_in_bounded_memory_and_the_next_one_w
     let peak = hwm_kib(d.pid());
     println!("peak RSS {before} KiB before the 8 MiB frame, {peak} KiB after");
     assert!(peak < before + (6 << 10), "peak RSS {peak} KiB, {before} KiB before");
+}
+
+#[test]
+fn a_mixed_message_brings_its_words_and_its_first_image() {
+    let (d, sim) = wecom("wc-mixed", "");
+    let (mut x, _) = bound(&d, &sim, GROUP);
+    let group = Chat::group(GROUP, ANN);
+    let gif = b"GIF89a-mixed-picture";
+    sim.send_mixed(
+        BOT,
+        &group,
+        &[
+            Part::Text("see"),
+            Part::Image {
+                bytes: gif,
+                filename: "p.gif",
+            },
+            Part::Text("this"),
+        ],
+    );
+    let push = x.next_push(WAIT).expect("the mixed message is pushed");
+    assert_eq!(push["payload"]["raw_text"], "see\nthis", "{push}");
+    let (_, bytes) = download(&d, &push["payload"]["files"][0]);
+    assert_eq!(bytes, gif);
+}
+
+#[test]
+fn a_download_that_never_ends_is_given_up_in_bounded_memory_and_the_message_still_arrives() {
+    let (d, sim) = wecom("wc-endless", "");
+    let (mut x, _) = bound(&d, &sim, GROUP);
+    let before = hwm_kib(d.pid());
+    sim.set_download(Download::Endless);
+    let pushed = sim.send_image(BOT, &Chat::group(GROUP, ANN), &patterned(1000, 1), "never.png");
+    // The fetch's deadline is a minute; the message goes on without its file.
+    let push = x
+        .next_push(Duration::from_secs(120))
+        .expect("the message arrives without its file");
+    assert_eq!(push["payload"]["message_id"], pushed.msgid.as_str());
+    assert!(
+        push["payload"]["files"].as_array().is_none_or(|f| f.is_empty()),
+        "{push}"
+    );
+    let peak = hwm_kib(d.pid());
+    assert!(peak < before + (4 << 10), "peak RSS {peak} KiB, {before} KiB before");
 }
