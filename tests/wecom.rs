@@ -322,3 +322,223 @@ fn a_download_that_never_ends_is_given_up_in_bounded_memory_and_the_message_stil
     let peak = hwm_kib(d.pid());
     assert!(peak < before + (4 << 10), "peak RSS {peak} KiB, {before} KiB before");
 }
+
+/// Runs `node validate.js` (tests/wecom-sdk) against the simulator: stdout's JSON lines, the
+/// exit status and stderr (the SDK's log), or a panic when it runs past `limit`.
+fn run_node_sdk(sim: &WecomSim, dir: &std::path::Path, upload_bytes: usize, limit: Duration) -> (Vec<Value>, String) {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new("node")
+        .arg("validate.js")
+        .arg(&sim.ws_url)
+        .current_dir(dir)
+        .env("WECOM_BOT_ID", BOT)
+        .env("WECOM_SECRET", SECRET)
+        .env("UPLOAD_BYTES", upload_bytes.to_string())
+        .env("HEARTBEAT_MS", "300")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("node runs");
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let pushed = sim.wait_subscribes(BOT, 1, WAIT);
+    if pushed {
+        let group = Chat::group(GROUP, ANN);
+        sim.send_text(BOT, &group, "hello from the simulator");
+        sim.send_image(BOT, &group, &patterned(3000, 7), "sim picture.png");
+    }
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (out, err) = (out.join().unwrap(), err.join().unwrap());
+    let lines: Vec<Value> = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    for l in &lines {
+        let mut shown = l.clone();
+        if let Some(b) = shown.get_mut("base64") {
+            *b = json!("…");
+        }
+        println!("validate.js: {shown}");
+    }
+    assert!(pushed, "the SDK never subscribed\nstdout:\n{out}\nstderr:\n{err}");
+    let status = status.unwrap_or_else(|| panic!("node ran past {limit:?}\nstdout:\n{out}\nstderr:\n{err}"));
+    assert!(
+        status.success(),
+        "validate.js: {status}\nstdout:\n{out}\nstderr:\n{err}"
+    );
+    (lines, err)
+}
+
+#[test]
+#[ignore = "the official WeCom Node SDK against the simulator: needs node and npm"]
+fn the_official_node_sdk_works_against_the_simulator() {
+    use crate::common::kit::base64_decode;
+    use crate::common::wecom::{SEND_MSG, SUBSCRIBE, UPLOAD_CHUNK, UPLOAD_FINISH, UPLOAD_INIT};
+    // The script and its package.json run from a copy under target/, where node_modules stays
+    // between runs and nothing untracked is left in the repository.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = root.join("target/wecom-sdk");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["package.json", "validate.js"] {
+        std::fs::copy(root.join("tests/wecom-sdk").join(f), dir.join(f)).unwrap();
+    }
+    let npm = std::process::Command::new("npm")
+        .args(["install", "--no-audit", "--no-fund"])
+        .current_dir(&dir)
+        .output()
+        .expect("npm runs");
+    assert!(
+        npm.status.success(),
+        "npm install: {}",
+        String::from_utf8_lossy(&npm.stderr)
+    );
+
+    let sim = WecomSim::start();
+    sim.robot(BOT, SECRET);
+    // Two chunks: 512 KiB and the rest.
+    let upload_len = 600 << 10;
+    let (lines, log) = run_node_sdk(&sim, &dir, upload_len, Duration::from_secs(45));
+    let step = |name: &str| {
+        lines
+            .iter()
+            .find(|l| l["step"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} step in {lines:?}\n{log}"))
+    };
+    for name in [
+        "subscribe",
+        "reply",
+        "send",
+        "download",
+        "upload",
+        "send_media",
+        "heartbeat",
+        "done",
+    ] {
+        assert_eq!(step(name)["ok"], true, "{name}: {}", step(name));
+    }
+
+    let subscribe = sim.frames_of(SUBSCRIBE);
+    assert_eq!(subscribe.len(), 1, "{subscribe:?}");
+    assert_eq!(subscribe[0]["frame"]["body"]["bot_id"], BOT);
+    assert_eq!(subscribe[0]["frame"]["body"]["secret"], SECRET);
+    assert!(sim.auth_failures().is_empty());
+
+    // The finished stream on the text callback's req_id.
+    let pushes = sim.pushes();
+    let text = pushes
+        .iter()
+        .find(|p| p["body"]["msgtype"] == "text")
+        .expect("the text was pushed");
+    let req_id = text["headers"]["req_id"].as_str().unwrap();
+    let reply = step("reply");
+    assert_eq!(reply["req_id"], req_id);
+    assert_eq!(reply["errcode"], 0);
+    let replies = sim.replies(req_id);
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    let r = &replies[0];
+    assert_eq!(r["frame"]["cmd"], "aibot_respond_msg", "{r}");
+    assert_eq!(r["errcode"], 0, "{r}");
+    assert_eq!(r["frame"]["body"]["msgtype"], "stream", "{r}");
+    assert_eq!(r["frame"]["body"]["stream"]["finish"], true, "{r}");
+    assert_eq!(r["frame"]["body"]["stream"]["id"], reply["stream_id"], "{r}");
+    assert_eq!(
+        r["frame"]["body"]["stream"]["content"], "echo: hello from the simulator",
+        "{r}"
+    );
+
+    // The markdown send and the file send, to the group's chatid.
+    let sends = sim.frames_of(SEND_MSG);
+    assert_eq!(sends.len(), 2, "{sends:?}");
+    let markdown = &sends[0];
+    assert_eq!(markdown["errcode"], 0, "{markdown}");
+    assert_eq!(markdown["frame"]["body"]["chatid"], GROUP, "{markdown}");
+    assert_eq!(markdown["frame"]["body"]["msgtype"], "markdown", "{markdown}");
+    assert_eq!(
+        markdown["frame"]["body"]["markdown"]["content"],
+        "**proactive** from the official SDK"
+    );
+    assert_eq!(step("send")["req_id"], markdown["frame"]["headers"]["req_id"]);
+
+    // The image, downloaded and decrypted by the SDK, its name from Content-Disposition.
+    let download = step("download");
+    let image = pushes
+        .iter()
+        .find(|p| p["body"]["msgtype"] == "image")
+        .expect("the image was pushed");
+    assert_eq!(download["req_id"], image["headers"]["req_id"]);
+    assert_eq!(download["filename"], "sim picture.png", "{download}");
+    let got = base64_decode(download["base64"].as_str().unwrap());
+    assert_same_bytes(&got, &patterned(3000, 7), "the SDK's decrypted image");
+    assert!(
+        sim.downloads().iter().all(|d| d["status"] == 200),
+        "{:?}",
+        sim.downloads()
+    );
+
+    // The upload: init, two chunks from index 0, finish; the bytes whole under its media_id.
+    let upload = step("upload");
+    let media_id = upload["media_id"].as_str().unwrap();
+    let init = sim.frames_of(UPLOAD_INIT);
+    assert_eq!(init.len(), 1, "{init:?}");
+    let b = &init[0]["frame"]["body"];
+    assert_eq!(init[0]["errcode"], 0, "{}", init[0]);
+    assert_eq!(b["type"], "file", "{b}");
+    assert_eq!(b["filename"], "sdk-upload.bin", "{b}");
+    assert_eq!(b["total_size"], upload_len, "{b}");
+    assert_eq!(b["total_chunks"], 2, "{b}");
+    assert_eq!(b["md5"], upload["md5"], "{b}");
+    let chunks = sim.frames_of(UPLOAD_CHUNK);
+    let mut indexes: Vec<u64> = chunks
+        .iter()
+        .map(|c| {
+            assert_eq!(c["errcode"], 0, "{c}");
+            c["frame"]["body"]["chunk_index"].as_u64().unwrap()
+        })
+        .collect();
+    indexes.sort_unstable();
+    assert_eq!(indexes, [0, 1], "{chunks:?}");
+    let finish = sim.frames_of(UPLOAD_FINISH);
+    assert_eq!(finish.len(), 1, "{finish:?}");
+    assert_eq!(finish[0]["errcode"], 0, "{}", finish[0]);
+    assert_eq!(upload["type"], "file", "{upload}");
+    let stored = sim.uploaded(media_id).expect("the upload is kept");
+    assert_same_bytes(&stored, &patterned(upload_len, 0), "the SDK's upload");
+
+    let media = &sends[1];
+    assert_eq!(media["errcode"], 0, "{media}");
+    assert_eq!(media["frame"]["body"]["chatid"], GROUP, "{media}");
+    assert_eq!(media["frame"]["body"]["msgtype"], "file", "{media}");
+    assert_eq!(media["frame"]["body"]["file"]["media_id"], media_id, "{media}");
+
+    // Nothing the SDK could not place: every answer matched a request of its own.
+    for odd in ["Received unknown frame", "Heartbeat ack error", "Reply ack timeout"] {
+        assert!(!log.contains(odd), "the SDK logged {odd:?}:\n{log}");
+    }
+    // Pings every 300 ms, each answered: the link was never dropped or made again.
+    assert!(sim.pings(BOT).len() >= 3, "{:?}", sim.pings(BOT));
+    assert_eq!(sim.subscribes(BOT), 1);
+    assert_eq!(sim.handshakes(), 1);
+    assert!(sim.overlaps().is_empty(), "{:?}", sim.overlaps());
+    assert!(
+        sim.frames().iter().all(|f| f["errcode"].is_null() || f["errcode"] == 0),
+        "every frame answered 0: {:?}",
+        sim.frames()
+    );
+}
