@@ -103,6 +103,9 @@ fn binding_checks_the_robot_and_keeps_the_secret_private_and_messages_arrive_onc
                     .any(|e| e["provider"] == "wecom" && e["conversation_id"] == "lisi")
             })
     });
+    let (_, card) = http_get(&d.url("/connector-card.json"), &[]);
+    let all = serde_json::to_string(&x.seen).unwrap() + &card + &get_json(&d.url("/status")).to_string();
+    assert_no_secret(&all, &[SECRET], "a packet, the Card or /status");
     assert_no_secret(&d.log(), &[SECRET], "the trace log");
 }
 
