@@ -535,10 +535,14 @@ impl WeCom {
     /// The links of the robots bound now (the binding being made joins at `bindings_changed`).
     fn relink(&self) {
         let bound = self.host.channels.bound_sources().unwrap_or_default();
-        let robots = self.bound_robots(&bound);
+        self.sync_links(&self.bound_robots(&bound));
+    }
+
+    /// One long connection for each of `robots`, and none for any other.
+    fn sync_links(&self, robots: &[String]) {
         let owner: Weak<dyn Owner> = self.me.clone();
         let quiet = self.settings.replace_quiet;
-        self.links.sync(&robots, Some(owner), |line| {
+        self.links.sync(robots, Some(owner), |line| {
             link::start(&self.me, self.calls_of(line.account()), quiet, line)
         });
     }
@@ -703,11 +707,7 @@ impl Provider for WeCom {
     /// One long connection per robot with a binding; secrets no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
         let robots = self.bound_robots(bound);
-        let owner: Weak<dyn Owner> = self.me.clone();
-        let quiet = self.settings.replace_quiet;
-        self.links.sync(&robots, Some(owner), |line| {
-            link::start(&self.me, self.calls_of(line.account()), quiet, line)
-        });
+        self.sync_links(&robots);
         self.secret_files().forget_unused(&robots, "wecom: secret of robot");
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         calls.retain(|robot, _| robots.contains(robot));
