@@ -545,3 +545,29 @@ fn the_official_node_sdk_works_against_the_simulator() {
         sim.frames()
     );
 }
+
+#[test]
+fn a_reply_past_wecoms_window_goes_as_a_send() {
+    let (d, sim) = wecom("wc-window", "");
+    let (mut x, cch) = bound(&d, &sim, GROUP);
+    // WeCom closes the message's window at once (its answer: 846608).
+    sim.set_reply_window(Duration::ZERO);
+    let pushed = sim.send_text(BOT, &Chat::group(GROUP, ANN), "@robot late?");
+    let push = x.next_push(WAIT).expect("pushed");
+    let reply_ref = push["payload"]["reply"]["reply_ref"].as_str().unwrap().to_string();
+    let r = x.tool(
+        &cch,
+        "imgate_message_reply",
+        json!({"reply_ref": reply_ref, "text": "late answer"}),
+        "wc-w1",
+    );
+    assert_eq!(r["payload"]["result"]["status"], "sent", "{r}");
+    assert_eq!(
+        sim.replies(&pushed.req_id).len(),
+        1,
+        "the reply was tried on the req_id"
+    );
+    let sends = sim.frames_of("aibot_send_msg");
+    assert_eq!(sends.len(), 1, "then sent as a message: {sends:?}");
+    assert_eq!(sends[0]["frame"]["body"]["markdown"]["content"], "late answer");
+}

@@ -4,6 +4,7 @@
 //! At most `MAX_PENDING` wait at once; an answer nobody waits for is dropped.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -11,6 +12,7 @@ use async_tungstenite::tungstenite::Message;
 use smol::channel::Sender;
 use smol::future::FutureExt;
 
+use crate::atomic::AtomicU64;
 use crate::providers::socket::Out;
 
 /// Calls waiting for their answers at once, per account.
@@ -32,7 +34,9 @@ pub enum CallError {
 pub struct Calls<A> {
     /// The writer's queue of the connection up now.
     out: Mutex<Option<Sender<Out>>>,
-    pending: Mutex<HashMap<String, Sender<A>>>,
+    /// By ID: the waiting call's number (`next`) and where its answer goes.
+    pending: Mutex<HashMap<String, (u64, Sender<A>)>>,
+    next: AtomicU64,
 }
 
 impl<A> Default for Calls<A> {
@@ -40,6 +44,7 @@ impl<A> Default for Calls<A> {
         Calls {
             out: Mutex::new(None),
             pending: Mutex::default(),
+            next: AtomicU64::new(0),
         }
     }
 }
@@ -72,12 +77,15 @@ impl<A: Send + 'static> Calls<A> {
         let out = self.out.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let out = out.filter(|o| !o.is_closed()).ok_or(CallError::NotConnected)?;
         let (tx, rx) = smol::channel::bounded(1);
+        // The call's number, not a sender of its own: once its entry is gone (`ended`), nothing
+        // can answer it and its wait ends.
+        let number = self.next.fetch_add(1, Ordering::Relaxed);
         {
             let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             if pending.len() >= MAX_PENDING || pending.contains_key(id) {
                 return Err(CallError::Busy);
             }
-            pending.insert(id.to_string(), tx.clone());
+            pending.insert(id.to_string(), (number, tx));
         }
         let answered = smol::block_on(
             async {
@@ -91,7 +99,7 @@ impl<A: Send + 'static> Calls<A> {
         );
         // Only this call's entry: after an `ended`, another call may wait under the same ID.
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        if pending.get(id).is_some_and(|w| w.same_channel(&tx)) {
+        if pending.get(id).is_some_and(|(n, _)| *n == number) {
             pending.remove(id);
         }
         answered
@@ -100,7 +108,7 @@ impl<A: Send + 'static> Calls<A> {
     /// The answer named `id` came: whether a call waited for it.
     pub fn answered(&self, id: &str, answer: A) -> bool {
         let waiting = self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(id);
-        waiting.is_some_and(|tx| tx.try_send(answer).is_ok())
+        waiting.is_some_and(|(_, tx)| tx.try_send(answer).is_ok())
     }
 }
 
@@ -143,6 +151,43 @@ mod tests {
         assert_eq!(
             calls.call("c", Message::Text("z".into()), soon()),
             Err(CallError::NotConnected)
+        );
+    }
+
+    #[test]
+    fn a_second_call_with_the_same_id_is_busy_a_full_table_too_and_an_ended_connection_ends_the_waits() {
+        let calls: Arc<Calls<u32>> = Arc::default();
+        let (out, written) = smol::channel::bounded::<Out>(4);
+        calls.connected(out.clone());
+        let later = || Instant::now() + Duration::from_secs(30);
+        let waiting: Vec<_> = (0..MAX_PENDING)
+            .map(|i| {
+                let calls = calls.clone();
+                std::thread::spawn(move || calls.call(&format!("id{i}"), Message::Text("x".into()), later()))
+            })
+            .collect();
+        // Every call's frame is written: each one waits for its answer now.
+        for _ in 0..MAX_PENDING {
+            smol::block_on(written.recv()).unwrap();
+        }
+        assert_eq!(
+            calls.call("id0", Message::Text("y".into()), later()),
+            Err(CallError::Busy),
+            "its ID waits already"
+        );
+        assert_eq!(
+            calls.call("new", Message::Text("y".into()), later()),
+            Err(CallError::Busy),
+            "the table is full"
+        );
+        let started = Instant::now();
+        calls.ended(&out);
+        for w in waiting {
+            assert_eq!(w.join().unwrap(), Err(CallError::NoAnswer));
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(25),
+            "ended at once, not at their deadlines"
         );
     }
 }
