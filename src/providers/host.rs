@@ -71,6 +71,16 @@ const MAX_ID: usize = 255;
 pub type StateChanged = Box<dyn Fn(&Source) + Send + Sync>;
 
 impl Host {
+    /// What a provider keeps beside its messages as JSON in the outbox cursor `key` (a
+    /// `Cursor::Set` of their commits: a reply's route), or the default when nothing (readable)
+    /// is kept.
+    pub fn kept<T: miniserde::Deserialize + Default>(&self, key: &str) -> Result<T, crate::store::StoreError> {
+        let kept = self.outbox.cursor(key)?;
+        Ok(kept
+            .and_then(|v| miniserde::json::from_str::<T>(&v).ok())
+            .unwrap_or_default())
+    }
+
     /// A provider saw the state of `source`'s binding change on its own: xAgent is told.
     pub fn binding_state_changed(&self, source: &Source) {
         if let Some(tell) = self.state_changed.get() {

@@ -77,6 +77,12 @@ pub fn bounded(s: &str, max: usize) -> String {
     s[..end].to_string()
 }
 
+/// 1 to `max` printable ASCII characters but a quote or a backslash: an ID from an IM system
+/// that may go in a key, a log line or a frame (DingTalk's are base64 and `$:LWCP_v1:$…`).
+pub fn printable(id: &str, max: usize) -> bool {
+    !id.is_empty() && id.len() <= max && id.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
+}
+
 /// 1 to `max` letters, digits and `.`, `_`, `-`: an ID from an IM system that may name a file,
 /// a key or a URL parameter, with nothing that could escape one.
 pub fn safe_id(id: &str, max: usize) -> bool {

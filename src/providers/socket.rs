@@ -206,6 +206,19 @@ where
     }
 }
 
+/// A lane's batch as runs of one conversation each, in their order: past the lane cap,
+/// conversations share a lane, and a run is one commit of one conversation.
+pub fn runs<J>(batch: Vec<J>, conversation: impl Fn(&J) -> &str) -> Vec<(String, Vec<J>)> {
+    let mut runs: Vec<(String, Vec<J>)> = Vec::new();
+    for job in batch {
+        match runs.last_mut() {
+            Some((c, run)) if c.as_str() == conversation(&job) => run.push(job),
+            _ => runs.push((conversation(&job).to_string(), vec![job])),
+        }
+    }
+    runs
+}
+
 fn start_lane<J, H, F>(handle: H) -> smol::channel::Sender<J>
 where
     J: Send + 'static,
@@ -285,6 +298,22 @@ mod tests {
             Err(smol::channel::TrySendError::Closed(back)) => assert_eq!(back, 9, "the sender gets it back"),
             other => panic!("an ended lane took an event: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_lanes_batch_is_cut_into_runs_of_one_conversation_in_order() {
+        let batch = vec![("a", 1), ("a", 2), ("b", 3), ("a", 4)];
+        let runs = runs(batch, |j: &(&str, u32)| j.0);
+        let shape: Vec<(String, Vec<u32>)> = runs
+            .into_iter()
+            .map(|(c, r)| (c, r.into_iter().map(|j| j.1).collect()))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![("a".into(), vec![1, 2]), ("b".into(), vec![3]), ("a".into(), vec![4])],
+            "a conversation met again later is a run of its own: order is kept"
+        );
+        assert!(super::runs(Vec::<(&str, u32)>::new(), |j: &(&str, u32)| j.0).is_empty());
     }
 
     #[test]

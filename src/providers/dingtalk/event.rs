@@ -3,7 +3,7 @@
 //! every text bounded, every ID checked before it names a key, a URL or a log line.
 
 use crate::json::{self, ObjWriter, Object, Value};
-use crate::providers::inbound::{bounded, safe_id};
+use crate::providers::inbound::{bounded, printable, safe_id};
 
 /// The topic of robot messages.
 pub const ROBOT_TOPIC: &str = "/v1.0/im/bot/messages/get";
@@ -263,12 +263,6 @@ fn rich_text(content: Option<&Object>) -> (String, Option<DingFile>) {
 /// A whole number given as a number or as its text (`"2"`, `1690362101894`).
 fn number_or_text(o: &Object, key: &str) -> Option<u64> {
     json::get_u64(o, key).or_else(|| json::get_str(o, key).and_then(|s| s.parse().ok()))
-}
-
-/// 1 to `max` printable ASCII characters: an ID that may go in a key, a JSON answer or a log
-/// line (DingTalk's are base64 and `$:LWCP_v1:$…`).
-fn printable(id: &str, max: usize) -> bool {
-    !id.is_empty() && id.len() <= max && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
 /// A conversation ID as DingTalk gives them: `cid` and base64 (`+`, `/`, `=`).

@@ -30,7 +30,7 @@ use super::event::{self, Frame, RobotMessage};
 use super::DingTalk;
 use crate::providers::link::workers::Worker;
 use crate::providers::link::{conn, Conn, Dial, Ended, Heard, Keepalive, Line, Opened, Session};
-use crate::providers::socket::{Held, Lanes, Out};
+use crate::providers::socket::{self, Held, Lanes, Out};
 use crate::providers::Transient;
 use crate::quiet::Quiet;
 use crate::runtime;
@@ -176,14 +176,7 @@ async fn live(app: &App, conn: &mut Conn, mut session: Session) -> String {
 /// so what was read is stored even when no answer can be written any more. False once the
 /// provider is gone.
 async fn lane(dingtalk: Weak<DingTalk>, app: String, out: smol::channel::Sender<Out>, batch: Vec<Job>) -> bool {
-    let mut jobs = batch.into_iter().peekable();
-    while let Some(first) = jobs.next() {
-        // Past the lane cap, conversations share a lane: one `accept` per run of one.
-        let conversation = first.0.conversation.clone();
-        let mut run = vec![first];
-        while let Some(next) = jobs.next_if(|j| j.0.conversation == conversation) {
-            run.push(next);
-        }
+    for (conversation, run) in socket::runs(batch, |j: &Job| j.0.conversation.as_str()) {
         let (messages, frames): (Vec<RobotMessage>, Vec<(String, Held)>) =
             run.into_iter().map(|Job(m, id, held)| (*m, (id, held))).unzip();
         let Some(d) = dingtalk.upgrade() else { return false };

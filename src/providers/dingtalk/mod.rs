@@ -407,10 +407,7 @@ impl DingTalk {
 
     /// Where the conversation's replies go, as its last stored message left it.
     fn reply_route(&self, source: &Source) -> Result<ReplyRoute, Failure> {
-        let kept = self.host.outbox.cursor(&reply_key(source)).map_err(Failure::storage)?;
-        Ok(kept
-            .and_then(|v| miniserde::json::from_str::<ReplyRoute>(&v).ok())
-            .unwrap_or_default())
+        self.host.kept(&reply_key(source)).map_err(Failure::storage)
     }
 
     /// The session webhook while it is valid.

@@ -120,10 +120,9 @@ impl Sessions {
     }
 
     /// Stops the session of `bot` (a refused one, bound again): the next `sync` starts anew.
-    /// Whether a refusal was cleared (the bot's other channels' Descriptors change).
-    pub fn forget(&self, bot: &str) -> bool {
+    pub fn forget(&self, bot: &str) {
         self.shared.set_spent(bot, None);
-        self.links.forget(bot)
+        self.links.forget(bot);
     }
 
     pub fn stop_all(&self) {
@@ -712,14 +711,7 @@ async fn hello(conn: &mut Conn) -> Result<u64, String> {
 /// `Discord::accept` on the pool. The lane goes on after its connection ended: what was read is
 /// stored.
 async fn lane(discord: Weak<Discord>, bot: String, batch: Vec<Job>) -> bool {
-    let mut jobs = batch.into_iter().peekable();
-    while let Some(first) = jobs.next() {
-        // Past the lane cap, channels share a lane: one `accept` per run of one channel.
-        let channel = first.channel().to_string();
-        let mut run = vec![first];
-        while let Some(next) = jobs.next_if(|j| j.channel() == channel) {
-            run.push(next);
-        }
+    for (channel, run) in socket::runs(batch, Job::channel) {
         let catch_up = run.iter().any(|j| matches!(j, Job::CatchUp(_)));
         let (messages, held): (Vec<Message>, Vec<Held>) = run
             .into_iter()

@@ -793,10 +793,8 @@ impl Discord {
         }
         self.lag.fell_behind(&source, u64::MAX, false);
         // A bot Discord refused (a token, the intent) is tried again now that it is bound again.
-        if self.sessions.refused(&bot_user).is_some() && self.sessions.forget(&bot_user) {
-            for (other, _) in self.channels_of(&bot_user) {
-                self.host.binding_state_changed(&other);
-            }
+        if self.sessions.refused(&bot_user).is_some() {
+            self.sessions.forget(&bot_user);
         }
         // Bound whatever the daily budget of new sessions (sends work, and what is posted until a
         // session starts is caught up), but a spent one is said in the first binding's

@@ -26,6 +26,8 @@ pub struct Links {
     shared: Arc<Shared>,
     label: &'static str,
     link: &'static str,
+    /// Whose bindings follow a refusal, as the last `sync` named it.
+    owner: Mutex<Option<Weak<dyn Owner>>>,
 }
 
 /// What the links tell the provider.
@@ -51,6 +53,7 @@ impl Links {
             shared: Arc::default(),
             label: account,
             link,
+            owner: Mutex::new(None),
         }
     }
 
@@ -58,6 +61,7 @@ impl Links {
     /// and stops the others. `owner`: whose bindings' Descriptors follow a refusal (none: a
     /// refusal is only logged).
     pub fn sync(&self, wanted: &[String], owner: Option<Weak<dyn Owner>>, start: impl Fn(Line) -> Option<Worker>) {
+        *self.owner.lock().unwrap_or_else(|e| e.into_inner()) = owner.clone();
         self.running.sync(wanted, |account| {
             let line = Line {
                 account: account.clone(),
@@ -74,11 +78,14 @@ impl Links {
     }
 
     /// Stops the link of `account` (a refused one bound again, a poll whose sign-in ended): the
-    /// next `sync` starts anew. Whether a refusal was cleared (the account's bindings'
-    /// Descriptors change: the caller tells them).
-    pub fn forget(&self, account: &str) -> bool {
+    /// next `sync` starts anew. A refusal it clears changes the account's bindings'
+    /// Descriptors: they are told (on the caller's thread, a blocking one).
+    pub fn forget(&self, account: &str) {
         self.running.forget(&account.to_string());
-        self.shared.refusals().remove(account).is_some()
+        if self.shared.refusals().remove(account).is_some() {
+            let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            told(owner, account);
+        }
     }
 
     pub fn stop_all(&self) {
@@ -194,14 +201,16 @@ impl Line {
 /// pool: it reads the store).
 pub async fn tell(owner: Option<Weak<dyn Owner>>, account: &str) {
     let account = account.to_string();
-    runtime::unblock(move || {
-        if let Some(o) = owner.and_then(|o| o.upgrade()) {
-            for source in o.bound_through(&account) {
-                o.host().binding_state_changed(&source);
-            }
+    runtime::unblock(move || told(owner, &account)).await;
+}
+
+/// `tell`, on a blocking thread.
+fn told(owner: Option<Weak<dyn Owner>>, account: &str) {
+    if let Some(o) = owner.and_then(|o| o.upgrade()) {
+        for source in o.bound_through(account) {
+            o.host().binding_state_changed(&source);
         }
-    })
-    .await;
+    }
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ use super::event::{self, Event, Frame, Message};
 use super::Slack;
 use crate::providers::link::workers::Worker;
 use crate::providers::link::{conn, Conn, Dial, Ended, Heard, Keepalive, Line, Opened, Session};
-use crate::providers::socket::{Held, Lanes, Out};
+use crate::providers::socket::{self, Held, Lanes, Out};
 use crate::providers::Transient;
 use crate::quiet::Quiet;
 use crate::runtime;
@@ -241,14 +241,7 @@ async fn live(bot: &Bot, ws: wsclient::Ws, mut session: Session) -> Result<Strin
 /// on the pool, and the envelopes it may acknowledge acknowledged (the acknowledgement carries
 /// the envelope's budget share to the writer). False when the connection is gone.
 async fn lane(slack: Weak<Slack>, bot: String, out: smol::channel::Sender<Out>, batch: Vec<Job>) -> bool {
-    let mut jobs = batch.into_iter().peekable();
-    while let Some(first) = jobs.next() {
-        // Past the lane cap, channels share a lane: one `accept` per run of one channel.
-        let channel = first.channel().to_string();
-        let mut run = vec![first];
-        while let Some(next) = jobs.next_if(|j| j.channel() == channel) {
-            run.push(next);
-        }
+    for (channel, run) in socket::runs(batch, Job::channel) {
         let catch_up = run.iter().any(|j| matches!(j, Job::CatchUp(_)));
         let (messages, envelopes): (Vec<Message>, Vec<(String, Held)>) = run
             .into_iter()

@@ -3,7 +3,7 @@
 //! until checked, every text bounded, every ID checked before it names a key or a log line.
 
 use crate::json::{self, Object, Value};
-use crate::providers::inbound::bounded;
+use crate::providers::inbound::{bounded, printable};
 
 /// A message's text is cut at this many bytes (a packet must stay far below its 1 MiB).
 pub const MAX_TEXT_BYTES: usize = 64 << 10;
@@ -190,12 +190,6 @@ fn media(o: &Object, kind: &str) -> Option<Media> {
         url: url.to_string(),
         aeskey: aeskey.to_string(),
     })
-}
-
-/// 1 to `max` printable ASCII characters, no quote or backslash: safe in a key, a log line and
-/// a frame written back without escaping.
-pub fn printable(s: &str, max: usize) -> bool {
-    !s.is_empty() && s.len() <= max && s.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\')
 }
 
 #[cfg(test)]

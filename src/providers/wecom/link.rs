@@ -27,7 +27,7 @@ use super::WeCom;
 use crate::providers::link::calls::Calls;
 use crate::providers::link::workers::Worker;
 use crate::providers::link::{conn, Conn, Dial, Ended, Heard, Keepalive, Line, Opened, Session};
-use crate::providers::socket::{Held, Lanes};
+use crate::providers::socket::{self, Held, Lanes};
 use crate::quiet::Quiet;
 use crate::runtime;
 use crate::wsclient;
@@ -187,13 +187,17 @@ async fn live(robot: &Robot, conn: &mut Conn) -> Ended {
     }
 }
 
-/// A batch of one lane's messages, in order, handed to `WeCom::accept` on the pool. WeCom
-/// sends nothing again: a lane outlives its connection, and what was read is stored.
+/// A batch of one lane's messages, in order: each chat's run handed to `WeCom::accept` on the
+/// pool. WeCom sends nothing again: a lane outlives its connection, and what was read is
+/// stored.
 async fn lane(wecom: Weak<WeCom>, robot: String, batch: Vec<Job>) -> bool {
-    let Some(w) = wecom.upgrade() else { return false };
-    let (messages, held): (Vec<(RobotMessage, String)>, Vec<Held>) =
-        batch.into_iter().map(|Job(m, r, h)| ((*m, r), h)).unzip();
-    runtime::unblock(move || w.accept(&robot, messages)).await;
-    drop(held);
+    for (chat, run) in socket::runs(batch, |j: &Job| j.0.chat.as_str()) {
+        let Some(w) = wecom.upgrade() else { return false };
+        let (messages, held): (Vec<(RobotMessage, String)>, Vec<Held>) =
+            run.into_iter().map(|Job(m, r, h)| ((*m, r), h)).unzip();
+        let r = robot.clone();
+        runtime::unblock(move || w.accept(&r, &chat, messages)).await;
+        drop(held);
+    }
     true
 }

@@ -229,45 +229,45 @@ impl WeCom {
         rows
     }
 
-    /// Stores the robot messages of one lane of robot `bot_id`, in their order, on a blocking
-    /// thread: each handed to the outbox without waiting, then every commit awaited, so a burst
-    /// shares its commits.
-    pub fn accept(&self, bot_id: &str, messages: Vec<(RobotMessage, String)>) {
-        let handled: Vec<(Source, Handled)> = messages
+    /// Stores one run of a chat's robot messages of robot `bot_id`, in their order, on a
+    /// blocking thread: the binding read once, each message handed to the outbox without
+    /// waiting, then every commit awaited, so a burst shares its commits.
+    pub fn accept(&self, bot_id: &str, chat: &str, messages: Vec<(RobotMessage, String)>) {
+        let Some((last, _)) = messages.last() else { return };
+        let source = source_of(bot_id, chat);
+        let bound = match chat_ok(chat) {
+            true => CHATS.while_bound::<ChatInfo>(&self.host.channels, &self.host.db, source.as_str()),
+            false => Ok(None),
+        };
+        let info = match bound {
+            Ok(Some(info)) => info,
+            Ok(None) => {
+                self.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                if chat_ok(chat) {
+                    let kind = if last.group { "group" } else { "dm" };
+                    self.host.unbound_seen(NAME, chat, kind);
+                }
+                log::debug!("wecom: robot {bot_id}: a message from a chat no channel is bound to");
+                return;
+            }
+            Err(e) => {
+                // The store logs the outage once; one line per message would flood the log.
+                log::debug!("wecom: {source}: cannot read the binding; messages were not stored: {e}");
+                return;
+            }
+        };
+        self.learn(&source, &info, last);
+        let handled: Vec<Handled> = messages
             .into_iter()
-            .filter_map(|(m, req_id)| self.prepare(bot_id, m, req_id))
+            .filter_map(|(m, req_id)| self.prepare(&source, &info, m, req_id))
             .collect();
-        for (source, h) in handled {
+        for h in handled {
             self.finish(&source, h);
         }
     }
 
-    /// One message up to its hand-over to the outbox.
-    fn prepare(&self, bot_id: &str, m: RobotMessage, req_id: String) -> Option<(Source, Handled)> {
-        let bound = match chat_ok(&m.chat) {
-            true => {
-                CHATS.while_bound::<ChatInfo>(&self.host.channels, &self.host.db, source_of(bot_id, &m.chat).as_str())
-            }
-            false => Ok(None),
-        };
-        let source = source_of(bot_id, &m.chat);
-        let info = match bound {
-            Ok(Some(info)) => info,
-            Ok(None) => {
-                self.unbound.fetch_add(1, Ordering::Relaxed);
-                if chat_ok(&m.chat) {
-                    self.host
-                        .unbound_seen(NAME, &m.chat, if m.group { "group" } else { "dm" });
-                }
-                log::debug!("wecom: robot {bot_id}: a message from a chat no channel is bound to");
-                return None;
-            }
-            Err(e) => {
-                log::warn!("wecom: {source}: cannot read the binding; a message was not stored: {e}");
-                return None;
-            }
-        };
-        self.learn(&source, &info, &m);
+    /// One message up to its hand-over to the outbox (`None`: stored already).
+    fn prepare(&self, source: &Source, info: &ChatInfo, m: RobotMessage, req_id: String) -> Option<Handled> {
         if self.recent.seen("", &m.msgid) {
             return None;
         }
@@ -302,14 +302,13 @@ impl WeCom {
             }),
             inbound,
             reply_ref: true,
-            cursors: vec![Cursor::Set(reply_key(&source), miniserde::json::to_string(&route))],
+            cursors: vec![Cursor::Set(reply_key(source), miniserde::json::to_string(&route))],
             when_stale: WhenStale::CountExpired,
         };
-        let handled = match self.host.intake(arrival) {
+        Some(match self.host.intake(arrival) {
             Intake::Stale => Handled::Done,
             Intake::Submitted(ticket) => Handled::Commit(ticket, m.msgid),
-        };
-        Some((source, handled))
+        })
     }
 
     /// A message's image or file, downloaded and decrypted into the file cache.
@@ -363,10 +362,7 @@ impl WeCom {
 
     /// Where a reply to the chat's latest message goes, as its last stored message left it.
     fn reply_route(&self, source: &Source) -> Result<ReplyRoute, Failure> {
-        let kept = self.host.outbox.cursor(&reply_key(source)).map_err(Failure::storage)?;
-        Ok(kept
-            .and_then(|v| miniserde::json::from_str::<ReplyRoute>(&v).ok())
-            .unwrap_or_default())
+        self.host.kept(&reply_key(source)).map_err(Failure::storage)
     }
 
     /// One frame on the robot's connection, answered 0 within the tool's deadline.
@@ -501,16 +497,11 @@ impl WeCom {
         }
         // The check takes the robot's connection over: its link stops first (it must not take
         // the takeover for another client's) and starts again, whatever the check says.
-        let cleared = self.links.forget(bot_id);
+        self.links.forget(bot_id);
         let kept = self
             .check(bot_id, secret)
             .and_then(|()| self.keep(bot_id, secret, chat));
         self.relink();
-        if cleared {
-            for source in self.bound_through(bot_id) {
-                self.host.binding_state_changed(&source);
-            }
-        }
         kept
     }
 
