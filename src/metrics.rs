@@ -21,6 +21,39 @@ pub fn single(out: &mut String, name: &str, kind: &str, help: &str, value: impl 
     out.push_str(&format!("{name} {value}\n"));
 }
 
+/// A counter kept where it counts, with its family's name and help beside it.
+pub struct Counter {
+    name: &'static str,
+    help: &'static str,
+    count: crate::atomic::AtomicU64,
+}
+
+impl Counter {
+    /// `name` ends in `_total`.
+    pub const fn new(name: &'static str, help: &'static str) -> Counter {
+        Counter {
+            name,
+            help,
+            count: crate::atomic::AtomicU64::new(0),
+        }
+    }
+
+    pub fn add(&self, n: u64) {
+        self.count.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> u64 {
+        self.count.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The families of `counters`.
+pub fn counters(out: &mut String, counters: &[&Counter]) {
+    for c in counters {
+        single(out, c.name, "counter", c.help, c.get());
+    }
+}
+
 /// Families of one sample each.
 pub fn singles(out: &mut String, families: &[Single]) {
     for (name, kind, help, value) in families {

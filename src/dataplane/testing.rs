@@ -9,7 +9,9 @@ use crate::app::App;
 use crate::json::{self, Object, Value};
 use crate::protocol::descriptor::{Target, ToolState};
 use crate::protocol::{TOOL_REPLY, TOOL_SEND};
-use crate::providers::{AuthStep, Declaration, Description, Failure, Outbound, Prompt, Provider, Registry, Stage};
+use crate::providers::{
+    AuthStep, Declaration, Description, Failure, Flow, Outbound, Prompt, Provider, Registry, Stage,
+};
 use crate::source::Source;
 use crate::store::StoreError;
 
@@ -44,7 +46,7 @@ const DECLARATION: Declaration = Declaration {
     name: "standin",
     label: "Stand-in",
     description: "A provider of the data plane's unit tests.",
-    flow_ids: &["form", "qr"],
+    flows: &[Flow::form("form", "", "", &[]), Flow::form("qr", "", "", &[])],
     tools: &[TOOL_SEND, TOOL_REPLY],
 };
 

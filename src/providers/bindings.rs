@@ -2,6 +2,7 @@
 //! account it came through), one JSON row per source in the provider's own table: written when
 //! a form binds, read by every send, Descriptor and inbound message.
 
+use miniserde::Deserialize;
 use redb::TableDefinition;
 
 use crate::channels::Channels;
@@ -10,12 +11,29 @@ use crate::store::{self, Db, StoreError};
 
 /// One provider's table of binding rows.
 pub struct Rows {
+    /// Whose rows: the provider part of their sources.
+    pub provider: &'static str,
     pub table: TableDefinition<'static, &'static str, &'static str>,
     /// What a row is, for the error a corrupt one gives (`feishu chat`).
     pub what: &'static str,
 }
 
+/// A binding row that names the account (a bot, an app) its binding was made through: one
+/// link of that account serves all of them.
+pub trait Through: Deserialize {
+    fn account(&self) -> &str;
+}
+
 impl Rows {
+    /// The table `table` of `provider`'s rows, each a `what` (`feishu chat`).
+    pub const fn new(provider: &'static str, table: &'static str, what: &'static str) -> Rows {
+        Rows {
+            provider,
+            table: TableDefinition::new(table),
+            what,
+        }
+    }
+
     /// Creates the table (a provider's start).
     pub fn create(&self, db: &Db) -> Result<(), StoreError> {
         db.write(|txn| {
@@ -58,9 +76,10 @@ impl Rows {
         }
     }
 
-    /// The rows of the sources in `bound` that are `provider`'s. A row that cannot be read is
-    /// left out, and said.
-    pub fn of_bound<T: miniserde::Deserialize>(&self, db: &Db, bound: &[Source], provider: &str) -> Vec<(Source, T)> {
+    /// The rows of the sources in `bound` that are this provider's. A row that cannot be read
+    /// is left out, and said.
+    pub fn of_bound<T: Deserialize>(&self, db: &Db, bound: &[Source]) -> Vec<(Source, T)> {
+        let provider = self.provider;
         bound
             .iter()
             .filter(|s| s.provider() == provider)
@@ -72,5 +91,30 @@ impl Rows {
                 }
             })
             .collect()
+    }
+
+    /// The accounts the sources in `bound` were bound through, each once: the links to run.
+    pub fn accounts<T: Through>(&self, db: &Db, bound: &[Source]) -> Vec<String> {
+        let mut accounts: Vec<String> = (self.of_bound::<T>(db, bound).into_iter())
+            .map(|(_, row)| row.account().to_string())
+            .collect();
+        accounts.sort();
+        accounts.dedup();
+        accounts
+    }
+
+    /// The bound sources made through `account`, with their rows; `None` when the bindings
+    /// cannot be read (said).
+    pub fn through<T: Through>(&self, channels: &Channels, db: &Db, account: &str) -> Option<Vec<(Source, T)>> {
+        let bound = match channels.bound_sources() {
+            Ok(bound) => bound,
+            Err(e) => {
+                log::error!("{}: cannot read the bindings: {e}", self.provider);
+                return None;
+            }
+        };
+        let mut rows = self.of_bound::<T>(db, &bound);
+        rows.retain(|(_, row)| row.account() == account);
+        Some(rows)
     }
 }

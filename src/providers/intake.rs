@@ -12,7 +12,8 @@ use std::sync::Mutex;
 use super::inbound::{FileItem, Inbound};
 use super::Host;
 use crate::ids;
-use crate::outbox::{Cursor, NewMessage, ReplyRef, Ticket};
+use crate::outbox::{Cursor, Enqueued, NewMessage, ReplyRef, Ticket};
+use crate::quiet::Subjects;
 use crate::source::Source;
 
 /// A message a provider read, for the outbox.
@@ -52,7 +53,38 @@ pub enum Intake {
     Submitted(Ticket),
 }
 
+/// How a submitted message's commit ended.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Committed {
+    /// Stored, or a duplicate of a stored message.
+    Stored,
+    /// The queue is full (`reject_new`): not stored.
+    Full,
+    /// The store failed: not stored.
+    Failed,
+}
+
 impl Host {
+    /// Waits for a message's commit. A full queue is a warning, at most once a minute per
+    /// provider, with `then`: what becomes of the message. A failure is said only at debug: the
+    /// store says its outage once, and a line per message would flood the log.
+    pub fn committed(&self, ticket: Ticket, source: &Source, then: &str) -> Committed {
+        static FULL: Subjects = Subjects::new();
+        match ticket.wait() {
+            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => Committed::Stored,
+            Ok(Enqueued::CapacityExceeded) => {
+                if let Some(more) = FULL.admit(source.provider()) {
+                    log::warn!("{source}: queue full; {then}{more}");
+                }
+                Committed::Full
+            }
+            Err(e) => {
+                log::debug!("{source}: cannot store a message: {e}");
+                Committed::Failed
+            }
+        }
+    }
+
     /// Takes one message in: stale check, file, reply reference, submit.
     pub fn intake(&self, a: Arrival) -> Intake {
         let now = ids::now_ms();

@@ -14,6 +14,11 @@ pub struct KeyFiles {
 }
 
 impl KeyFiles {
+    /// The files `{dir}/{prefix}{id}{suffix}`.
+    pub fn new(dir: PathBuf, prefix: &'static str, suffix: &'static str) -> KeyFiles {
+        KeyFiles { dir, prefix, suffix }
+    }
+
     /// `id` must be safe as a file name (the provider checked it: digits, or letters, digits
     /// and `_`).
     pub fn path(&self, id: &str) -> PathBuf {

@@ -29,6 +29,7 @@ pub mod slack;
 pub mod socket;
 #[cfg(feature = "telegram")]
 pub mod telegram;
+pub mod tokens;
 pub mod webhook;
 #[cfg(feature = "wechat")]
 pub mod wechat;
@@ -44,8 +45,8 @@ pub use self::kit::{
     multipart, send_id, served_mime, split_text, token_kept_for, with_retry, StreamedForm, Transient, Upload,
 };
 pub use self::provider::{
-    field, flow, Activity, AuthStep, Declaration, Delta, Description, Failure, HttpAnswer, HttpRequest, Input,
-    Outbound, Prompt, Provider, Reply, Route, Stage,
+    Activity, AuthStep, Declaration, Delta, Description, Failure, Field, Flow, HttpAnswer, HttpRequest, Outbound,
+    Prompt, Provider, Reply, Route, Stage,
 };
 
 use std::sync::Arc;
@@ -102,6 +103,27 @@ pub struct Registration {
     pub reader: config::Reader,
     /// The running provider, or `None` when the config leaves it disabled.
     pub start: StartFn,
+}
+
+impl Registration {
+    /// A provider that owns the section named as it is, `secrets` its keys that hold secrets.
+    pub const fn new(
+        provider: &'static str,
+        secrets: &'static [&'static str],
+        read: config::ReadFn,
+        start: StartFn,
+    ) -> Registration {
+        Registration {
+            reader: config::Reader {
+                provider,
+                section: provider,
+                secrets,
+                read,
+                left_out: false,
+            },
+            start,
+        }
+    }
 }
 
 /// Starts a provider on the layers below it.
@@ -178,7 +200,7 @@ impl Registry {
     pub fn for_flow(&self, flow_id: &str) -> Option<&Arc<dyn Provider>> {
         self.providers
             .iter()
-            .find(|p| p.declaration().flow_ids.contains(&flow_id))
+            .find(|p| p.declaration().flows.iter().any(|f| f.id == flow_id))
     }
 
     /// The provider answering `method path` itself.

@@ -249,9 +249,8 @@ pub struct Declaration {
     /// The target's label and description in the Card (`Declaration::target`).
     pub label: &'static str,
     pub description: &'static str,
-    /// The IDs of its auth flows (unique across providers); `Provider::auth_flows` gives the
-    /// flows themselves, built with `flow` and `field`.
-    pub flow_ids: &'static [&'static str],
+    /// Its auth flows (their IDs unique across providers), as the Card lists them.
+    pub flows: &'static [Flow],
     /// The tools its channels can use (the Card declares the union over all providers).
     pub tools: &'static [&'static str],
 }
@@ -293,19 +292,48 @@ impl Declaration {
     }
 }
 
-/// An auth flow as the Card lists it: `kind` is `form` (with its `fields`) or `qr_login`.
-pub fn flow(id: &str, kind: &str, title: &str, description: &str, fields: Vec<Value>) -> Value {
-    let mut o = vec![
-        ("id", s(id)),
-        ("target_type", s("im")),
-        ("type", s(kind)),
-        ("title", s(title)),
-        ("description", s(description)),
-    ];
-    if !fields.is_empty() {
-        o.push(("fields", arr(fields)));
+/// An auth flow, declared once: a `form` (with its `fields`) that `Provider::bind` checks, or a
+/// `qr_login` the provider runs itself.
+pub struct Flow {
+    pub id: &'static str,
+    pub kind: &'static str,
+    pub title: &'static str,
+    pub description: &'static str,
+    pub fields: &'static [Field],
+}
+
+impl Flow {
+    /// A form flow.
+    pub const fn form(
+        id: &'static str,
+        title: &'static str,
+        description: &'static str,
+        fields: &'static [Field],
+    ) -> Flow {
+        Flow {
+            id,
+            kind: "form",
+            title,
+            description,
+            fields,
+        }
     }
-    obj(o)
+
+    /// The flow as the Card lists it; `device_account`: the config names the device's own
+    /// account, so fields that have an `or_device` help may be left empty.
+    pub fn card(&self, device_account: bool) -> Value {
+        let mut o = vec![
+            ("id", s(self.id)),
+            ("target_type", s("im")),
+            ("type", s(self.kind)),
+            ("title", s(self.title)),
+            ("description", s(self.description)),
+        ];
+        if !self.fields.is_empty() {
+            o.push(("fields", arr(self.fields.iter().map(|f| f.card(device_account)))));
+        }
+        obj(o)
+    }
 }
 
 /// What a form field takes: text, or a secret (typed as a password, never shown back).
@@ -315,30 +343,102 @@ pub enum Input {
     Secret,
 }
 
-/// A field of a form flow.
-pub fn field(name: &str, label: &str, input: Input, required: bool, placeholder: Option<&str>, help: &str) -> Value {
-    let secret = input == Input::Secret;
-    obj([
-        ("name", s(name)),
-        ("label", s(label)),
-        ("input_type", s(if secret { "password" } else { "text" })),
-        ("required", b(required)),
-        ("secret", if secret { b(true) } else { Value::Null }),
-        ("placeholder", placeholder.map_or(Value::Null, s)),
-        ("help_text", s(help)),
-    ])
+/// A field of a form flow; every field is required, except one with an `or_device` help when
+/// the device has its own account.
+pub struct Field {
+    pub name: &'static str,
+    pub label: &'static str,
+    pub input: Input,
+    pub placeholder: Option<&'static str>,
+    pub help: &'static str,
+    /// The help shown when the device has its own account and the field may be left empty.
+    pub or_device: Option<&'static str>,
+}
+
+impl Field {
+    pub const fn text(
+        name: &'static str,
+        label: &'static str,
+        placeholder: Option<&'static str>,
+        help: &'static str,
+    ) -> Field {
+        Field {
+            name,
+            label,
+            input: Input::Text,
+            placeholder,
+            help,
+            or_device: None,
+        }
+    }
+
+    pub const fn secret(
+        name: &'static str,
+        label: &'static str,
+        placeholder: Option<&'static str>,
+        help: &'static str,
+    ) -> Field {
+        Field {
+            input: Input::Secret,
+            ..Field::text(name, label, placeholder, help)
+        }
+    }
+
+    /// May be left empty when the device has its own account; `help` says so.
+    pub const fn or_device(self, help: &'static str) -> Field {
+        Field {
+            or_device: Some(help),
+            ..self
+        }
+    }
+
+    fn card(&self, device_account: bool) -> Value {
+        let secret = self.input == Input::Secret;
+        let optional = self.or_device.filter(|_| device_account);
+        obj([
+            ("name", s(self.name)),
+            ("label", s(self.label)),
+            ("input_type", s(if secret { "password" } else { "text" })),
+            ("required", b(optional.is_none())),
+            ("secret", if secret { b(true) } else { Value::Null }),
+            ("placeholder", self.placeholder.map_or(Value::Null, s)),
+            ("help_text", s(optional.unwrap_or(self.help))),
+        ])
+    }
 }
 
 pub trait Provider: Send + Sync {
     /// What it is (see `Declaration`).
     fn declaration(&self) -> &'static Declaration;
 
-    /// Its auth flows, as the Card lists them (`flow`), one per ID its declaration names.
-    fn auth_flows(&self) -> Vec<Value>;
+    /// The config names the device's own account (a default bot or app): form fields with an
+    /// `or_device` help may be left empty.
+    fn device_account(&self) -> bool {
+        false
+    }
 
-    /// Starts one of its auth flows: a form finishes here (`AuthStep::Bound`), a login the
-    /// user completes elsewhere (a QR code) answers `AuthStep::Waiting` and is polled.
-    fn auth_start(&self, flow_id: &str, input: &Object) -> Result<AuthStep, Failure>;
+    /// Its auth flows, as the Card lists them.
+    fn auth_flows(&self) -> Vec<Value> {
+        let device_account = self.device_account();
+        self.declaration()
+            .flows
+            .iter()
+            .map(|f| f.card(device_account))
+            .collect()
+    }
+
+    /// Starts one of its auth flows: a form finishes here (`AuthStep::Bound`, through
+    /// `bind`), a login the user completes elsewhere (a QR code) answers `AuthStep::Waiting`
+    /// and is polled.
+    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
+        self.bind(input).map(AuthStep::Bound)
+    }
+
+    /// Its form flow: checks what the user filled in (credentials, the conversation), keeps
+    /// it, and names the source to bind.
+    fn bind(&self, _input: &Object) -> Result<Source, Failure> {
+        Err(Failure::new(code::INVALID_ARGUMENTS, "this flow has no form"))
+    }
 
     /// Asks a waiting login again (`login` is what its `Prompt` named); `refresh`: new
     /// material (a new QR code) is wanted. Only flows that wait are ever polled.

@@ -12,8 +12,8 @@ use ring::hmac;
 use super::inbound::Inbound;
 use super::intake::{Arrival, Intake, WhenStale};
 use super::{
-    field, AuthStep, Declaration, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Input, Outbound,
-    Provider, Registration, Reply, Route,
+    Declaration, Delta, Description, Failure, Field, Flow, Host, HttpAnswer, HttpRequest, Outbound, Provider,
+    Registration, Reply, Route,
 };
 use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
 use crate::ids;
@@ -30,7 +30,7 @@ const NAME: &str = "webhook";
 /// Longest accepted `message_id` / `sender_id` / `chat_id`.
 const MAX_ID: usize = 256;
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY];
-const FLOW: &str = "webhook_binding";
+const FLOW_ID: &str = "webhook_binding";
 /// Outbound POSTs to a `reply_url`: no answer within this is `upstream_unreachable`.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(15);
 /// A `reply_url`'s answer is read up to this many bytes (it may name a message ID, no more).
@@ -362,36 +362,39 @@ const DECLARATION: Declaration = Declaration {
     name: NAME,
     label: "Webhook",
     description: "Any system that can POST JSON to an HTTP endpoint.",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 
-fn flow() -> Value {
-    let fields = vec![
-        field(
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a Webhook Endpoint",
+    "Bind this channel to a [webhook.NAME] endpoint configured on the imgate device.",
+    &[
+        Field::text(
             "endpoint",
             "Endpoint name",
-            Input::Text,
-            true,
             Some("alerts"),
             "The NAME of a [webhook.NAME] section in imgate.conf.",
         ),
-        field(
+        Field::secret(
             "secret",
             "Endpoint secret",
-            Input::Secret,
-            true,
             None,
             "The secret of that endpoint, proving you administer the device.",
         ),
-    ];
-    let description = "Bind this channel to a [webhook.NAME] endpoint configured on the imgate device.";
-    super::flow(FLOW, "form", "Bind a Webhook Endpoint", description, fields)
-}
+    ],
+);
 
-impl Webhooks {
+impl Webhooks {}
+
+impl Provider for Webhooks {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
     /// Its form flow: the source the filled-in form names, checked.
-    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let endpoint = json::get_str(input, "endpoint").map(str::trim).unwrap_or_default();
         let secret = json::get_str(input, "secret").unwrap_or_default();
         if endpoint.is_empty() || secret.is_empty() {
@@ -408,21 +411,6 @@ impl Webhooks {
                 "no webhook endpoint with that name and secret is configured on this device",
             )),
         }
-    }
-}
-
-impl Provider for Webhooks {
-    fn declaration(&self) -> &'static Declaration {
-        &DECLARATION
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow()]
-    }
-
-    /// `webhook_binding`: the endpoint must exist and the secret must be that endpoint's.
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind_form(input).map(AuthStep::Bound)
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {

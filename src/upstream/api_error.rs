@@ -88,6 +88,16 @@ impl Platform {
     pub fn cache(&'static self, e: impl std::fmt::Display) -> ApiError {
         self.refused(413, e)
     }
+
+    /// Streams a download's body into the file cache: a failed read is unreachable, a refused
+    /// write the cache's (`cache`).
+    pub fn save(&'static self, resp: &mut super::Response, part: &mut crate::files::FilePart) -> Result<(), ApiError> {
+        match super::stream_body(resp, |piece| part.write(piece)) {
+            Ok(()) => Ok(()),
+            Err(super::Streamed::Read(e)) => Err(self.unreachable(e)),
+            Err(super::Streamed::Write(e)) => Err(self.cache(e)),
+        }
+    }
 }
 
 /// A call of an IM system's API failed.

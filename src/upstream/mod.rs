@@ -138,6 +138,12 @@ pub fn read_json(resp: &mut Response, cap: u64) -> Result<(u16, Option<Object>),
     Ok((status, object))
 }
 
+/// The answer's `Content-Type`, at most 128 characters of it.
+pub fn content_type(resp: &Response) -> Option<String> {
+    let value = resp.headers().get("Content-Type")?.to_str().ok()?;
+    Some(value.chars().take(128).collect())
+}
+
 /// Streams the body to `write` in pieces of at most 64 KiB. `write` bounds the total (the file
 /// cache refuses a file past its caps, and knows what it wrote) and its error ends the stream.
 pub fn stream_body<E>(resp: &mut Response, mut write: impl FnMut(&[u8]) -> Result<(), E>) -> Result<(), Streamed<E>> {

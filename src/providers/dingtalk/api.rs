@@ -11,23 +11,21 @@
 //! only in the URL: that URL, a session webhook's and a download's are credentials, and are
 //! hidden from every error text.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::config::Secret;
 use crate::files::{FileError, FilePart};
 use crate::json::{self, obj, s, Object, Value};
+use crate::providers::tokens::Tokens;
 use crate::providers::{StreamedForm, Upload};
 pub use crate::upstream::ApiError;
-use crate::upstream::{self, Kind, Platform, Streamed};
+use crate::upstream::{self, Kind, Platform};
 
 /// Answers larger than this are refused unread (DingTalk's JSON answers are small).
 const MAX_ANSWER: u64 = 256 << 10;
 /// Characters of a server's message kept (it reaches logs and tool results, escaped).
 const MAX_MESSAGE: usize = 200;
 /// Apps whose token is kept (each bound app has one; a binding attempt may add one).
-const MAX_TOKENS: usize = 64;
 /// A throttled call (`…QpsLimit…`) waits at least this long: DingTalk counts per second.
 const THROTTLE_WAIT: Duration = Duration::from_secs(1);
 /// The session webhook's `errcode` for a webhook past its life.
@@ -103,19 +101,14 @@ pub fn is_flow_controlled(e: &ApiError) -> bool {
     e.code == FLOW_CONTROLLED
 }
 
-struct Token {
-    value: String,
-    renew_at: Instant,
-}
-
 pub struct Api {
     base: String,
     oapi: String,
     http: ureq::Agent,
     /// Downloads and uploads: a slow link's 20 MiB in one call.
     files: ureq::Agent,
-    /// client ID → its current token.
-    tokens: Mutex<HashMap<String, Token>>,
+    /// Each app's access token, by client ID.
+    tokens: Tokens,
 }
 
 impl Api {
@@ -125,47 +118,28 @@ impl Api {
             oapi: oapi.trim_end_matches('/').to_string(),
             http: upstream::agent(Duration::from_secs(20)),
             files: upstream::agent(Duration::from_secs(120)),
-            tokens: Mutex::new(HashMap::new()),
+            tokens: Tokens::new("dingtalk: app"),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Token>> {
-        self.tokens.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The app's access token: the cached one while it has time left, else a new one.
+    /// The app's access token: the kept one while it has time left, else a new one.
     pub fn token(&self, app: &AppCreds, timeout: Duration) -> Result<String, ApiError> {
-        let now = Instant::now();
-        if let Some(t) = self.lock().get(&app.client_id).filter(|t| t.renew_at > now) {
-            return Ok(t.value.clone());
-        }
+        self.tokens.get(&app.client_id, || self.new_token(app, timeout))
+    }
+
+    fn new_token(&self, app: &AppCreds, timeout: Duration) -> Result<(String, u64), ApiError> {
         let body = obj([("appKey", s(&app.client_id)), ("appSecret", s(app.secret.expose()))]);
         let o = self.post_json(&format!("{}/v1.0/oauth2/accessToken", self.base), None, &body, timeout)?;
         let value = json::get_str(&o, "accessToken")
             .filter(|t| !t.is_empty() && t.len() <= 512 && t.bytes().all(|b| b.is_ascii_graphic()))
             .ok_or_else(|| PLATFORM.refused(502, "the token answer has no usable accessToken"))?
             .to_string();
-        let keep = crate::providers::token_kept_for(json::get_u64(&o, "expireIn").unwrap_or(0));
-        let mut tokens = self.lock();
-        if tokens.len() >= MAX_TOKENS {
-            tokens.retain(|_, t| t.renew_at > now);
-            if tokens.len() >= MAX_TOKENS {
-                tokens.clear();
-            }
-        }
-        tokens.insert(
-            app.client_id.clone(),
-            Token {
-                value: value.clone(),
-                renew_at: now + keep,
-            },
-        );
-        Ok(value)
+        Ok((value, json::get_u64(&o, "expireIn").unwrap_or(0)))
     }
 
     /// Forgets the app's token (refused, or its app is no longer bound).
     pub fn forget_token(&self, client_id: &str) {
-        self.lock().remove(client_id);
+        self.tokens.forget(client_id);
     }
 
     /// A Stream connection's `endpoint` and single-use `ticket`, for the robot topic.
@@ -259,16 +233,9 @@ impl Api {
         if status != 200 {
             return Err(PLATFORM.refused(status, "the file's download was refused"));
         }
-        let content_type = resp
-            .headers()
-            .get("Content-Type")
-            .and_then(|v| v.to_str().ok())
-            .map(|c| c.chars().take(128).collect::<String>());
-        match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
-            Ok(()) => Ok(content_type),
-            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
-            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
-        }
+        let content_type = upstream::content_type(&resp);
+        PLATFORM.save(&mut resp, part)?;
+        Ok(content_type)
     }
 
     /// Runs `attempt` with the app's token; once more with a new token if it was refused.
@@ -276,25 +243,10 @@ impl Api {
         &self,
         app: &AppCreds,
         timeout: Duration,
-        mut attempt: impl FnMut(&str) -> Result<T, ApiError>,
+        attempt: impl FnMut(&str) -> Result<T, ApiError>,
     ) -> Result<T, ApiError> {
-        let token = self.token(app, timeout)?;
-        match attempt(&token) {
-            Err(e) if token_invalid(&e) => {
-                // DingTalk may refuse every token it issues: a line a minute, not one a call.
-                static REFUSED_TOKEN: crate::quiet::Site = crate::quiet::Site::new();
-                if let Some(more) = REFUSED_TOKEN.admit() {
-                    log::info!(
-                        "dingtalk: app {}: DingTalk refused its access token ({e}); fetching a new one{more}",
-                        app.client_id
-                    );
-                }
-                self.forget_token(&app.client_id);
-                let token = self.token(app, timeout)?;
-                attempt(&token)
-            }
-            other => other,
-        }
+        let fetch = || self.new_token(app, timeout);
+        self.tokens.authorized(&app.client_id, fetch, token_invalid, attempt)
     }
 
     fn post_json(&self, url: &str, token: Option<&str>, body: &Value, timeout: Duration) -> Result<Object, ApiError> {

@@ -20,43 +20,37 @@ pub mod api;
 pub mod event;
 pub mod link;
 
-use crate::atomic::AtomicU64;
 use std::collections::{HashSet, VecDeque};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::TableDefinition;
 
 use self::api::{Api, ApiError, AppCreds, PLATFORM};
 use self::event::{DingFile, RobotMessage};
-use super::bindings::Rows;
+use super::bindings::{Rows, Through};
 use super::inbound::{self, FileItem, Inbound};
-use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
+use super::intake::{Arrival, Committed, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
-use super::link::{Links, Owner};
+use super::link::{followers, Links};
 use super::{
-    field, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
-    Registration, Transient, Upload,
+    split_text, with_retry, Declaration, Description, Failure, Field, Flow, Host, Outbound, Provider, Registration,
+    Transient, Upload,
 };
-use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
+use crate::config::{Config, Fields, Problems, Secret, Section, Settings};
 use crate::json::{self, obj, s, Object, Value};
-use crate::outbox::{Cursor, Enqueued, Ticket};
+use crate::metrics::Counter;
+use crate::outbox::{Cursor, Ticket};
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
-use crate::quiet::Site;
 use crate::source::Source;
 use crate::store::StoreError;
 use crate::upstream::Kind;
 
 const NAME: &str = "dingtalk";
 /// source → `ConversationInfo`.
-const CONVERSATIONS: Rows = Rows {
-    table: TableDefinition::new("dingtalk_conversations"),
-    what: "dingtalk conversation",
-};
-const FLOW: &str = "dingtalk_robot_binding";
+const CONVERSATIONS: Rows = Rows::new(NAME, "dingtalk_conversations", "dingtalk conversation");
+const FLOW_ID: &str = "dingtalk_robot_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text is split at this many characters: a robot message's `msgParam` takes at most
 /// 15,000 bytes, which 2,000 characters stay below even with every one escaped as `\uXXXX`.
@@ -72,16 +66,7 @@ const RECENT: usize = 256;
 /// Conversations without a binding remembered with their kind and title (for the binding).
 const SEEN: usize = 64;
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "dingtalk",
-        secrets: &[],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &[], read, start);
 
 /// `[dingtalk]`.
 #[derive(Clone)]
@@ -119,12 +104,12 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base, &settings.oapi_base),
-        links: Links::new("dingtalk: app", "Stream connection"),
+        links: Links::new("dingtalk: app", "Stream connection")
+            .followed_by(followers::<ConversationInfo>(host, &CONVERSATIONS)),
         recent: Recent::new(RECENT),
         seen: Mutex::default(),
         dead_hooks: Mutex::default(),
         counts: Counts::default(),
-        full_log: Site::new(),
     })))
 }
 
@@ -152,6 +137,12 @@ struct ReplyRoute {
     staff: String,
 }
 
+impl Through for ConversationInfo {
+    fn account(&self) -> &str {
+        &self.client_id
+    }
+}
+
 pub fn source_of(client_id: &str, conversation: &str) -> Source {
     Source::new(NAME, &format!("{client_id}:{}", event::conversation_key(conversation)))
 }
@@ -161,14 +152,29 @@ fn reply_key(source: &Source) -> String {
 }
 
 /// Counters for `/metrics`.
-#[derive(Default)]
 struct Counts {
-    /// Messages from conversations no channel is bound to (answered, not stored).
-    unbound: AtomicU64,
-    /// The robot's own messages: answered, not stored.
-    skipped: AtomicU64,
-    /// Messages sent through the OpenAPI (files, and texts once the session webhook expired).
-    openapi_sends: AtomicU64,
+    unbound: Counter,
+    skipped: Counter,
+    openapi_sends: Counter,
+}
+
+impl Default for Counts {
+    fn default() -> Counts {
+        Counts {
+            unbound: Counter::new(
+                "imgate_dingtalk_unbound_messages_total",
+                "Robot messages of conversations no channel is bound to.",
+            ),
+            skipped: Counter::new(
+                "imgate_dingtalk_skipped_messages_total",
+                "The robot's own messages, not stored.",
+            ),
+            openapi_sends: Counter::new(
+                "imgate_dingtalk_openapi_sends_total",
+                "Messages sent through the OpenAPI (files, and texts once the session webhook expired).",
+            ),
+        }
+    }
 }
 
 pub struct DingTalk {
@@ -182,17 +188,11 @@ pub struct DingTalk {
     /// Sources whose kept session webhook DingTalk called expired before its time.
     dead_hooks: Mutex<HashSet<String>>,
     counts: Counts,
-    /// Messages refused by full caps (`reject_new`), logged once a minute.
-    full_log: Site,
 }
 
 impl DingTalk {
     fn secret_files(&self) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("dingtalk"),
-            prefix: "",
-            suffix: ".secret",
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("dingtalk"), "", ".secret")
     }
 
     /// The credentials of app `client_id`, while a binding keeps them.
@@ -219,17 +219,6 @@ impl DingTalk {
         Ok((info, creds))
     }
 
-    /// The bound conversations of app `client_id`.
-    pub fn conversations_of(&self, client_id: &str) -> Vec<(Source, ConversationInfo)> {
-        let bound = self.host.channels.bound_sources().unwrap_or_else(|e| {
-            log::error!("dingtalk: cannot read the bindings: {e}");
-            Vec::new()
-        });
-        let mut rows = CONVERSATIONS.of_bound::<ConversationInfo>(&self.host.db, &bound, NAME);
-        rows.retain(|(_, i)| i.client_id == client_id);
-        rows
-    }
-
     /// Handles robot messages of one conversation of app `client_id`, in their order, on a
     /// blocking thread: each handed to the outbox without waiting, then every commit awaited,
     /// so a burst shares its commits. For each: true when it may be answered `200` (stored, a
@@ -239,7 +228,7 @@ impl DingTalk {
         let info = match CONVERSATIONS.while_bound(&self.host.channels, &self.host.db, source.as_str()) {
             Ok(Some(info)) => info,
             Ok(None) => {
-                self.counts.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                self.counts.unbound.add(messages.len() as u64);
                 if let Some(m) = messages.last() {
                     self.seen_unbound(client_id, m);
                 }
@@ -309,7 +298,7 @@ impl DingTalk {
         m: RobotMessage,
     ) -> Handled {
         if !m.robot_user.is_empty() && m.sender_id == m.robot_user {
-            self.counts.skipped.fetch_add(1, Ordering::Relaxed);
+            self.counts.skipped.add(1);
             return Handled::Answer(true);
         }
         if self.recent.seen("", &m.msg_id) {
@@ -365,27 +354,16 @@ impl DingTalk {
             Handled::Answer(done) => return done,
             Handled::Commit(ticket, msg_id, new_hook) => (ticket, msg_id, new_hook),
         };
-        match ticket.wait() {
-            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                self.recent.stored(String::new(), msg_id);
-                if new_hook {
-                    let mut dead = self.dead_hooks.lock().unwrap_or_else(|e| e.into_inner());
-                    dead.remove(source.as_str());
-                }
-                true
-            }
-            Ok(Enqueued::CapacityExceeded) => {
-                if let Some(more) = self.full_log.admit() {
-                    log::warn!("dingtalk: {source}: queue full; a message was not stored (DingTalk does not send it again){more}");
-                }
-                false
-            }
-            Err(e) => {
-                // The store logs the outage once; one line per message would flood the log.
-                log::debug!("dingtalk: {source}: cannot store a message: {e}");
-                false
-            }
+        let then = "a message was not stored (DingTalk does not send it again)";
+        if self.host.committed(ticket, source, then) != Committed::Stored {
+            return false;
         }
+        self.recent.stored(String::new(), msg_id);
+        if new_hook {
+            let mut dead = self.dead_hooks.lock().unwrap_or_else(|e| e.into_inner());
+            dead.remove(source.as_str());
+        }
+        true
     }
 
     /// A message's file, through `messageFiles/download`, into the file cache.
@@ -455,7 +433,7 @@ impl DingTalk {
                     ]),
                 ),
             };
-        self.counts.openapi_sends.fetch_add(1, Ordering::Relaxed);
+        self.counts.openapi_sends.add(1);
         let listed = |sent: &Object, k: &str| match json::get(sent, k) {
             Some(Value::Array(ids)) => ids.iter().any(|v| matches!(v, Value::String(id) if id == staff)),
             _ => false,
@@ -531,15 +509,6 @@ impl DingTalk {
         };
         self.send_openapi(info, creds, staff, message, deadline)
     }
-
-    /// The bound apps.
-    fn bound_apps(&self, bound: &[Source]) -> Vec<String> {
-        let rows = CONVERSATIONS.of_bound::<ConversationInfo>(&self.host.db, bound, NAME);
-        let mut apps: Vec<String> = rows.into_iter().map(|(_, i)| i.client_id).collect();
-        apps.sort();
-        apps.dedup();
-        apps
-    }
 }
 
 /// A send's call: retried only when DingTalk refused it for throttling. Its robot APIs take no
@@ -606,44 +575,39 @@ const DECLARATION: Declaration = Declaration {
     name: NAME,
     label: "DingTalk",
     description: "An enterprise app's robot in a DingTalk group or one-to-one chat, over Stream mode.",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 
-fn flow() -> Value {
-    let fields = vec![
-        field(
-            "client_id",
-            "Client ID (AppKey)",
-            Input::Text,
-            true,
-            Some("dingxxxxxxxxxxxxxxxx"),
-            "The app's Client ID (Credentials & Basic Info in the developer console).",
-        ),
-        field(
-            "client_secret",
-            "Client Secret (AppSecret)",
-            Input::Secret,
-            true,
-            None,
-            "The app's Client Secret. Its robot must receive messages in Stream mode.",
-        ),
-        field(
-            "conversation_id",
-            "Conversation ID",
-            Input::Text,
-            true,
-            Some("cid..."),
-            "Write to the robot once (in a group: @ it), then copy the conversation ID from imgate's /status (unbound_recent).",
-        ),
-    ];
-    let description = "Bind this channel to one DingTalk group or one-to-one chat of an app's robot; messages arrive over Stream mode.";
-    super::flow(FLOW, "form", "Bind a DingTalk conversation", description, fields)
-}
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a DingTalk conversation",
+    "Bind this channel to one DingTalk group or one-to-one chat of an app's robot; messages arrive over Stream mode.",
+    &[
+    Field::text("client_id", "Client ID (AppKey)", Some("dingxxxxxxxxxxxxxxxx"), "The app's Client ID (Credentials & Basic Info in the developer console)."),
+    Field::secret("client_secret", "Client Secret (AppSecret)", None, "The app's Client Secret. Its robot must receive messages in Stream mode."),
+    Field::text("conversation_id", "Conversation ID", Some("cid..."), "Write to the robot once (in a group: @ it), then copy the conversation ID from imgate's /status (unbound_recent)."),
+    ],
+);
 
 impl DingTalk {
+    fn display_name(info: &ConversationInfo) -> String {
+        match (info.chat_type.as_str(), info.title.is_empty()) {
+            ("group", false) => info.title.chars().take(80).collect(),
+            ("group", true) => "DingTalk group".into(),
+            ("p2p", _) => "DingTalk one-to-one chat".into(),
+            _ => "DingTalk conversation".into(),
+        }
+    }
+}
+
+impl Provider for DingTalk {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
     /// Its form flow: the source the filled-in form names, checked.
-    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let (client_id, secret, conversation) = (given("client_id"), given("client_secret"), given("conversation_id"));
         let invalid = |why: &str| Err(Failure::new(code::INVALID_ARGUMENTS, why.to_string()));
@@ -694,41 +658,6 @@ impl DingTalk {
             .put(&self.host.db, source.as_str(), &row)
             .map_err(Failure::storage)?;
         Ok(source)
-    }
-
-    fn display_name(info: &ConversationInfo) -> String {
-        match (info.chat_type.as_str(), info.title.is_empty()) {
-            ("group", false) => info.title.chars().take(80).collect(),
-            ("group", true) => "DingTalk group".into(),
-            ("p2p", _) => "DingTalk one-to-one chat".into(),
-            _ => "DingTalk conversation".into(),
-        }
-    }
-}
-
-impl Owner for DingTalk {
-    fn bound_through(&self, client_id: &str) -> Vec<Source> {
-        self.conversations_of(client_id).into_iter().map(|(s, _)| s).collect()
-    }
-
-    fn host(&self) -> &Host {
-        &self.host
-    }
-}
-
-impl Provider for DingTalk {
-    fn declaration(&self) -> &'static Declaration {
-        &DECLARATION
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow()]
-    }
-
-    /// `dingtalk_robot_binding`: checks the credentials (an access token) and Stream mode (a
-    /// connection ticket).
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind_form(input).map(AuthStep::Bound)
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
@@ -801,9 +730,8 @@ impl Provider for DingTalk {
 
     /// One Stream connection per app with a binding; secrets no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
-        let apps = self.bound_apps(bound);
-        let owner: Weak<dyn Owner> = self.me.clone();
-        self.links.sync(&apps, Some(owner), |line| link::start(&self.me, line));
+        let apps = CONVERSATIONS.accounts::<ConversationInfo>(&self.host.db, bound);
+        self.links.sync(&apps, |line| link::start(&self.me, line));
         self.secret_files().forget_unused(&apps, "dingtalk: secret of app");
         let mut dead = self.dead_hooks.lock().unwrap_or_else(|e| e.into_inner());
         dead.retain(|s| bound.iter().any(|b| b.as_str() == s));
@@ -816,27 +744,10 @@ impl Provider for DingTalk {
             "Stream connections running, one per bound app.",
             "Stream sockets open now.",
         );
-        let lines = [
-            (
-                "imgate_dingtalk_unbound_messages_total",
-                "counter",
-                "Robot messages of conversations no channel is bound to.",
-                self.counts.unbound.load(Ordering::Relaxed),
-            ),
-            (
-                "imgate_dingtalk_skipped_messages_total",
-                "counter",
-                "The robot's own messages, not stored.",
-                self.counts.skipped.load(Ordering::Relaxed),
-            ),
-            (
-                "imgate_dingtalk_openapi_sends_total",
-                "counter",
-                "Messages sent through the OpenAPI (files, and texts once the session webhook expired).",
-                self.counts.openapi_sends.load(Ordering::Relaxed),
-            ),
-        ];
-        crate::metrics::singles(out, &lines);
+        crate::metrics::counters(
+            out,
+            &[&self.counts.unbound, &self.counts.skipped, &self.counts.openapi_sends],
+        );
     }
 
     fn stop(&self) {

@@ -24,7 +24,7 @@ use crate::peer_wait;
 use crate::providers::{StreamedForm, Upload};
 use crate::quiet::Site;
 pub use crate::upstream::ApiError;
-use crate::upstream::{self, Kind, Platform, Streamed};
+use crate::upstream::{self, Kind, Platform};
 
 /// An answer larger than this is refused unread: a history page of 100 messages at their
 /// 4,000 characters, embeds included, stays well below it.
@@ -289,20 +289,13 @@ impl Api {
             .call()
             .map_err(|e| PLATFORM.unreachable(upstream::Error::from(e).hiding(url, "the attachment's URL")))?;
         let status = resp.status().as_u16();
-        let content_type = resp
-            .headers()
-            .get("Content-Type")
-            .and_then(|v| v.to_str().ok())
-            .map(|c| c.chars().take(128).collect::<String>());
+        let content_type = upstream::content_type(&resp);
         if status != 200 {
             // A signed URL past its `ex` answers 404: the message's URL expired.
             return Err(PLATFORM.refused(status, "the attachment's download was refused"));
         }
-        match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
-            Ok(()) => Ok(content_type),
-            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
-            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
-        }
+        PLATFORM.save(&mut resp, part)?;
+        Ok(content_type)
     }
 }
 

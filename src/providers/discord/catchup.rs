@@ -12,7 +12,6 @@
 //! the next (a full queue costs one chunk's attachments, not a page's); and nothing older than
 //! the TTL is read (it would only be counted expired).
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::api::{ApiError, PLATFORM};
@@ -92,7 +91,7 @@ pub fn run(discord: &Discord, source: &Source, info: &ChannelInfo) -> bool {
             }
         }
         total += got as u64;
-        discord.counts.caught_up.fetch_add(got as u64, Ordering::Relaxed);
+        discord.counts.caught_up.add(got as u64);
         if discord.move_cursor(source, newest) {
             reading.passed_mark();
         }

@@ -34,7 +34,9 @@ use crate::atomic::AtomicU64;
 use crate::ids;
 use crate::json;
 use crate::providers::link::workers::Worker;
-use crate::providers::link::{self, conn, Conn, Dial, Ended, Heard, Keepalive, Line, Links, Opened, Owner, Session};
+use crate::providers::link::{
+    self, conn, Conn, Dial, Ended, Followers, Heard, Keepalive, Line, Links, Opened, Session,
+};
 use crate::providers::socket::{self, Budget, Held, Up};
 use crate::providers::Transient;
 use crate::quiet::Quiet;
@@ -101,21 +103,21 @@ impl Shared {
     }
 }
 
-impl Default for Sessions {
-    fn default() -> Sessions {
+impl Sessions {
+    /// `followers`: the bots' channels' Descriptors.
+    pub fn new(followers: Followers) -> Sessions {
         Sessions {
-            links: Links::new("discord: bot", "Gateway session"),
+            links: Links::new("discord: bot", "Gateway session").followed_by(followers),
             shared: Arc::default(),
         }
     }
-}
 
-impl Sessions {
     /// Starts a session for every bot in `wanted` and stops the others.
     pub fn sync(&self, discord: &Weak<Discord>, wanted: &[String]) {
-        let owner: Weak<dyn Owner> = discord.clone();
-        self.links
-            .sync(wanted, Some(owner), |line| start(discord, line, self.shared.clone()));
+        let followers = self.links.followers();
+        self.links.sync(wanted, |line| {
+            start(discord, line, self.shared.clone(), followers.clone())
+        });
         self.shared.spent().retain(|bot, _| wanted.contains(bot));
     }
 
@@ -191,7 +193,7 @@ enum End {
 }
 
 /// The link of `bot`, given its state line.
-fn start(discord: &Weak<Discord>, line: Line, shared: Arc<Shared>) -> Option<Worker> {
+fn start(discord: &Weak<Discord>, line: Line, shared: Arc<Shared>, followers: Option<Followers>) -> Option<Worker> {
     let plain_ok = discord.upgrade().is_some_and(|d| d.api.base().starts_with("http://"));
     let (budget, room) = Budget::new(QUEUED_BYTES);
     let (d, b) = (discord.clone(), line.account().to_string());
@@ -199,6 +201,7 @@ fn start(discord: &Weak<Discord>, line: Line, shared: Arc<Shared>) -> Option<Wor
         discord: discord.clone(),
         id: line.account().to_string(),
         shared,
+        followers,
         budget,
         room,
         lanes: Mutex::new(socket::Lanes::new(move |batch: Vec<Job>| {
@@ -224,6 +227,7 @@ struct Bot<H> {
     discord: Weak<Discord>,
     id: String,
     shared: Arc<Shared>,
+    followers: Option<Followers>,
     budget: Budget,
     room: smol::channel::Receiver<()>,
     lanes: Mutex<socket::Lanes<Job, H>>,
@@ -256,8 +260,7 @@ impl<H> Bot<H> {
 
     /// The bot's channels' Descriptors changed.
     async fn tell(&self) {
-        let owner: Weak<dyn Owner> = self.discord.clone();
-        link::accounts::tell(Some(owner), &self.id).await;
+        link::accounts::tell(self.followers.clone(), &self.id).await;
     }
 
     /// A Gateway URL imgate may send the token to.

@@ -22,30 +22,28 @@ pub mod catchup;
 pub mod event;
 pub mod link;
 
-use crate::atomic::AtomicU64;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::TableDefinition;
 
 use self::api::{Api, ApiError, PLATFORM};
 use self::event::{Attachment, Message};
-use super::bindings::Rows;
+use super::bindings::{Rows, Through};
 use super::inbound::{self, FileItem, Inbound};
-use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
+use super::intake::{Arrival, Committed, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::lag::Lag;
-use super::link::Owner;
+use super::link::followers;
 use super::{
-    field, send_id, split_text, with_retry, Activity, AuthStep, Declaration, Description, Failure, Host, Input,
-    Outbound, Provider, Registration, Transient, Upload,
+    send_id, split_text, with_retry, Activity, Declaration, Description, Failure, Field, Flow, Host, Outbound,
+    Provider, Registration, Transient, Upload,
 };
-use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::config::{Config, Fields, Problems, Section, Settings};
 use crate::json::{self, Object, Value};
-use crate::outbox::{Cursor, Enqueued, Ticket};
+use crate::metrics::Counter;
+use crate::outbox::{Cursor, Ticket};
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
@@ -54,11 +52,8 @@ use crate::store::StoreError;
 
 const NAME: &str = "discord";
 /// source → `ChannelInfo`.
-const CHANNELS: Rows = Rows {
-    table: TableDefinition::new("discord_channels"),
-    what: "discord channel",
-};
-const FLOW: &str = "discord_bot_binding";
+const CHANNELS: Rows = Rows::new(NAME, "discord_channels", "discord channel");
+const FLOW_ID: &str = "discord_bot_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A message's content is at most this many characters (message.mdx, Create Message).
 const MAX_TEXT: usize = 2_000;
@@ -78,16 +73,7 @@ const MESSAGE_CONTENT_FLAGS: u64 = (1 << 18) | (1 << 19);
 /// text, announcement, and the three thread types.
 const TEXT_CHANNELS: [u64; 7] = [0, 1, 2, 5, 10, 11, 12];
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "discord",
-        secrets: &[],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &[], read, start);
 
 /// `[discord]`.
 #[derive(Clone)]
@@ -129,13 +115,12 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         host: host.clone(),
         api: Api::new(&settings.api_base),
         accept_bots: settings.accept_bots,
-        sessions: link::Sessions::default(),
+        sessions: link::Sessions::new(followers::<ChannelInfo>(host, &CHANNELS)),
         recent: Recent::new(RECENT),
         lag: Lag::default(),
         typing: Mutex::default(),
         storing: Storing::default(),
         counts: Counts::default(),
-        full_log: Site::new(),
         history_log: Site::new(),
     })))
 }
@@ -154,6 +139,12 @@ pub struct ChannelInfo {
     /// the binding (a durable commit), while a cursor reaches the disk with the next sync: a
     /// catch-up after a power cut right after the binding reads from here.
     pub from: u64,
+}
+
+impl Through for ChannelInfo {
+    fn account(&self) -> &str {
+        &self.bot_user
+    }
 }
 
 pub fn source_of(bot_user: &str, channel: &str) -> Source {
@@ -179,14 +170,29 @@ fn plausible(snowflake: u64) -> bool {
 }
 
 /// Counters for `/metrics`.
-#[derive(Default)]
 struct Counts {
-    /// Messages from channels no channel is bound to (counted, not stored).
-    unbound: AtomicU64,
-    /// The bot's own messages, other bots' (unless accepted), notices: not stored.
-    skipped: AtomicU64,
-    /// Messages stored by a catch-up (not by the Gateway).
-    caught_up: AtomicU64,
+    unbound: Counter,
+    skipped: Counter,
+    caught_up: Counter,
+}
+
+impl Default for Counts {
+    fn default() -> Counts {
+        Counts {
+            unbound: Counter::new(
+                "imgate_discord_unbound_messages_total",
+                "Messages of channels no channel is bound to.",
+            ),
+            skipped: Counter::new(
+                "imgate_discord_skipped_messages_total",
+                "Notices, the bot's own and other bots' messages, not stored.",
+            ),
+            caught_up: Counter::new(
+                "imgate_discord_caught_up_messages_total",
+                "Messages stored by a catch-up from the history.",
+            ),
+        }
+    }
 }
 
 pub struct Discord {
@@ -206,8 +212,6 @@ pub struct Discord {
     /// nor move its cursor past what the other failed to store.
     storing: Storing,
     counts: Counts,
-    /// Messages refused by full caps (`reject_new`), logged once a minute.
-    full_log: Site,
     /// Histories that cannot be read (a permission gone, a deleted channel), logged once a
     /// minute: a catch-up is tried again at every heartbeat 30 s apart.
     history_log: Site,
@@ -215,11 +219,7 @@ pub struct Discord {
 
 impl Discord {
     fn token_files(&self) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("discord"),
-            prefix: "",
-            suffix: ".token",
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("discord"), "", ".token")
     }
 
     /// The token of bot `bot_user`, while a binding keeps it.
@@ -245,16 +245,7 @@ impl Discord {
 
     /// The bound channels of bot `bot_user`; `None` when the bindings cannot be read.
     fn try_channels_of(&self, bot_user: &str) -> Option<Vec<(Source, ChannelInfo)>> {
-        let bound = match self.host.channels.bound_sources() {
-            Ok(bound) => bound,
-            Err(e) => {
-                log::error!("discord: cannot read the bindings: {e}");
-                return None;
-            }
-        };
-        let mut rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, &bound, NAME);
-        rows.retain(|(_, i)| i.bot_user == bot_user);
-        Some(rows)
+        CHANNELS.through(&self.host.channels, &self.host.db, bot_user)
     }
 
     /// The bound channels of bot `bot_user` (none when the bindings cannot be read).
@@ -289,7 +280,7 @@ impl Discord {
         let info = match CHANNELS.while_bound(&self.host.channels, &self.host.db, source.as_str()) {
             Ok(Some(info)) => info,
             Ok(None) => {
-                self.counts.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                self.counts.unbound.add(messages.len() as u64);
                 if let Some(m) = messages.iter().find(|m| m.author_id != bot_user) {
                     let kind = if m.guild.is_none() { "dm" } else { "channel" };
                     self.host.unbound_seen(NAME, channel, kind);
@@ -362,7 +353,7 @@ impl Discord {
     /// One message up to its hand-over to the outbox.
     fn prepare(&self, source: &Source, info: &ChannelInfo, m: Message) -> Handled {
         if !self.wanted(info, &m) {
-            self.counts.skipped.fetch_add(1, Ordering::Relaxed);
+            self.counts.skipped.add(1);
             return Handled::Done;
         }
         let message_id = m.id.to_string();
@@ -413,23 +404,12 @@ impl Discord {
             Handled::Done => return true,
             Handled::Commit(ticket, id) => (ticket, id),
         };
-        let refused = match ticket.wait() {
-            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                self.recent.stored(String::new(), recent_key(source, id));
-                return true;
-            }
-            Ok(Enqueued::CapacityExceeded) => {
-                if let Some(more) = self.full_log.admit() {
-                    log::warn!("discord: {source}: queue full; the message is read again from the history later{more}");
-                }
-                "queue full"
-            }
-            Err(e) => {
-                log::debug!("discord: {source}: cannot store a message: {e}");
-                "store failed"
-            }
-        };
-        log::debug!("discord: {source}: a message not stored ({refused}); the channel is behind");
+        let then = "the message is read again from the history later";
+        if self.host.committed(ticket, source, then) == Committed::Stored {
+            self.recent.stored(String::new(), recent_key(source, id));
+            return true;
+        }
+        log::debug!("discord: {source}: a message not stored; the channel is behind");
         self.lag.fell_behind(source, id.saturating_sub(1), true);
         false
     }
@@ -473,14 +453,6 @@ impl Discord {
     }
 
     /// The bound bots.
-    fn bound_bots(&self, bound: &[Source]) -> Vec<String> {
-        let rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, bound, NAME);
-        let mut bots: Vec<String> = rows.into_iter().map(|(_, i)| i.bot_user).collect();
-        bots.sort();
-        bots.dedup();
-        bots
-    }
-
     /// Shows the bot typing in the channel of `source`: best effort, on the pool, at most every
     /// `TYPING_EVERY` (Discord shows it for about 10 s). The throttle is checked first, so a
     /// burst of deliveries costs no thread, store read or call.
@@ -606,32 +578,19 @@ const DECLARATION: Declaration = Declaration {
     name: NAME,
     label: "Discord",
     description: "A Discord bot in a server's text channel or a DM, over the Gateway.",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 
-fn flow() -> Value {
-    let fields = vec![
-        field(
-            "bot_token",
-            "Bot token",
-            Input::Secret,
-            true,
-            None,
-            "The bot's token (Developer Portal, your application, Bot, Reset Token); turn on the Message Content Intent there.",
-        ),
-        field(
-            "channel_id",
-            "Channel ID",
-            Input::Text,
-            true,
-            Some("1098765432109876543"),
-            "Invite the bot to the server; with Developer Mode on, right-click the channel and Copy Channel ID.",
-        ),
-    ];
-    let description = "Bind this channel to one Discord text channel or DM of a bot; messages arrive over the Gateway.";
-    super::flow(FLOW, "form", "Bind a Discord channel", description, fields)
-}
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a Discord channel",
+    "Bind this channel to one Discord text channel or DM of a bot; messages arrive over the Gateway.",
+    &[
+    Field::secret("bot_token", "Bot token", None, "The bot's token (Developer Portal, your application, Bot, Reset Token); turn on the Message Content Intent there."),
+    Field::text("channel_id", "Channel ID", Some("1098765432109876543"), "Invite the bot to the server; with Developer Mode on, right-click the channel and Copy Channel ID."),
+    ],
+);
 
 /// A name from Discord as a Descriptor shows it: at most 80 characters, no control characters.
 fn shown_name(name: &str) -> String {
@@ -647,9 +606,15 @@ fn token_shaped(token: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-impl Discord {
+impl Discord {}
+
+impl Provider for Discord {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
     /// Its form flow: the source the filled-in form names, checked.
-    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let token = given("bot_token");
         let token = token.strip_prefix("Bot ").unwrap_or(token).trim();
@@ -808,32 +773,6 @@ impl Discord {
         }
         Ok(source)
     }
-}
-
-impl Owner for Discord {
-    fn bound_through(&self, bot_user: &str) -> Vec<Source> {
-        self.channels_of(bot_user).into_iter().map(|(s, _)| s).collect()
-    }
-
-    fn host(&self) -> &Host {
-        &self.host
-    }
-}
-
-impl Provider for Discord {
-    fn declaration(&self) -> &'static Declaration {
-        &DECLARATION
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow()]
-    }
-
-    /// `discord_bot_binding`: checks the token (`/users/@me`), the Message Content intent
-    /// (`/applications/@me`), the channel and its history.
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind_form(input).map(AuthStep::Bound)
-    }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
         Ok(match self.channel_info(source.as_str())? {
@@ -907,7 +846,7 @@ impl Provider for Discord {
 
     /// One Gateway session per bot with a binding; tokens no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
-        let bots = self.bound_bots(bound);
+        let bots = CHANNELS.accounts::<ChannelInfo>(&self.host.db, bound);
         self.sessions.sync(&self.me, &bots);
         self.token_files().forget_unused(&bots, "discord: bot token of");
         self.lag.retain(bound);
@@ -934,33 +873,17 @@ impl Provider for Discord {
             "Gateway sessions running, one per bound bot.",
             "Gateway sessions ready now.",
         );
-        let lines = [
-            (
-                "imgate_discord_identifies_total",
-                "counter",
-                "New Gateway sessions started (IDENTIFY).",
-                self.sessions.identifies(),
-            ),
-            (
-                "imgate_discord_unbound_messages_total",
-                "counter",
-                "Messages of channels no channel is bound to.",
-                self.counts.unbound.load(Ordering::Relaxed),
-            ),
-            (
-                "imgate_discord_skipped_messages_total",
-                "counter",
-                "Notices, the bot's own and other bots' messages, not stored.",
-                self.counts.skipped.load(Ordering::Relaxed),
-            ),
-            (
-                "imgate_discord_caught_up_messages_total",
-                "counter",
-                "Messages stored by a catch-up from the history.",
-                self.counts.caught_up.load(Ordering::Relaxed),
-            ),
-        ];
+        let lines = [(
+            "imgate_discord_identifies_total",
+            "counter",
+            "New Gateway sessions started (IDENTIFY).",
+            self.sessions.identifies(),
+        )];
         crate::metrics::singles(out, &lines);
+        crate::metrics::counters(
+            out,
+            &[&self.counts.unbound, &self.counts.skipped, &self.counts.caught_up],
+        );
     }
 
     fn stop(&self) {

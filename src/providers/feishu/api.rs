@@ -7,15 +7,14 @@
 //! the HTTP status. The token travels only in the `Authorization` header and the app secret
 //! only in request bodies, so no URL or error text carries either.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::config::Secret;
 use crate::files::FilePart;
 use crate::json::{self, obj, s, Value};
+use crate::providers::tokens::Tokens;
 pub use crate::upstream::ApiError;
-use crate::upstream::{self, Kind, Platform, Streamed};
+use crate::upstream::{self, Kind, Platform};
 
 /// Feishu's code for "too many requests" (with HTTP 429 or 400).
 const CODE_RATE_LIMITED: i64 = 99991400;
@@ -23,8 +22,6 @@ const CODE_RATE_LIMITED: i64 = 99991400;
 const TOKEN_CODES: &[i64] = &[99991661, 99991663, 99991664, 99991668, 99991677];
 /// Answers larger than this are refused (JSON answers are small; downloads have their own cap).
 const MAX_ANSWER: u64 = 1 << 20;
-/// Characters of a header value kept (a file's type).
-const MAX_FIELD: usize = 256;
 
 /// An app's credentials.
 #[derive(Clone)]
@@ -51,16 +48,11 @@ pub fn token_invalid(e: &ApiError) -> bool {
     e.kind() == Kind::Auth
 }
 
-struct Token {
-    value: String,
-    renew_at: Instant,
-}
-
 pub struct Api {
     base: String,
     http: ureq::Agent,
-    /// app_id → its current token.
-    tokens: Mutex<HashMap<String, Token>>,
+    /// Each app's token, by app ID.
+    tokens: Tokens,
 }
 
 impl Api {
@@ -68,16 +60,16 @@ impl Api {
         Api {
             base: base.trim_end_matches('/').to_string(),
             http: upstream::agent(Duration::from_secs(15)),
-            tokens: Mutex::new(HashMap::new()),
+            tokens: Tokens::new("feishu: app"),
         }
     }
 
-    /// The app's `tenant_access_token`: the cached one while it has time left, else a new one.
+    /// The app's `tenant_access_token`: the kept one while it has time left, else a new one.
     pub fn token(&self, app: &AppCreds, timeout: Duration) -> Result<String, ApiError> {
-        let now = Instant::now();
-        if let Some(t) = self.lock().get(&app.app_id).filter(|t| t.renew_at > now) {
-            return Ok(t.value.clone());
-        }
+        self.tokens.get(&app.app_id, || self.new_token(app, timeout))
+    }
+
+    fn new_token(&self, app: &AppCreds, timeout: Duration) -> Result<(String, u64), ApiError> {
         let body = obj([("app_id", s(&app.app_id)), ("app_secret", s(app.secret.expose()))]);
         let o = self.send_json(
             "POST",
@@ -90,24 +82,12 @@ impl Api {
             .filter(|t| !t.is_empty())
             .ok_or_else(|| PLATFORM.refused(0, "the token answer has no tenant_access_token"))?
             .to_string();
-        let keep = crate::providers::token_kept_for(json::get_u64(&o, "expire").unwrap_or(0));
-        self.lock().insert(
-            app.app_id.clone(),
-            Token {
-                value: value.clone(),
-                renew_at: now + keep,
-            },
-        );
-        Ok(value)
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Token>> {
-        self.tokens.lock().unwrap_or_else(|e| e.into_inner())
+        Ok((value, json::get_u64(&o, "expire").unwrap_or(0)))
     }
 
     /// Forgets the app's token (its credentials changed or it was refused).
     pub fn forget_token(&self, app_id: &str) {
-        self.lock().remove(app_id);
+        self.tokens.forget(app_id);
     }
 
     /// An API call with the app's token; the answer's `data`. A token the server no longer
@@ -161,11 +141,7 @@ impl Api {
                 .call()
                 .map_err(|e| PLATFORM.unreachable(e.into()))?;
             let status = resp.status().as_u16();
-            let content_type = resp
-                .headers()
-                .get("Content-Type")
-                .and_then(|v| v.to_str().ok())
-                .map(|c| c.chars().take(MAX_FIELD).collect::<String>());
+            let content_type = upstream::content_type(&resp);
             if status != 200
                 || content_type
                     .as_deref()
@@ -175,12 +151,8 @@ impl Api {
                 let o = upstream::read_json(&mut resp, MAX_ANSWER).ok().and_then(|(_, o)| o);
                 return Err(error_of(status, o.as_ref()));
             }
-            match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
-                Ok(()) => Ok(content_type),
-                Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
-                // Not temporary: the cache's caps or its disk, not Feishu.
-                Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
-            }
+            PLATFORM.save(&mut resp, part)?;
+            Ok(content_type)
         })
     }
 
@@ -219,21 +191,10 @@ impl Api {
         &self,
         app: &AppCreds,
         timeout: Duration,
-        mut attempt: impl FnMut(&str) -> Result<T, ApiError>,
+        attempt: impl FnMut(&str) -> Result<T, ApiError>,
     ) -> Result<T, ApiError> {
-        let token = self.token(app, timeout)?;
-        match attempt(&token) {
-            Err(e) if token_invalid(&e) => {
-                log::info!(
-                    "feishu: app {}: the server refused its token ({e}); fetching a new one",
-                    app.app_id
-                );
-                self.forget_token(&app.app_id);
-                let token = self.token(app, timeout)?;
-                attempt(&token)
-            }
-            other => other,
-        }
+        let fetch = || self.new_token(app, timeout);
+        self.tokens.authorized(&app.app_id, fetch, token_invalid, attempt)
     }
 
     fn send_json(

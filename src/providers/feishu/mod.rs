@@ -18,29 +18,26 @@ pub mod frame;
 pub mod link;
 pub mod longconn;
 
-use std::sync::atomic::Ordering;
-
-use crate::atomic::AtomicU64;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::TableDefinition;
 
 use self::api::{Api, ApiError, AppCreds, PLATFORM};
-use super::bindings::Rows;
+use super::bindings::{Rows, Through};
 use super::inbound::{self, FileItem};
-use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
+use super::intake::{Arrival, Committed, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::link::Links;
 use super::{
-    field, multipart, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound,
-    Provider, Registration, Transient,
+    multipart, split_text, with_retry, Declaration, Description, Failure, Field, Flow, Host, Outbound, Provider,
+    Registration, Transient,
 };
-use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
+use crate::config::{Config, Fields, Problems, Secret, Section, Settings};
 use crate::files::FileRecord;
 use crate::json::{self, obj, s, Object, Value};
-use crate::outbox::{Enqueued, Ticket};
+use crate::metrics::Counter;
+use crate::outbox::Ticket;
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::Site;
@@ -49,11 +46,8 @@ use crate::store::StoreError;
 
 const NAME: &str = "feishu";
 /// source → `ChatInfo`.
-const CHATS: Rows = Rows {
-    table: TableDefinition::new("feishu_chats"),
-    what: "feishu chat",
-};
-const FLOW: &str = "feishu_app_binding";
+const CHATS: Rows = Rows::new(NAME, "feishu_chats", "feishu chat");
+const FLOW_ID: &str = "feishu_app_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text message is split at this many characters (Feishu takes request bodies up to 150 KB).
 const MAX_TEXT: usize = 20_000;
@@ -66,16 +60,7 @@ const FETCH_DEADLINE: Duration = Duration::from_secs(20);
 /// Recently stored events remembered (`Recent`).
 const RECENT: usize = 256;
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "feishu",
-        secrets: &["app_secret"],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &["app_secret"], read, start);
 
 /// `[feishu]`.
 #[derive(Clone)]
@@ -140,10 +125,15 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         settings,
         links: Links::new("feishu: app", "long connection"),
         recent: Recent::new(RECENT),
-        unbound_events: AtomicU64::new(0),
-        unreadable_events: AtomicU64::new(0),
+        unbound_events: Counter::new(
+            "imgate_feishu_unbound_events_total",
+            "Events of chats no channel is bound to.",
+        ),
+        unreadable_events: Counter::new(
+            "imgate_feishu_unreadable_events_total",
+            "Events that could not be read.",
+        ),
         unreadable_log: Site::new(),
-        full_log: Site::new(),
     })))
 }
 
@@ -159,6 +149,12 @@ pub struct ChatInfo {
     pub own_secret: bool,
 }
 
+impl Through for ChatInfo {
+    fn account(&self) -> &str {
+        &self.app_id
+    }
+}
+
 pub fn source_of(app_id: &str, chat_id: &str) -> Source {
     Source::new(NAME, &format!("{app_id}:{chat_id}"))
 }
@@ -170,13 +166,9 @@ pub struct Feishu {
     api: Api,
     links: Links,
     recent: Recent,
-    /// Events from chats no channel is bound to (counted, not stored).
-    unbound_events: AtomicU64,
-    /// Event payloads that could not be read (answered, so Feishu does not send them again).
-    unreadable_events: AtomicU64,
+    unbound_events: Counter,
+    unreadable_events: Counter,
     unreadable_log: Site,
-    /// Events refused by full caps (`reject_new`), logged once a minute.
-    full_log: Site,
 }
 
 /// A name Feishu will not dedupe against another message: at most 50 characters.
@@ -186,11 +178,7 @@ fn send_uuid(idempotency_key: &str, part: usize) -> String {
 
 impl Feishu {
     fn secret_files(&self) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("feishu"),
-            prefix: "",
-            suffix: ".secret",
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("feishu"), "", ".secret")
     }
 
     /// The credentials that speak for `app_id`: its own secret file, else the device default.
@@ -233,23 +221,14 @@ impl Feishu {
             .into_iter()
             .map(|h| match h {
                 Handled::Answer(done) => done,
-                Handled::Commit(ticket, source, event_id, message_id) => match ticket.wait() {
-                    Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
+                Handled::Commit(ticket, source, event_id, message_id) => {
+                    let then = "Feishu will deliver the message again";
+                    let stored = self.host.committed(ticket, &source, then) == Committed::Stored;
+                    if stored {
                         self.recent.stored(event_id, message_id);
-                        true
                     }
-                    Ok(Enqueued::CapacityExceeded) => {
-                        let admitted = self.full_log.admit();
-                        if let Some(more) = admitted {
-                            log::warn!("feishu: {source}: queue full; Feishu will deliver the message again{more}");
-                        }
-                        false
-                    }
-                    Err(e) => {
-                        log::debug!("feishu: {source}: cannot store a message: {e}");
-                        false
-                    }
-                },
+                    stored
+                }
             })
             .collect()
     }
@@ -259,7 +238,7 @@ impl Feishu {
         let ev = match read {
             Ok(ev) => ev,
             Err(why) => {
-                self.unreadable_events.fetch_add(1, Ordering::Relaxed);
+                self.unreadable_events.add(1);
                 let admitted = self.unreadable_log.admit();
                 if let Some(more) = admitted {
                     log::warn!("feishu: app {app_id}: an event was dropped: {why}{more}");
@@ -282,7 +261,7 @@ impl Feishu {
         match self.host.channels.bound_channel(source.as_str()) {
             Ok(Some(_)) => {}
             Ok(None) => {
-                self.unbound_events.fetch_add(1, Ordering::Relaxed);
+                self.unbound_events.add(1);
                 let kind = if inbound.chat_type == "p2p" { "dm" } else { "group" };
                 self.host.unbound_seen(NAME, &message.chat_id, kind);
                 log::debug!("feishu: app {app_id}: a message from a chat no channel is bound to");
@@ -415,21 +394,6 @@ impl Feishu {
             .to_string();
         self.post_message(to, msg_type, &obj([(key, s(file_key))]), None, uuid)
     }
-
-    /// The app IDs of the bound Feishu chats, and what the bindings know.
-    fn bound_chats(&self, bound: &[Source]) -> Vec<ChatInfo> {
-        bound
-            .iter()
-            .filter(|s| s.provider() == NAME)
-            .filter_map(|s| match self.chat_info(s.as_str()) {
-                Ok(info) => info,
-                Err(e) => {
-                    log::error!("feishu: cannot read the binding of {s}: {e}");
-                    None
-                }
-            })
-            .collect()
-    }
 }
 
 /// One event after `prepare`: its answer, or the commit to wait for first (with the source,
@@ -490,7 +454,7 @@ const FEISHU: Declaration = Declaration {
     name: NAME,
     label: "Feishu",
     description: "A Feishu / Lark self-built app's bot in a private chat or a group.",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 const LARK: Declaration = Declaration {
@@ -498,39 +462,44 @@ const LARK: Declaration = Declaration {
     ..FEISHU
 };
 
-fn flow(default_app: bool) -> Value {
-    let app_help = if default_app {
-        "Leave empty to use the device's app, or enter another self-built app's App ID."
-    } else {
-        "The App ID of a self-built app with the bot ability (Credentials & Basic Info)."
-    };
-    let fields = vec![
-        field("app_id", "App ID", Input::Text, !default_app, None, app_help),
-        field(
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a Feishu / Lark chat",
+    "Bind this channel to one chat of a self-built app's bot; events arrive over the app's long connection.",
+    &[
+        Field::text(
+            "app_id",
+            "App ID",
+            None,
+            "The App ID of a self-built app with the bot ability (Credentials & Basic Info).",
+        )
+        .or_device("Leave empty to use the device's app, or enter another self-built app's App ID."),
+        Field::secret(
             "app_secret",
             "App Secret",
-            Input::Secret,
-            !default_app,
             None,
             "The app's App Secret (needed with another app's App ID).",
-        ),
-        field(
+        )
+        .or_device("The app's App Secret (needed with another app's App ID)."),
+        Field::text(
             "chat_id",
             "Chat ID",
-            Input::Text,
-            true,
             None,
             "Add the bot to the chat, then enter the chat's ID (oc_...).",
         ),
-    ];
-    let description =
-        "Bind this channel to one chat of a self-built app's bot; events arrive over the app's long connection.";
-    super::flow(FLOW, "form", "Bind a Feishu / Lark chat", description, fields)
-}
+    ],
+);
 
-impl Feishu {
+impl Provider for Feishu {
+    fn declaration(&self) -> &'static Declaration {
+        match self.settings.domain {
+            "lark" => &LARK,
+            _ => &FEISHU,
+        }
+    }
+
     /// Its form flow: the source the filled-in form names, checked.
-    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).filter(|v| !v.is_empty());
         let default_id = self.settings.app_id.as_deref();
         let app_id = given("app_id").or(default_id).ok_or_else(|| {
@@ -577,21 +546,21 @@ impl Feishu {
             ),
         })?;
         let endpoint = self
-            .api
-            .endpoint(&creds, longconn::ENDPOINT_PATH, TOOL_DEADLINE)
-            .map_err(|e| Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the long connection: {e}")))
-            .and_then(|body| {
-                longconn::read_endpoint(&body, longconn::ClientConfig::default()).map_err(|e| match e {
-                    longconn::EndpointError::Refused { code: c, msg } => Failure::new(
-                        code::CONNECTION_NOT_AUTHENTICATED,
-                        format!("Feishu refused the app a long connection (code {c}: {msg}): in the developer console, choose to receive events through the long connection and subscribe to im.message.receive_v1"),
-                    ),
-                    longconn::EndpointError::Retry(why) => Failure::temporary(
-                        code::UPSTREAM_UNREACHABLE,
-                        format!("cannot check the long connection: {why}"),
-                    ),
-                })
-            });
+    .api
+    .endpoint(&creds, longconn::ENDPOINT_PATH, TOOL_DEADLINE)
+    .map_err(|e| Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the long connection: {e}")))
+    .and_then(|body| {
+        longconn::read_endpoint(&body, longconn::ClientConfig::default()).map_err(|e| match e {
+            longconn::EndpointError::Refused { code: c, msg } => Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                format!("Feishu refused the app a long connection (code {c}: {msg}): in the developer console, choose to receive events through the long connection and subscribe to im.message.receive_v1"),
+            ),
+            longconn::EndpointError::Retry(why) => Failure::temporary(
+                code::UPSTREAM_UNREACHABLE,
+                format!("cannot check the long connection: {why}"),
+            ),
+        })
+    });
         endpoint?;
         let chat = self
             .api
@@ -627,24 +596,9 @@ impl Feishu {
             .map_err(Failure::storage)?;
         Ok(source)
     }
-}
 
-impl Provider for Feishu {
-    fn declaration(&self) -> &'static Declaration {
-        match self.settings.domain {
-            "lark" => &LARK,
-            _ => &FEISHU,
-        }
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow(self.settings.app_id.is_some())]
-    }
-
-    /// `feishu_app_binding`: checks the credentials (a fresh token), that the app may open a
-    /// long connection (the endpoint request), and the chat (the bot must be in it).
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind_form(input).map(AuthStep::Bound)
+    fn device_account(&self) -> bool {
+        self.settings.app_id.is_some()
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
@@ -695,16 +649,14 @@ impl Provider for Feishu {
 
     /// One long connection per app with a binding; secrets no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
-        let chats = self.bound_chats(bound);
-        let mut apps: Vec<String> = chats.iter().map(|c| c.app_id.clone()).collect();
-        apps.sort();
-        apps.dedup();
+        let chats = CHATS.of_bound::<ChatInfo>(&self.host.db, bound);
+        let apps = CHATS.accounts::<ChatInfo>(&self.host.db, bound);
         // A refusal is only logged: the binding checked the same credentials.
-        self.links.sync(&apps, None, |line| link::start(&self.me, line));
+        self.links.sync(&apps, |line| link::start(&self.me, line));
         let own: Vec<String> = chats
             .iter()
-            .filter(|c| c.own_secret)
-            .map(|c| c.app_id.clone())
+            .filter(|(_, c)| c.own_secret)
+            .map(|(_, c)| c.app_id.clone())
             .collect();
         self.secret_files().forget_unused(&own, "feishu: secret of app");
     }
@@ -716,21 +668,7 @@ impl Provider for Feishu {
             "Long connections running, one per bound app.",
             "Long connections open now.",
         );
-        let lines = [
-            (
-                "imgate_feishu_unbound_events_total",
-                "counter",
-                "Events of chats no channel is bound to.",
-                self.unbound_events.load(Ordering::Relaxed),
-            ),
-            (
-                "imgate_feishu_unreadable_events_total",
-                "counter",
-                "Events that could not be read.",
-                self.unreadable_events.load(Ordering::Relaxed),
-            ),
-        ];
-        crate::metrics::singles(out, &lines);
+        crate::metrics::counters(out, &[&self.unbound_events, &self.unreadable_events]);
     }
 
     fn stop(&self) {

@@ -6,18 +6,26 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 
 use super::workers::{Worker, Workers};
+use crate::providers::bindings::{Rows, Through};
 use crate::providers::Host;
 use crate::runtime;
-use crate::source::Source;
 
-/// A provider whose bindings follow the state of the account they were made through.
-pub trait Owner: Send + Sync + 'static {
-    /// The sources bound through `account`.
-    fn bound_through(&self, account: &str) -> Vec<Source>;
-    fn host(&self) -> &Host;
+/// Tells xAgent that the Descriptors of the bindings made through an account changed (its
+/// refusal began or ended). Cloned into each link; runs on a blocking thread (it reads the store).
+pub type Followers = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// The `Followers` of a provider whose binding rows (`rows`, of type `T`) name their account.
+pub fn followers<T: Through + 'static>(host: &Arc<Host>, rows: &'static Rows) -> Followers {
+    let host = Arc::downgrade(host);
+    Arc::new(move |account: &str| {
+        let Some(host) = host.upgrade() else { return };
+        for (source, _) in rows.through::<T>(&host.channels, &host.db, account).unwrap_or_default() {
+            host.binding_state_changed(&source);
+        }
+    })
 }
 
 /// The running links of one provider, by account.
@@ -26,8 +34,8 @@ pub struct Links {
     shared: Arc<Shared>,
     label: &'static str,
     link: &'static str,
-    /// Whose bindings follow a refusal, as the last `sync` named it.
-    owner: Mutex<Option<Weak<dyn Owner>>>,
+    /// Whose Descriptors follow a refusal (none: a refusal is only logged).
+    followers: Option<Followers>,
 }
 
 /// What the links tell the provider.
@@ -53,15 +61,21 @@ impl Links {
             shared: Arc::default(),
             label: account,
             link,
-            owner: Mutex::new(None),
+            followers: None,
+        }
+    }
+
+    /// The bindings' Descriptors follow their account's refusals (`followers`).
+    pub fn followed_by(self, followers: Followers) -> Links {
+        Links {
+            followers: Some(followers),
+            ..self
         }
     }
 
     /// Starts a link (`start`, given its `Line`) for every account in `wanted` that has none,
-    /// and stops the others. `owner`: whose bindings' Descriptors follow a refusal (none: a
-    /// refusal is only logged).
-    pub fn sync(&self, wanted: &[String], owner: Option<Weak<dyn Owner>>, start: impl Fn(Line) -> Option<Worker>) {
-        *self.owner.lock().unwrap_or_else(|e| e.into_inner()) = owner.clone();
+    /// and stops the others.
+    pub fn sync(&self, wanted: &[String], start: impl Fn(Line) -> Option<Worker>) {
         self.running.sync(wanted, |account| {
             let line = Line {
                 account: account.clone(),
@@ -70,7 +84,7 @@ impl Links {
                 last: String::new(),
                 failing: false,
                 shared: self.shared.clone(),
-                owner: owner.clone(),
+                followers: self.followers.clone(),
             };
             start(line)
         });
@@ -82,10 +96,18 @@ impl Links {
     /// Descriptors: they are told (on the caller's thread, a blocking one).
     pub fn forget(&self, account: &str) {
         self.running.forget(&account.to_string());
-        if self.shared.refusals().remove(account).is_some() {
-            let owner = self.owner.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            told(owner, account);
+        if let Some(tell) = self
+            .followers
+            .as_ref()
+            .filter(|_| self.shared.refusals().remove(account).is_some())
+        {
+            tell(account);
         }
+    }
+
+    /// Whose Descriptors follow a refusal, for a link that tells them itself.
+    pub fn followers(&self) -> Option<Followers> {
+        self.followers.clone()
     }
 
     pub fn stop_all(&self) {
@@ -126,7 +148,7 @@ pub struct Line {
     /// The state said last was a failure (a warning).
     failing: bool,
     shared: Arc<Shared>,
-    owner: Option<Weak<dyn Owner>>,
+    followers: Option<Followers>,
 }
 
 impl Line {
@@ -193,23 +215,16 @@ impl Line {
     }
 
     async fn tell(&self) {
-        tell(self.owner.clone(), &self.account).await;
+        tell(self.followers.clone(), &self.account).await;
     }
 }
 
 /// The Descriptors of the bindings made through `account` changed: xAgent is told (on the
 /// pool: it reads the store).
-pub async fn tell(owner: Option<Weak<dyn Owner>>, account: &str) {
-    let account = account.to_string();
-    runtime::unblock(move || told(owner, &account)).await;
-}
-
-/// `tell`, on a blocking thread.
-fn told(owner: Option<Weak<dyn Owner>>, account: &str) {
-    if let Some(o) = owner.and_then(|o| o.upgrade()) {
-        for source in o.bound_through(account) {
-            o.host().binding_state_changed(&source);
-        }
+pub async fn tell(followers: Option<Followers>, account: &str) {
+    if let Some(tell) = followers {
+        let account = account.to_string();
+        runtime::unblock(move || tell(&account)).await;
     }
 }
 
@@ -225,7 +240,7 @@ mod tests {
             lines.lock().unwrap().push(line);
             Some(Worker::Task(runtime::spawn(std::future::pending())))
         };
-        links.sync(&["a".into(), "b".into()], None, start);
+        links.sync(&["a".into(), "b".into()], start);
         assert_eq!(links.count(), 2);
         let mut a = lines.lock().unwrap().remove(0);
         assert_eq!(a.account(), "a");
@@ -235,7 +250,7 @@ mod tests {
         smol::block_on(a.accepted());
         assert_eq!(links.refused("a"), None, "taken again");
         smol::block_on(a.refused("the token is revoked".into(), "asking again in 10m"));
-        links.sync(&["b".into()], None, |_| unreachable!("b runs already"));
+        links.sync(&["b".into()], |_| unreachable!("b runs already"));
         assert_eq!((links.count(), links.refused("a")), (1, None), "unbound: forgotten");
         let up = a.counter();
         let counted = crate::providers::socket::Up::new(&up);

@@ -24,7 +24,7 @@ pub mod conn;
 pub mod supervise;
 pub mod workers;
 
-pub use self::accounts::{Line, Links, Owner};
+pub use self::accounts::{followers, Followers, Line, Links};
 pub use self::conn::{Conn, Heard, Keepalive};
 pub use self::supervise::{Dial, Ended, Opened, Session};
 

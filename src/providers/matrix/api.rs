@@ -12,7 +12,7 @@ use crate::files::{FileError, FilePart};
 use crate::json::{self, Object, Value};
 use crate::providers::Upload;
 pub use crate::upstream::ApiError;
-use crate::upstream::{self, query_value, Kind, Platform, Streamed};
+use crate::upstream::{self, query_value, Kind, Platform};
 
 /// An answer larger than this is refused unread. Past it a /sync asks for half the events per
 /// room, down to one, and then for the bound rooms only (`link.rs`).
@@ -170,16 +170,9 @@ impl Api {
                 .and(Err(PLATFORM.refused(502, "file download refused")))
                 .map_err(|e| e.hiding(acct.token, "<token>"));
         }
-        let served = resp
-            .headers()
-            .get("Content-Type")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
-            Ok(()) => Ok(served),
-            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
-            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
-        }
+        let served = upstream::content_type(&resp);
+        PLATFORM.save(&mut resp, part)?;
+        Ok(served)
     }
 }
 

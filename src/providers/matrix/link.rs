@@ -24,9 +24,9 @@ use super::api::{seg, Account, POLL_MS};
 use super::event::{self, Event, Page, RoomBatch};
 use super::{AccountState, Matrix, RoomInfo};
 use crate::json;
-use crate::outbox::{Cursor, Enqueued};
+use crate::outbox::Cursor;
 use crate::peer_wait;
-use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::intake::{Arrival, Committed, Fetch, Intake, WhenStale};
 use crate::providers::link::workers::{Stop, Worker};
 use crate::providers::link::{Backoff, Line};
 use crate::source::Source;
@@ -391,23 +391,17 @@ fn store(
         Intake::Stale => return Ok(false),
         Intake::Submitted(ticket) => ticket,
     };
-    match ticket.wait() {
-        Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
+    // reject_new: the homeserver keeps the messages; the cursor stays (backpressure).
+    match m
+        .host
+        .committed(ticket, source, "leaving messages at the homeserver until there is room")
+    {
+        Committed::Stored => {
             m.recent.stored(e.event_id.clone(), e.event_id.clone());
             Ok(true)
         }
-        Ok(Enqueued::CapacityExceeded) => {
-            // reject_new: the homeserver keeps the messages; the cursor stays (backpressure).
-            m.full_queue(source);
-            Err(Stopped(Duration::from_secs(5)))
-        }
-        Err(err) => {
-            log::debug!(
-                "matrix: {source}: cannot store {}: {err}",
-                crate::quiet::shown(&e.event_id)
-            );
-            Err(Stopped(Duration::from_secs(1)))
-        }
+        Committed::Full => Err(Stopped(Duration::from_secs(5))),
+        Committed::Failed => Err(Stopped(Duration::from_secs(1))),
     }
 }
 

@@ -14,14 +14,11 @@ pub mod api;
 pub mod event;
 pub mod link;
 
-use crate::atomic::AtomicU64;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::TableDefinition;
 
 use self::api::{seg, Account, Api, ApiError, PLATFORM};
 use self::event::{valid_id, Event, Media, Message};
@@ -31,11 +28,12 @@ use super::intake::Recent;
 use super::keyfiles::KeyFiles;
 use super::link::Links;
 use super::{
-    field, send_id, served_mime, split_text, with_retry, Activity, AuthStep, Declaration, Description, Failure, Host,
-    Input, Outbound, Provider, Registration, Upload,
+    send_id, served_mime, split_text, with_retry, Activity, Declaration, Description, Failure, Field, Flow, Host,
+    Outbound, Provider, Registration, Upload,
 };
-use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::config::{Config, Fields, Problems, Section, Settings};
 use crate::json::{self, obj, s, Object, Value};
+use crate::metrics::Counter;
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::quiet::{shown, Site};
@@ -45,11 +43,8 @@ use crate::upstream::Kind;
 
 const NAME: &str = "matrix";
 /// source → `RoomInfo`.
-const ROOMS: Rows = Rows {
-    table: TableDefinition::new("matrix_rooms"),
-    what: "matrix room",
-};
-const FLOW: &str = "matrix_room_binding";
+const ROOMS: Rows = Rows::new(NAME, "matrix_rooms", "matrix room");
+const FLOW_ID: &str = "matrix_room_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text is split at this many characters: an event is at most 65,536 bytes, which 8,000
 /// characters stay below even with every one escaped as `\uXXXX`.
@@ -72,16 +67,7 @@ const RECENT: usize = 256;
 /// Rooms one account may have bound: each is read back after a start.
 const MAX_ROOMS: usize = 100;
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "matrix",
-        secrets: &[],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &[], read, start);
 
 /// `[matrix]`: no keys; each binding names its homeserver.
 #[derive(Clone)]
@@ -116,7 +102,6 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         recent: Recent::new(RECENT),
         newest: Mutex::default(),
         counts: Counts::default(),
-        full_log: Site::new(),
         history_log: Site::new(),
         gap_log: Site::new(),
     })))
@@ -173,11 +158,25 @@ impl AccountState {
     }
 }
 
-#[derive(Default)]
+/// Counters for `/metrics`.
 struct Counts {
-    /// Messages a gap held past what is read back (`link::MAX_PAGES`).
-    gap_unread: AtomicU64,
-    tokens_revoked: AtomicU64,
+    gap_unread: Counter,
+    tokens_revoked: Counter,
+}
+
+impl Default for Counts {
+    fn default() -> Counts {
+        Counts {
+            gap_unread: Counter::new(
+                "imgate_matrix_gaps_unread_total",
+                "Gaps longer than what is read back after an outage (older messages not fetched).",
+            ),
+            tokens_revoked: Counter::new(
+                "imgate_matrix_tokens_revoked_total",
+                "Access tokens the homeserver stopped accepting.",
+            ),
+        }
+    }
 }
 
 pub struct Matrix {
@@ -197,7 +196,6 @@ pub struct Matrix {
     /// source → the newest event of its room the last answer had: handled, as all before it.
     newest: Mutex<HashMap<String, String>>,
     counts: Counts,
-    full_log: Site,
     history_log: Site,
     gap_log: Site,
 }
@@ -236,11 +234,7 @@ fn homeserver_of(given: &str) -> Result<String, Failure> {
 
 impl Matrix {
     fn token_files(&self) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("matrix"),
-            prefix: "",
-            suffix: ".token",
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("matrix"), "", ".token")
     }
 
     fn bound_rooms(&self) -> Vec<(Source, RoomInfo)> {
@@ -325,7 +319,7 @@ impl Matrix {
     /// The homeserver said the account's token is gone: its rooms are expired (xAgent is told)
     /// until a binding brings a new token; its loop ends.
     fn token_revoked(&self, account: &str) {
-        self.counts.tokens_revoked.fetch_add(1, Ordering::Relaxed);
+        self.counts.tokens_revoked.add(1);
         let mut changed = Vec::new();
         {
             let mut bound = self.bound.lock().unwrap_or_else(|e| e.into_inner());
@@ -428,14 +422,8 @@ impl Matrix {
         Ok(FileItem::cached(file_ref, rec))
     }
 
-    fn full_queue(&self, source: &Source) {
-        if let Some(more) = self.full_log.admit() {
-            log::warn!("matrix: {source}: queue full; leaving messages at the homeserver until there is room{more}");
-        }
-    }
-
     fn gap_too_long(&self, source: &Source, pages: u64) {
-        self.counts.gap_unread.fetch_add(1, Ordering::Relaxed);
+        self.counts.gap_unread.add(1);
         if let Some(more) = self.gap_log.admit() {
             log::warn!(
                 "matrix: {source}: more messages arrived while imgate was away than {pages} pages of history hold; the older ones are not fetched{more}"
@@ -547,45 +535,35 @@ const DECLARATION: Declaration = Declaration {
     name: NAME,
     label: "Matrix",
     description: "A Matrix account in a room on any homeserver (not end-to-end encrypted rooms).",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 
-fn flow() -> Value {
-    let fields = vec![
-        field(
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a Matrix Room",
+    "Bind this channel to one Matrix room of an account.",
+    &[
+        Field::text(
             "homeserver",
             "Homeserver",
-            Input::Text,
-            true,
             Some("https://matrix.example.org"),
             "The homeserver's client API address (https://).",
         ),
-        field(
+        Field::secret(
             "access_token",
             "Access Token",
-            Input::Secret,
-            true,
             Some("syt_..."),
             "The access token of the account imgate speaks as (a bot account of its own is best).",
         ),
-        field(
+        Field::text(
             "room_id",
             "Room",
-            Input::Text,
-            true,
             Some("!abc123:example.org or #room:example.org"),
             "Invite the account to the room first; a room ID (Room settings, Advanced) or an alias.",
         ),
-    ];
-    super::flow(
-        FLOW,
-        "form",
-        "Bind a Matrix Room",
-        "Bind this channel to one Matrix room of an account.",
-        fields,
-    )
-}
+    ],
+);
 
 /// The binding's failures as the form shows them.
 fn cannot(what: &str, e: &ApiError) -> Failure {
@@ -600,120 +578,6 @@ fn cannot(what: &str, e: &ApiError) -> Failure {
 }
 
 impl Matrix {
-    /// The form flow: homeserver, token and room checked; the room joined when invited.
-    fn bind(&self, input: &Object) -> Result<Source, Failure> {
-        let homeserver = homeserver_of(json::get_str(input, "homeserver").unwrap_or_default())?;
-        let token = json::get_str(input, "access_token").map(str::trim).unwrap_or_default();
-        if token.is_empty() || token.len() > 4096 || !token.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(Failure::new(code::INVALID_ARGUMENTS, "access_token is required"));
-        }
-        let room_given = json::get_str(input, "room_id").map(str::trim).unwrap_or_default();
-        let versions = self.api.versions(&homeserver).map_err(|e| match e.status {
-            0 => Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot reach the homeserver: {e}")),
-            _ => Failure::new(code::UPSTREAM_REJECTED, format!("not a Matrix homeserver ({e})")),
-        })?;
-        if !matches!(versions.get("versions"), Some(Value::Array(_))) {
-            return Err(Failure::new(
-                code::UPSTREAM_REJECTED,
-                "not a Matrix homeserver (no versions)",
-            ));
-        }
-        let acct = Account {
-            homeserver: &homeserver,
-            token,
-        };
-        let t = TOOL_DEADLINE;
-        let me = self
-            .api
-            .get(&acct, "/account/whoami", t)
-            .map_err(|e| cannot("check the token", &e))?;
-        let user_id = json::get_str(&me, "user_id")
-            .filter(|u| valid_id(u, b'@'))
-            .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "whoami gave no user ID"))?
-            .to_string();
-        let room_id = self.room_id_of(&acct, room_given)?;
-        // By the alias when one was given: it names the servers to join through.
-        self.join(&acct, &room_id, room_given)?;
-        let state_of = |kind: &str| {
-            self.api
-                .get(&acct, &format!("/rooms/{}/state/{kind}/", seg(&room_id)), t)
-        };
-        match state_of("m.room.encryption") {
-            Ok(_) => {
-                return Err(Failure::new(
-                    code::INVALID_ARGUMENTS,
-                    "this room is end-to-end encrypted, which imgate does not support: use a room without encryption",
-                ))
-            }
-            Err(e) if e.kind() == Kind::Gone => {}
-            Err(e) => return Err(cannot("check the room's encryption", &e)),
-        }
-        let members = match self
-            .api
-            .get(&acct, &format!("/rooms/{}/joined_members", seg(&room_id)), t)
-        {
-            Ok(m) => json::get_obj(&m, "joined").map_or(0, |j| j.len() as u64),
-            // Too many members to list: a group, whatever their number.
-            Err(e) if e.too_large => u64::MAX,
-            Err(e) => return Err(cannot("read the room's members", &e)),
-        };
-        let name = state_of("m.room.name")
-            .ok()
-            .and_then(|o| json::get_str(&o, "name").map(str::to_string))
-            .or_else(|| room_given.starts_with('#').then(|| room_given.to_string()))
-            .map(|n| inbound::bounded(n.trim(), 256))
-            .unwrap_or_default();
-        let account = account_of(&homeserver, &user_id);
-        let source = Source::new(NAME, &format!("{account}:{room_id}"));
-        let others = self
-            .bound_rooms()
-            .iter()
-            .filter(|(s, i)| i.account == account && *s != source)
-            .count();
-        if others >= MAX_ROOMS {
-            return Err(Failure::new(
-                code::INVALID_ARGUMENTS,
-                format!("this account has {MAX_ROOMS} bound rooms already, the most one account may have"),
-            ));
-        }
-        // What the room said before this binding is not pushed: its newest message is where
-        // reading starts. A room bound already (a new token after a revoked one, the same form
-        // again) keeps where it was and catches up.
-        let before = ROOMS
-            .get::<RoomInfo>(&self.host.db, source.as_str())
-            .map_err(Failure::storage)?;
-        let renewed = before.is_some() && self.bound_rooms().iter().any(|(s, _)| *s == source);
-        if !renewed {
-            let newest = self.newest_message(&acct, &room_id)?;
-            self.host
-                .outbox
-                .move_cursors(&[crate::outbox::Cursor::Set(link::last_key(&source), newest)])
-                .map_err(Failure::storage)?;
-        }
-        self.token_files()
-            .store(&account, token)
-            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the access token: {e}")))?;
-        let info = RoomInfo {
-            account: account.clone(),
-            homeserver,
-            user_id,
-            room_id,
-            name,
-            members,
-            bound_at: match (renewed, before) {
-                (true, Some(b)) => b.bound_at,
-                _ => crate::ids::now_ms(),
-            },
-            revoked: false,
-            encrypted: false,
-        };
-        ROOMS
-            .put(&self.host.db, source.as_str(), &info)
-            .map_err(Failure::storage)?;
-        self.token_renewed(&account, &source);
-        Ok(source)
-    }
-
     /// A new token for `account`: its other rooms that had expired work again.
     fn token_renewed(&self, account: &str, bound_now: &Source) {
         let mut renewed = Vec::new();
@@ -849,12 +713,118 @@ impl Provider for Matrix {
         &DECLARATION
     }
 
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow()]
-    }
-
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind(input).map(AuthStep::Bound)
+    /// The form flow: homeserver, token and room checked; the room joined when invited.
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
+        let homeserver = homeserver_of(json::get_str(input, "homeserver").unwrap_or_default())?;
+        let token = json::get_str(input, "access_token").map(str::trim).unwrap_or_default();
+        if token.is_empty() || token.len() > 4096 || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(Failure::new(code::INVALID_ARGUMENTS, "access_token is required"));
+        }
+        let room_given = json::get_str(input, "room_id").map(str::trim).unwrap_or_default();
+        let versions = self.api.versions(&homeserver).map_err(|e| match e.status {
+            0 => Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot reach the homeserver: {e}")),
+            _ => Failure::new(code::UPSTREAM_REJECTED, format!("not a Matrix homeserver ({e})")),
+        })?;
+        if !matches!(versions.get("versions"), Some(Value::Array(_))) {
+            return Err(Failure::new(
+                code::UPSTREAM_REJECTED,
+                "not a Matrix homeserver (no versions)",
+            ));
+        }
+        let acct = Account {
+            homeserver: &homeserver,
+            token,
+        };
+        let t = TOOL_DEADLINE;
+        let me = self
+            .api
+            .get(&acct, "/account/whoami", t)
+            .map_err(|e| cannot("check the token", &e))?;
+        let user_id = json::get_str(&me, "user_id")
+            .filter(|u| valid_id(u, b'@'))
+            .ok_or_else(|| Failure::new(code::UPSTREAM_REJECTED, "whoami gave no user ID"))?
+            .to_string();
+        let room_id = self.room_id_of(&acct, room_given)?;
+        // By the alias when one was given: it names the servers to join through.
+        self.join(&acct, &room_id, room_given)?;
+        let state_of = |kind: &str| {
+            self.api
+                .get(&acct, &format!("/rooms/{}/state/{kind}/", seg(&room_id)), t)
+        };
+        match state_of("m.room.encryption") {
+            Ok(_) => {
+                return Err(Failure::new(
+                    code::INVALID_ARGUMENTS,
+                    "this room is end-to-end encrypted, which imgate does not support: use a room without encryption",
+                ))
+            }
+            Err(e) if e.kind() == Kind::Gone => {}
+            Err(e) => return Err(cannot("check the room's encryption", &e)),
+        }
+        let members = match self
+            .api
+            .get(&acct, &format!("/rooms/{}/joined_members", seg(&room_id)), t)
+        {
+            Ok(m) => json::get_obj(&m, "joined").map_or(0, |j| j.len() as u64),
+            // Too many members to list: a group, whatever their number.
+            Err(e) if e.too_large => u64::MAX,
+            Err(e) => return Err(cannot("read the room's members", &e)),
+        };
+        let name = state_of("m.room.name")
+            .ok()
+            .and_then(|o| json::get_str(&o, "name").map(str::to_string))
+            .or_else(|| room_given.starts_with('#').then(|| room_given.to_string()))
+            .map(|n| inbound::bounded(n.trim(), 256))
+            .unwrap_or_default();
+        let account = account_of(&homeserver, &user_id);
+        let source = Source::new(NAME, &format!("{account}:{room_id}"));
+        let others = self
+            .bound_rooms()
+            .iter()
+            .filter(|(s, i)| i.account == account && *s != source)
+            .count();
+        if others >= MAX_ROOMS {
+            return Err(Failure::new(
+                code::INVALID_ARGUMENTS,
+                format!("this account has {MAX_ROOMS} bound rooms already, the most one account may have"),
+            ));
+        }
+        // What the room said before this binding is not pushed: its newest message is where
+        // reading starts. A room bound already (a new token after a revoked one, the same form
+        // again) keeps where it was and catches up.
+        let before = ROOMS
+            .get::<RoomInfo>(&self.host.db, source.as_str())
+            .map_err(Failure::storage)?;
+        let renewed = before.is_some() && self.bound_rooms().iter().any(|(s, _)| *s == source);
+        if !renewed {
+            let newest = self.newest_message(&acct, &room_id)?;
+            self.host
+                .outbox
+                .move_cursors(&[crate::outbox::Cursor::Set(link::last_key(&source), newest)])
+                .map_err(Failure::storage)?;
+        }
+        self.token_files()
+            .store(&account, token)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the access token: {e}")))?;
+        let info = RoomInfo {
+            account: account.clone(),
+            homeserver,
+            user_id,
+            room_id,
+            name,
+            members,
+            bound_at: match (renewed, before) {
+                (true, Some(b)) => b.bound_at,
+                _ => crate::ids::now_ms(),
+            },
+            revoked: false,
+            encrypted: false,
+        };
+        ROOMS
+            .put(&self.host.db, source.as_str(), &info)
+            .map_err(Failure::storage)?;
+        self.token_renewed(&account, &source);
+        Ok(source)
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
@@ -948,7 +918,7 @@ impl Provider for Matrix {
 
     /// Loops follow the bindings; tokens no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
-        let rooms = ROOMS.of_bound::<RoomInfo>(&self.host.db, bound, NAME);
+        let rooms = ROOMS.of_bound::<RoomInfo>(&self.host.db, bound);
         let mut wanted: Vec<(String, String)> = Vec::new();
         for (_, info) in rooms.iter().filter(|(_, i)| i.usable()) {
             if !wanted.iter().any(|(a, _)| a == &info.account) {
@@ -958,7 +928,7 @@ impl Provider for Matrix {
         let in_use: Vec<String> = rooms.iter().map(|(_, i)| i.account.clone()).collect();
         *self.bound.lock().unwrap_or_else(|e| e.into_inner()) = rooms;
         let accounts: Vec<String> = wanted.iter().map(|(a, _)| a.clone()).collect();
-        self.syncers.sync(&accounts, None, |line| {
+        self.syncers.sync(&accounts, |line| {
             let user = wanted
                 .iter()
                 .find(|(a, _)| a == line.account())
@@ -982,27 +952,14 @@ impl Provider for Matrix {
     fn metrics(&self, out: &mut String) {
         crate::metrics::singles(
             out,
-            &[
-                (
-                    "imgate_matrix_sync_loops",
-                    "gauge",
-                    "Matrix accounts synced, one loop per bound account.",
-                    self.syncers.count() as u64,
-                ),
-                (
-                    "imgate_matrix_gaps_unread_total",
-                    "counter",
-                    "Gaps longer than what is read back after an outage (older messages not fetched).",
-                    self.counts.gap_unread.load(Ordering::Relaxed),
-                ),
-                (
-                    "imgate_matrix_tokens_revoked_total",
-                    "counter",
-                    "Access tokens the homeserver stopped accepting.",
-                    self.counts.tokens_revoked.load(Ordering::Relaxed),
-                ),
-            ],
+            &[(
+                "imgate_matrix_sync_loops",
+                "gauge",
+                "Matrix accounts synced, one loop per bound account.",
+                self.syncers.count() as u64,
+            )],
         );
+        crate::metrics::counters(out, &[&self.counts.gap_unread, &self.counts.tokens_revoked]);
     }
 
     fn stop(&self) {

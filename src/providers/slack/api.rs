@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::files::FilePart;
 use crate::json::{self, Object, Value};
 pub use crate::upstream::ApiError;
-use crate::upstream::{self, Kind, Platform, Streamed};
+use crate::upstream::{self, Kind, Platform};
 
 /// An answer larger than this is refused unread: a history page of 200 messages at Slack's
 /// 40,000 characters each would pass it, so the catch-up asks for fewer when it is refused.
@@ -127,11 +127,7 @@ impl Api {
             .call()
             .map_err(|e| PLATFORM.unreachable(upstream::Error::from(e).hiding(url, "the file's URL")))?;
         let status = resp.status().as_u16();
-        let content_type = resp
-            .headers()
-            .get("Content-Type")
-            .and_then(|v| v.to_str().ok())
-            .map(|c| c.chars().take(128).collect::<String>());
+        let content_type = upstream::content_type(&resp);
         if status != 200 {
             return Err(PLATFORM.refused(status, "the file download was refused"));
         }
@@ -142,11 +138,8 @@ impl Api {
                 "Slack answered a web page, not the file (does the app have the files:read scope?)",
             ));
         }
-        match upstream::stream_body(&mut resp, |piece| part.write(piece)) {
-            Ok(()) => Ok(content_type),
-            Err(Streamed::Read(e)) => Err(PLATFORM.unreachable(e)),
-            Err(Streamed::Write(e)) => Err(PLATFORM.cache(e)),
-        }
+        PLATFORM.save(&mut resp, part)?;
+        Ok(content_type)
     }
 
     /// Streams a file's bytes to the URL `files.getUploadURLExternal` gave (it needs no token).

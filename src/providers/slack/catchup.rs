@@ -20,7 +20,6 @@
 //! crash reads from the mark again, the threads found again by their `latest_reply`. A thread
 //! whose parent is further back is not found.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::api::{ApiError, PLATFORM};
@@ -186,7 +185,7 @@ pub fn run(slack: &Slack, source: &Source, info: &ChannelInfo) -> bool {
             let stored = handled.into_iter().map(|h| slack.finish(source, h));
             // Every one is waited for: one not stored leaves the channel behind from it.
             if stored.fold(true, |all, ok| all & ok) {
-                slack.counts.caught_up.fetch_add(count, Ordering::Relaxed);
+                slack.counts.caught_up.add(count);
             } else {
                 return false;
             }

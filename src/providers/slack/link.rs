@@ -19,7 +19,6 @@
 //!   the next one at once, at most one per `link::MIN_AGE`; a failed open backs off), or after
 //!   a 429's `Retry-After` (clamped).
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -215,7 +214,7 @@ async fn live(bot: &Bot, ws: wsclient::Ws, mut session: Session) -> Result<Strin
                 if let Event::Skipped(why) = event {
                     log::debug!("slack: bot {}: {why} acknowledged, not stored", bot.id);
                     if let Some(s) = bot.slack.upgrade() {
-                        s.counts.skipped.fetch_add(1, Ordering::Relaxed);
+                        s.counts.skipped.add(1);
                     }
                 }
                 // Nothing to store: acknowledged at once (within Slack's 3 s).

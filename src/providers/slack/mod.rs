@@ -21,44 +21,38 @@ pub mod catchup;
 pub mod event;
 pub mod link;
 
-use crate::atomic::AtomicU64;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::TableDefinition;
 
 use self::api::{Api, ApiError, PLATFORM};
 use self::event::{Message, SlackFile};
-use super::bindings::Rows;
+use super::bindings::{Rows, Through};
 use super::inbound::{self, FileItem, Inbound};
-use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
+use super::intake::{Arrival, Committed, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::lag::Lag;
-use super::link::{Links, Owner};
+use super::link::{followers, Links};
 use super::{
-    field, split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
-    Registration, Transient,
+    split_text, with_retry, Declaration, Description, Failure, Field, Flow, Host, Outbound, Provider, Registration,
+    Transient,
 };
-use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::config::{Config, Fields, Problems, Section, Settings};
 use crate::json::{self, Object, Value};
-use crate::outbox::{Cursor, Enqueued, Ticket};
+use crate::metrics::Counter;
+use crate::outbox::{Cursor, Ticket};
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
-use crate::quiet::Site;
 use crate::source::Source;
 use crate::store::StoreError;
 use crate::upstream::Kind;
 
 const NAME: &str = "slack";
 /// source → `ChannelInfo`.
-const CHANNELS: Rows = Rows {
-    table: TableDefinition::new("slack_channels"),
-    what: "slack channel",
-};
-const FLOW: &str = "slack_app_binding";
+const CHANNELS: Rows = Rows::new(NAME, "slack_channels", "slack channel");
+const FLOW_ID: &str = "slack_app_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text is split at this many characters: Slack documents 40,000, but answers `msg_too_long`
 /// well below that (about 4,000, its SDK maintainers report), and recommends 4,000.
@@ -79,16 +73,7 @@ const RECENT: usize = 256;
 /// Messages whose thread is known (a reply goes to the thread's parent, never to a reply).
 const THREADS: usize = 1024;
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "slack",
-        secrets: &[],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &[], read, start);
 
 /// `[slack]`.
 #[derive(Clone)]
@@ -121,13 +106,13 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         api: Api::new(&settings.api_base),
-        links: Links::new("slack: bot", "Socket Mode connection"),
+        links: Links::new("slack: bot", "Socket Mode connection")
+            .followed_by(followers::<ChannelInfo>(host, &CHANNELS)),
         recent: Recent::new(RECENT),
         names: Mutex::default(),
         threads: Mutex::default(),
         lag: Lag::default(),
         counts: Counts::default(),
-        full_log: Site::new(),
     })))
 }
 
@@ -141,6 +126,12 @@ pub struct ChannelInfo {
     pub channel_name: String,
     /// `p2p` (a DM) or `group`.
     pub chat_type: String,
+}
+
+impl Through for ChannelInfo {
+    fn account(&self) -> &str {
+        &self.bot_user
+    }
 }
 
 pub fn source_of(bot_user: &str, channel: &str) -> Source {
@@ -165,14 +156,29 @@ fn escaped(text: &str) -> String {
 }
 
 /// Counters for `/metrics`.
-#[derive(Default)]
 struct Counts {
-    /// Messages from channels no channel is bound to (counted, not stored).
-    unbound: AtomicU64,
-    /// Edits, deletes, notices and the bot's own messages: acknowledged, not stored.
-    skipped: AtomicU64,
-    /// Messages stored by a catch-up (not by the socket).
-    caught_up: AtomicU64,
+    unbound: Counter,
+    skipped: Counter,
+    caught_up: Counter,
+}
+
+impl Default for Counts {
+    fn default() -> Counts {
+        Counts {
+            unbound: Counter::new(
+                "imgate_slack_unbound_messages_total",
+                "Messages of channels no channel is bound to.",
+            ),
+            skipped: Counter::new(
+                "imgate_slack_skipped_messages_total",
+                "Edits, deletes, notices and the bot's own messages, not stored.",
+            ),
+            caught_up: Counter::new(
+                "imgate_slack_caught_up_messages_total",
+                "Messages stored by a catch-up from the history.",
+            ),
+        }
+    }
 }
 
 pub struct Slack {
@@ -189,8 +195,6 @@ pub struct Slack {
     /// failed), from a `ts` on.
     lag: Lag,
     counts: Counts,
-    /// Messages refused by full caps (`reject_new`), logged once a minute.
-    full_log: Site,
 }
 
 /// The two tokens of one bot.
@@ -202,11 +206,7 @@ pub struct Tokens {
 
 impl Slack {
     fn token_files(&self, suffix: &'static str) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("slack"),
-            prefix: "",
-            suffix,
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("slack"), "", suffix)
     }
 
     /// The tokens of bot `bot_user`, while a binding keeps them.
@@ -235,13 +235,7 @@ impl Slack {
 
     /// The bound channels of bot `bot_user`.
     pub fn channels_of(&self, bot_user: &str) -> Vec<(Source, ChannelInfo)> {
-        let bound = self.host.channels.bound_sources().unwrap_or_else(|e| {
-            log::error!("slack: cannot read the bindings: {e}");
-            Vec::new()
-        });
-        let mut rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, &bound, NAME);
-        rows.retain(|(_, i)| i.bot_user == bot_user);
-        rows
+        (CHANNELS.through(&self.host.channels, &self.host.db, bot_user)).unwrap_or_default()
     }
 
     /// A connection of `bot_user` said hello: every bound channel is read from its high-water
@@ -265,7 +259,7 @@ impl Slack {
         let info = match CHANNELS.while_bound(&self.host.channels, &self.host.db, source.as_str()) {
             Ok(Some(info)) => info,
             Ok(None) => {
-                self.counts.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                self.counts.unbound.add(messages.len() as u64);
                 if let Some(m) = messages.first() {
                     let kind = if m.channel_type == "im" { "dm" } else { "group" };
                     self.host.unbound_seen(NAME, channel, kind);
@@ -325,7 +319,7 @@ impl Slack {
     fn prepare(&self, source: &Source, info: &ChannelInfo, bot_token: &str, m: Message) -> Handled {
         if m.user == info.bot_user || m.bot_id.as_deref() == Some(info.bot_id.as_str()) {
             // The bot's own messages come back as events: never pushed to the agent.
-            self.counts.skipped.fetch_add(1, Ordering::Relaxed);
+            self.counts.skipped.add(1);
             return Handled::Answer(true);
         }
         let message_id = m.message_id_in(&info.channel);
@@ -377,23 +371,12 @@ impl Slack {
             Handled::Answer(done) => return done,
             Handled::Commit(ticket, event_id, message_id, ts) => (ticket, event_id, message_id, ts),
         };
-        let refused = match ticket.wait() {
-            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {
-                self.recent.stored(event_id, message_id);
-                return true;
-            }
-            Ok(Enqueued::CapacityExceeded) => {
-                if let Some(more) = self.full_log.admit() {
-                    log::warn!("slack: {source}: queue full; the message is read again from the history later{more}");
-                }
-                "queue full"
-            }
-            Err(e) => {
-                log::debug!("slack: {source}: cannot store a message: {e}");
-                "store failed"
-            }
-        };
-        log::debug!("slack: {source}: a message not stored ({refused}); the channel is behind");
+        let then = "the message is read again from the history later";
+        if self.host.committed(ticket, source, then) == Committed::Stored {
+            self.recent.stored(event_id, message_id);
+            return true;
+        }
+        log::debug!("slack: {source}: a message not stored; the channel is behind");
         let from = event::ts_micros(&ts).unwrap_or(1).saturating_sub(1);
         self.lag.fell_behind(source, from, true);
         false
@@ -573,15 +556,6 @@ impl Slack {
         .map_err(|e| refusal(&e))?;
         Ok(file_id)
     }
-
-    /// The bound bots.
-    fn bound_bots(&self, bound: &[Source]) -> Vec<String> {
-        let rows = CHANNELS.of_bound::<ChannelInfo>(&self.host.db, bound, NAME);
-        let mut bots: Vec<String> = rows.into_iter().map(|(_, i)| i.bot_user).collect();
-        bots.sort();
-        bots.dedup();
-        bots
-    }
 }
 
 /// One message after `prepare`: its answer, or the commit to wait for first (with its event
@@ -656,49 +630,50 @@ const DECLARATION: Declaration = Declaration {
     name: NAME,
     label: "Slack",
     description: "A Slack app's bot in a channel, a private channel or a DM, over Socket Mode.",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 
-fn flow() -> Value {
-    let fields = vec![
-        field(
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a Slack channel",
+    "Bind this channel to one Slack channel or DM of an app's bot; events arrive over Socket Mode.",
+    &[
+        Field::secret(
             "bot_token",
             "Bot token",
-            Input::Secret,
-            true,
             Some("xoxb-..."),
             "The app's Bot User OAuth Token (OAuth & Permissions).",
         ),
-        field(
+        Field::secret(
             "app_token",
             "App-level token",
-            Input::Secret,
-            true,
             Some("xapp-..."),
             "An app-level token with the connections:write scope (Basic Information), with Socket Mode on.",
         ),
-        field(
+        Field::text(
             "channel_id",
             "Channel ID",
-            Input::Text,
-            true,
             Some("C0123456789"),
             "Invite the bot to the channel, then enter its ID (channel details, at the bottom).",
         ),
-    ];
-    let description = "Bind this channel to one Slack channel or DM of an app's bot; events arrive over Socket Mode.";
-    super::flow(FLOW, "form", "Bind a Slack channel", description, fields)
-}
+    ],
+);
 
 /// A token as Slack issues them: its prefix, then letters, digits and `-`.
 fn token_shaped(token: &str, prefix: &str) -> bool {
     token.starts_with(prefix) && token.len() <= 512 && token.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
-impl Slack {
+impl Slack {}
+
+impl Provider for Slack {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
     /// Its form flow: the source the filled-in form names, checked.
-    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let (bot_token, app_token, channel) = (given("bot_token"), given("app_token"), given("channel_id"));
         let invalid = |why: &str| Err(Failure::new(code::INVALID_ARGUMENTS, why.to_string()));
@@ -816,33 +791,6 @@ impl Slack {
         self.lag.fell_behind(&source, u64::MAX, false);
         Ok(source)
     }
-}
-
-impl Owner for Slack {
-    fn bound_through(&self, bot_user: &str) -> Vec<Source> {
-        self.channels_of(bot_user).into_iter().map(|(s, _)| s).collect()
-    }
-
-    fn host(&self) -> &Host {
-        &self.host
-    }
-}
-
-impl Provider for Slack {
-    fn declaration(&self) -> &'static Declaration {
-        &DECLARATION
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow()]
-    }
-
-    /// `slack_app_binding`: checks the bot token (`auth.test`), the app token
-    /// (`apps.connections.open`), the channel (`conversations.info`: the bot is in it) and its
-    /// history (the catch-up reads it).
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind_form(input).map(AuthStep::Bound)
-    }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
         Ok(match self.channel_info(source.as_str())? {
@@ -894,9 +842,8 @@ impl Provider for Slack {
 
     /// One Socket Mode connection per bot with a binding; tokens no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
-        let bots = self.bound_bots(bound);
-        let owner: Weak<dyn Owner> = self.me.clone();
-        self.links.sync(&bots, Some(owner), |line| link::start(&self.me, line));
+        let bots = CHANNELS.accounts::<ChannelInfo>(&self.host.db, bound);
+        self.links.sync(&bots, |line| link::start(&self.me, line));
         self.token_files(".bot").forget_unused(&bots, "slack: bot token of");
         self.token_files(".app").forget_unused(&bots, "slack: app token of");
         self.lag.retain(bound);
@@ -909,27 +856,10 @@ impl Provider for Slack {
             "Socket Mode connections running, one per bound bot.",
             "Socket Mode sockets open now.",
         );
-        let lines = [
-            (
-                "imgate_slack_unbound_messages_total",
-                "counter",
-                "Messages of channels no channel is bound to.",
-                self.counts.unbound.load(Ordering::Relaxed),
-            ),
-            (
-                "imgate_slack_skipped_messages_total",
-                "counter",
-                "Edits, deletes, notices and the bot's own messages, not stored.",
-                self.counts.skipped.load(Ordering::Relaxed),
-            ),
-            (
-                "imgate_slack_caught_up_messages_total",
-                "counter",
-                "Messages stored by a catch-up from the history.",
-                self.counts.caught_up.load(Ordering::Relaxed),
-            ),
-        ];
-        crate::metrics::singles(out, &lines);
+        crate::metrics::counters(
+            out,
+            &[&self.counts.unbound, &self.counts.skipped, &self.counts.caught_up],
+        );
     }
 
     fn stop(&self) {

@@ -5,7 +5,6 @@
 //! between `getUpdates` and the commit re-reads the update (never skips it) and the commit
 //! that took a message also moved the offset past it (never accepts it twice).
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -13,10 +12,10 @@ use super::api::{Api, ApiError, FETCH_DEADLINE, PLATFORM, POLL_SECONDS};
 use super::event::{read_update, Media};
 use super::{source_of, ChatInfo, Telegram};
 use crate::json::{self, obj, strs, Value};
-use crate::outbox::{Cursor, Enqueued};
+use crate::outbox::Cursor;
 use crate::peer_wait;
 use crate::providers::inbound::FileItem;
-use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::providers::intake::{Arrival, Committed, Fetch, Intake, WhenStale};
 use crate::providers::link::workers::{Stop, Worker};
 use crate::providers::link::Backoff;
 use crate::providers::link::Line;
@@ -144,7 +143,7 @@ pub(super) fn accept(tg: &Telegram, token: &str, bot_id: u64, updates: &[Value])
                 };
             }
             Ok(None) => {
-                tg.unbound_updates.fetch_add(1, Ordering::Relaxed);
+                tg.unbound_updates.add(1);
                 let kind = if message.inbound.chat_type == "p2p" {
                     "dm"
                 } else {
@@ -176,21 +175,14 @@ pub(super) fn accept(tg: &Telegram, token: &str, bot_id: u64, updates: &[Value])
             }
             Intake::Submitted(ticket) => ticket,
         };
-        match ticket.wait() {
-            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {}
-            Ok(Enqueued::CapacityExceeded) => {
-                // reject_new: Telegram keeps the update; stop advancing the offset (backpressure).
-                log::warn!("telegram: {source}: queue full; leaving updates at Telegram until there is room");
-                return Batch::Stopped {
-                    wait: Duration::from_secs(5),
-                };
-            }
-            Err(e) => {
-                log::debug!("telegram: {source}: cannot store the update before offset {after}: {e}");
-                return Batch::Stopped {
-                    wait: Duration::from_secs(1),
-                };
-            }
+        // reject_new: Telegram keeps the update; the offset stays (backpressure).
+        let wait = match host.committed(ticket, &source, "leaving updates at Telegram until there is room") {
+            Committed::Stored => Duration::ZERO,
+            Committed::Full => Duration::from_secs(5),
+            Committed::Failed => Duration::from_secs(1),
+        };
+        if !wait.is_zero() {
+            return Batch::Stopped { wait };
         }
         next = next.max(after);
     }

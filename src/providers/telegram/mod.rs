@@ -9,27 +9,25 @@ pub mod api;
 pub mod event;
 pub mod link;
 
-use crate::atomic::AtomicU64;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::TableDefinition;
 
 use self::api::{Api, ApiError};
 use super::bindings::Rows;
 use super::keyfiles::KeyFiles;
 use super::link::Links;
-use super::{
-    field, Activity, AuthStep, Declaration, Delta, Description, Failure, Host, HttpAnswer, HttpRequest, Input,
-    Outbound, Provider, Registration, Reply, Route,
-};
 use super::{inbound, multipart, with_retry};
-use crate::config::{Config, Fields, Problems, Reader, Secret, Section, Settings};
+use super::{
+    Activity, Declaration, Delta, Description, Failure, Field, Flow, Host, HttpAnswer, HttpRequest, Outbound, Provider,
+    Registration, Reply, Route,
+};
+use crate::config::{Config, Fields, Problems, Secret, Section, Settings};
 use crate::json::{self, b, obj, s, Object, Value};
+use crate::metrics::Counter;
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::source::Source;
@@ -37,11 +35,8 @@ use crate::store::{self, StoreError};
 
 const NAME: &str = "telegram";
 /// source → `ChatInfo`.
-const CHATS: Rows = Rows {
-    table: TableDefinition::new("telegram_chats"),
-    what: "telegram chat",
-};
-const FLOW: &str = "telegram_bot_binding";
+const CHATS: Rows = Rows::new(NAME, "telegram_chats", "telegram chat");
+const FLOW_ID: &str = "telegram_bot_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// Telegram's limit for one message's text.
 const MAX_TEXT: usize = 4096;
@@ -57,16 +52,7 @@ const TYPING_LIMIT: Duration = Duration::from_secs(60);
 /// second per chat); the final edit always goes out.
 const EDIT_EVERY: Duration = Duration::from_secs(1);
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "telegram",
-        secrets: &["bot_token", "webhook_secret"],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &["bot_token", "webhook_secret"], read, start);
 
 /// `[telegram]`.
 #[derive(Clone)]
@@ -125,7 +111,10 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         pollers: Links::new("telegram: bot", "poller"),
         typing: Mutex::new(HashMap::new()),
         edits: Mutex::new(HashMap::new()),
-        unbound_updates: AtomicU64::new(0),
+        unbound_updates: Counter::new(
+            "imgate_telegram_unbound_updates_total",
+            "Updates of chats no channel is bound to.",
+        ),
     });
     if tg.webhook_bot().is_some() {
         // setWebhook blocks on Telegram; the start does not wait for it.
@@ -168,8 +157,7 @@ pub struct Telegram {
     typing: Mutex<HashMap<i64, Arc<Typing>>>,
     /// Streamed messages (`chat:message`) and when each was last edited.
     edits: Mutex<HashMap<String, Instant>>,
-    /// Updates from chats no channel is bound to (counted, logged at debug, not stored).
-    unbound_updates: AtomicU64,
+    unbound_updates: Counter,
 }
 
 fn redact_id(id: i64) -> String {
@@ -199,11 +187,7 @@ pub fn split_text(text: &str) -> Vec<String> {
 
 impl Telegram {
     fn token_files(&self) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("telegram"),
-            prefix: "bot",
-            suffix: ".token",
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("telegram"), "bot", ".token")
     }
 
     /// The token that speaks for a binding.
@@ -229,24 +213,8 @@ impl Telegram {
         store::parse_u64(&key, self.host.outbox.cursor(&key)?)
     }
 
-    /// The bound chats of `bound` with what their bindings know.
-    fn bound_chats(&self, bound: &[Source]) -> Vec<(String, ChatInfo)> {
-        bound
-            .iter()
-            .filter(|s| s.provider() == NAME)
-            .filter_map(|s| match self.chat_info(s.as_str()) {
-                Ok(Some(info)) => Some((s.to_string(), info)),
-                Ok(None) => None,
-                Err(e) => {
-                    log::error!("telegram: cannot read the binding of {s}: {e}");
-                    None
-                }
-            })
-            .collect()
-    }
-
     /// Forgets tokens no binding uses any more.
-    fn forget_unused_tokens(&self, chats: &[(String, ChatInfo)]) {
+    fn forget_unused_tokens(&self, chats: &[(Source, ChatInfo)]) {
         let in_use: Vec<String> = chats
             .iter()
             .filter(|(_, i)| i.own_token)
@@ -480,42 +448,40 @@ const DECLARATION: Declaration = Declaration {
     name: NAME,
     label: "Telegram",
     description: "A Telegram bot in a private chat or a group.",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 
-fn flow(default_bot: bool) -> Value {
-    let token_help = if default_bot {
-        "Leave empty to use the device's bot, or enter another bot's token from BotFather."
-    } else {
-        "Create a bot with BotFather and enter its token."
-    };
-    let fields = vec![
-        // Required only when the device has no default bot.
-        field(
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a Telegram Bot",
+    "Bind this channel to one Telegram chat of a bot.",
+    &[
+        Field::secret(
             "bot_token",
             "Bot Token",
-            Input::Secret,
-            !default_bot,
             Some("123456:ABC-DEF..."),
-            token_help,
-        ),
-        field(
+            "Create a bot with BotFather and enter its token.",
+        )
+        .or_device("Leave empty to use the device's bot, or enter another bot's token from BotFather."),
+        Field::text(
             "chat_id",
             "Chat ID",
-            Input::Text,
-            true,
             Some("For example, 123456789"),
             "Start a conversation with the bot (or add it to the group), then enter the chat ID.",
         ),
-    ];
-    let description = "Bind this channel to one Telegram chat of a bot.";
-    super::flow(FLOW, "form", "Bind a Telegram Bot", description, fields)
-}
+    ],
+);
 
-impl Telegram {
+impl Telegram {}
+
+impl Provider for Telegram {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
     /// Its form flow: the source the filled-in form names, checked.
-    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = json::get_str(input, "bot_token")
             .map(str::trim)
             .filter(|t| !t.is_empty());
@@ -589,20 +555,9 @@ impl Telegram {
         self.save_chat_info(source.as_str(), &info)?;
         Ok(source)
     }
-}
 
-impl Provider for Telegram {
-    fn declaration(&self) -> &'static Declaration {
-        &DECLARATION
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow(self.settings.bot_token.is_some())]
-    }
-
-    /// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind_form(input).map(AuthStep::Bound)
+    fn device_account(&self) -> bool {
+        self.settings.bot_token.is_some()
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
@@ -702,7 +657,7 @@ impl Provider for Telegram {
 
     /// Pollers follow the bindings; tokens no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
-        let chats = self.bound_chats(bound);
+        let chats = CHATS.of_bound::<ChatInfo>(&self.host.db, bound);
         let pushed = self.webhook_bot();
         let mut wanted: HashMap<String, ChatInfo> = HashMap::new();
         for (_, info) in &chats {
@@ -713,7 +668,7 @@ impl Provider for Telegram {
             wanted.entry(info.bot_id.to_string()).or_insert_with(|| info.clone());
         }
         let bots: Vec<String> = wanted.keys().cloned().collect();
-        self.pollers.sync(&bots, None, |line| {
+        self.pollers.sync(&bots, |line| {
             let info = wanted.get(line.account())?.clone();
             link::start(&self.me, info, line)
         });
@@ -746,21 +701,14 @@ impl Provider for Telegram {
     fn metrics(&self, out: &mut String) {
         crate::metrics::singles(
             out,
-            &[
-                (
-                    "imgate_telegram_pollers",
-                    "gauge",
-                    "Bots polled, one per bound bot.",
-                    self.pollers.count() as u64,
-                ),
-                (
-                    "imgate_telegram_unbound_updates_total",
-                    "counter",
-                    "Updates of chats no channel is bound to.",
-                    self.unbound_updates.load(Ordering::Relaxed),
-                ),
-            ],
+            &[(
+                "imgate_telegram_pollers",
+                "gauge",
+                "Bots polled, one per bound bot.",
+                self.pollers.count() as u64,
+            )],
         );
+        crate::metrics::counters(out, &[&self.unbound_updates]);
     }
 
     fn stop(&self) {

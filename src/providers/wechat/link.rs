@@ -8,15 +8,14 @@
 //! message that cannot be stored (a full queue, the store) stops the batch before the buffer
 //! moves. A batch that stores nothing moves the buffer on its own.
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::update::{self, Batch};
 use super::{buf_key, context_key, Wechat, NAME};
 use crate::json::{obj, s};
-use crate::outbox::{Cursor, Enqueued};
-use crate::providers::intake::{Arrival, Fetch, Intake, WhenStale};
+use crate::outbox::Cursor;
+use crate::providers::intake::{Arrival, Committed, Fetch, Intake, WhenStale};
 use crate::providers::link::workers::{Stop, Worker};
 use crate::providers::link::{Backoff, Line};
 use crate::source::Source;
@@ -100,8 +99,7 @@ fn accept(wx: &Wechat, bot: &str, old_buf: &str, batch: Batch) -> Option<Duratio
     match host.channels.bound_channel(source.as_str()) {
         Ok(Some(_)) => {}
         Ok(None) => {
-            wx.unbound_messages
-                .fetch_add(batch.messages.len() as u64, Ordering::Relaxed);
+            wx.unbound_messages.add(batch.messages.len() as u64);
             log::debug!("wechat: bot {bot}: messages while no channel is bound to it");
             return new_buf.and_then(|b| move_buffer(wx, bot, &b));
         }
@@ -145,17 +143,11 @@ fn accept(wx: &Wechat, bot: &str, old_buf: &str, batch: Batch) -> Option<Duratio
                 continue;
             }
         };
-        match ticket.wait() {
-            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => {}
-            Ok(Enqueued::CapacityExceeded) => {
-                // reject_new: iLink keeps the batch while the buffer stays (backpressure).
-                log::warn!("wechat: {source}: queue full; leaving messages at WeChat until there is room");
-                return Some(Duration::from_secs(5));
-            }
-            Err(e) => {
-                log::debug!("wechat: {source}: cannot store a message: {e}");
-                return Some(Duration::from_secs(1));
-            }
+        // reject_new: iLink keeps the batch while the buffer stays (backpressure).
+        match host.committed(ticket, &source, "leaving messages at WeChat until there is room") {
+            Committed::Stored => {}
+            Committed::Full => return Some(Duration::from_secs(5)),
+            Committed::Failed => return Some(Duration::from_secs(1)),
         }
     }
     match (buf_moved, new_buf) {

@@ -19,9 +19,7 @@ mod login;
 pub mod qr;
 pub mod update;
 
-use crate::atomic::AtomicU64;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -34,19 +32,20 @@ use super::inbound::FileItem;
 use super::keyfiles::KeyFiles;
 use super::link::Links;
 use super::{
-    split_text, with_retry, AuthStep, Declaration, Description, Failure, Host, Outbound, Provider, Registration,
+    split_text, with_retry, AuthStep, Declaration, Description, Failure, Flow, Host, Outbound, Provider, Registration,
 };
-use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
+use crate::config::{Config, Fields, Problems, Section, Settings};
 use crate::files::FileRecord;
 use crate::ids;
 use crate::json::{self, arr, obj, s, Object, Value};
+use crate::metrics::Counter;
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
 use crate::source::Source;
 use crate::store::{self, StoreError};
 
 const NAME: &str = "wechat";
-const FLOW: &str = "wechat_qr_login";
+const FLOW_ID: &str = "wechat_qr_login";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A text message is split at this many characters.
 const MAX_TEXT: usize = 2000;
@@ -61,16 +60,7 @@ const UPLOAD_IMAGE: u64 = 1;
 const UPLOAD_VIDEO: u64 = 2;
 const UPLOAD_FILE: u64 = 3;
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "wechat",
-        secrets: &[],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &[], read, start);
 
 /// `[wechat]`.
 #[derive(Clone)]
@@ -116,7 +106,10 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         api: Api::default(),
         logins: login::Logins::default(),
         pollers: Links::new("wechat: bot", "receiver"),
-        unbound_messages: AtomicU64::new(0),
+        unbound_messages: Counter::new(
+            "imgate_wechat_unbound_messages_total",
+            "Messages of users no channel is bound to.",
+        ),
     })))
 }
 
@@ -145,8 +138,7 @@ pub struct Wechat {
     api: Api,
     logins: login::Logins,
     pollers: Links,
-    /// Messages to a bot whose channel binding is gone (counted, not stored).
-    unbound_messages: AtomicU64,
+    unbound_messages: Counter,
 }
 
 fn buf_key(bot: &str) -> String {
@@ -164,11 +156,7 @@ fn ended_key(bot: &str) -> String {
 
 impl Wechat {
     fn token_files(&self) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("wechat"),
-            prefix: "",
-            suffix: ".token",
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("wechat"), "", ".token")
     }
 
     fn account(&self, bot: &str) -> Option<Account> {
@@ -422,29 +410,21 @@ const DECLARATION: Declaration = Declaration {
     name: NAME,
     label: "WeChat",
     description: "Your WeChat bot, signed in by scanning a QR code.",
-    flow_ids: &[FLOW],
+    flows: &[FLOW],
     tools: TOOLS,
 };
 
-fn flow() -> Value {
-    let description =
-        "Scan the code with WeChat on your phone and confirm: this channel then talks to your WeChat bot.";
-    super::flow(
-        FLOW,
-        "qr_login",
-        "Sign in to WeChat with a QR code",
-        description,
-        Vec::new(),
-    )
-}
+const FLOW: Flow = Flow {
+    id: FLOW_ID,
+    kind: "qr_login",
+    title: "Sign in to WeChat with a QR code",
+    description: "Scan the code with WeChat on your phone and confirm: this channel then talks to your WeChat bot.",
+    fields: &[],
+};
 
 impl Provider for Wechat {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow()]
     }
 
     fn auth_start(&self, _flow_id: &str, _input: &Object) -> Result<AuthStep, Failure> {
@@ -511,28 +491,21 @@ impl Provider for Wechat {
             .filter(|b| self.account(b).is_some() && !matches!(self.meta(&ended_key(b)), Ok(Some(_))))
             .cloned()
             .collect();
-        self.pollers.sync(&receiving, None, |line| link::start(&self.me, line));
+        self.pollers.sync(&receiving, |line| link::start(&self.me, line));
         self.token_files().forget_unused(&bots, "wechat: token of bot");
     }
 
     fn metrics(&self, out: &mut String) {
         crate::metrics::singles(
             out,
-            &[
-                (
-                    "imgate_wechat_receivers",
-                    "gauge",
-                    "WeChat bots received from, one per bound sign-in.",
-                    self.pollers.count() as u64,
-                ),
-                (
-                    "imgate_wechat_unbound_messages_total",
-                    "counter",
-                    "Messages of users no channel is bound to.",
-                    self.unbound_messages.load(Ordering::Relaxed),
-                ),
-            ],
+            &[(
+                "imgate_wechat_receivers",
+                "gauge",
+                "WeChat bots received from, one per bound sign-in.",
+                self.pollers.count() as u64,
+            )],
         );
+        crate::metrics::counters(out, &[&self.unbound_messages]);
     }
 
     fn stop(&self) {

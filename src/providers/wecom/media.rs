@@ -111,11 +111,7 @@ pub fn download(
         .get("Content-Disposition")
         .and_then(|v| v.to_str().ok())
         .and_then(filename);
-    let content_type = resp
-        .headers()
-        .get("Content-Type")
-        .and_then(|v| v.to_str().ok())
-        .map(|c| c.chars().take(128).collect::<String>());
+    let content_type = upstream::content_type(&resp);
     let mut write = |plain: &[u8]| part.write(plain);
     let streamed = upstream::stream_body(&mut resp, |piece| match decrypting.as_mut() {
         Some(d) => d.push(piece, &mut write),

@@ -21,42 +21,35 @@ pub mod link;
 pub mod media;
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use miniserde::{Deserialize, Serialize};
-use redb::TableDefinition;
 
 use self::api::Answer;
 use self::event::{Media, RobotMessage};
-use super::bindings::Rows;
+use super::bindings::{Rows, Through};
 use super::inbound::{self, FileItem, Inbound};
-use super::intake::{Arrival, Fetch, Intake, Recent, WhenStale};
+use super::intake::{Arrival, Committed, Fetch, Intake, Recent, WhenStale};
 use super::keyfiles::KeyFiles;
 use super::link::calls::{CallError, Calls};
-use super::link::{Links, Owner};
+use super::link::{followers, Links};
 use super::{
-    field, send_id, split_text, AuthStep, Declaration, Description, Failure, Host, Input, Outbound, Provider,
-    Registration,
+    send_id, split_text, Declaration, Description, Failure, Field, Flow, Host, Outbound, Provider, Registration,
 };
-use crate::atomic::AtomicU64;
-use crate::config::{Config, Fields, Problems, Reader, Section, Settings};
-use crate::json::{self, Object, Value};
-use crate::outbox::{Cursor, Enqueued, Ticket};
+use crate::config::{Config, Fields, Problems, Section, Settings};
+use crate::json::{self, Object};
+use crate::metrics::Counter;
+use crate::outbox::{Cursor, Ticket};
 use crate::protocol::code;
 use crate::protocol::{TOOL_FILE_SEND, TOOL_REPLY, TOOL_SEND};
-use crate::quiet::Site;
 use crate::source::Source;
 use crate::store::StoreError;
 
 const NAME: &str = "wecom";
 /// source → `ChatInfo`.
-const CHATS: Rows = Rows {
-    table: TableDefinition::new("wecom_chats"),
-    what: "wecom chat",
-};
-const FLOW: &str = "wecom_bot_binding";
+const CHATS: Rows = Rows::new(NAME, "wecom_chats", "wecom chat");
+const FLOW_ID: &str = "wecom_bot_binding";
 const TOOLS: &[&str] = &[TOOL_SEND, TOOL_REPLY, TOOL_FILE_SEND];
 /// A part of a text is at most this many characters: `api::MAX_CONTENT` bytes of UTF-8.
 const MAX_TEXT: usize = api::MAX_CONTENT / 4;
@@ -70,16 +63,7 @@ const FETCH_DEADLINE: Duration = Duration::from_secs(60);
 /// Recently stored messages remembered (`Recent`).
 const RECENT: usize = 256;
 
-pub const REGISTRATION: Registration = Registration {
-    reader: Reader {
-        provider: NAME,
-        section: "wecom",
-        secrets: &[],
-        read,
-        left_out: false,
-    },
-    start,
-};
+pub const REGISTRATION: Registration = Registration::new(NAME, &[], read, start);
 
 /// `[wecom]`.
 #[derive(Clone)]
@@ -127,12 +111,14 @@ fn start(host: &Arc<Host>) -> Result<Option<Arc<dyn Provider>>, StoreError> {
         me: me.clone(),
         host: host.clone(),
         settings,
-        links: Links::new("wecom: robot", "long connection"),
+        links: Links::new("wecom: robot", "long connection").followed_by(followers::<ChatInfo>(host, &CHATS)),
         calls: Mutex::default(),
         files: crate::upstream::agent(FETCH_DEADLINE),
         recent: Recent::new(RECENT),
-        unbound: AtomicU64::default(),
-        full_log: Site::new(),
+        unbound: Counter::new(
+            "imgate_wecom_unbound_messages_total",
+            "Robot messages of chats no channel is bound to.",
+        ),
     })))
 }
 
@@ -154,6 +140,12 @@ struct ReplyRoute {
     req_id: String,
     /// When the message arrived (Unix ms).
     at_ms: u64,
+}
+
+impl Through for ChatInfo {
+    fn account(&self) -> &str {
+        &self.bot_id
+    }
 }
 
 pub fn source_of(bot_id: &str, chat: &str) -> Source {
@@ -183,10 +175,7 @@ pub struct WeCom {
     /// Media downloads: a slow link's 20 MB in one call.
     files: ureq::Agent,
     recent: Recent,
-    /// Messages of chats no channel is bound to.
-    unbound: AtomicU64,
-    /// Messages refused by full caps (`reject_new`), logged once a minute.
-    full_log: Site,
+    unbound: Counter,
 }
 
 /// One message after `prepare`: the commit to wait for, with its msgid, or nothing to wait for.
@@ -197,11 +186,7 @@ enum Handled {
 
 impl WeCom {
     fn secret_files(&self) -> KeyFiles {
-        KeyFiles {
-            dir: self.host.config.server.state_dir.join("wecom"),
-            prefix: "",
-            suffix: ".secret",
-        }
+        KeyFiles::new(self.host.config.server.state_dir.join("wecom"), "", ".secret")
     }
 
     /// The secret of robot `bot_id`, while a binding keeps it.
@@ -218,17 +203,6 @@ impl WeCom {
         CHATS.get(&self.host.db, source.as_str())
     }
 
-    /// The bound chats of robot `bot_id`.
-    fn chats_of(&self, bot_id: &str) -> Vec<(Source, ChatInfo)> {
-        let bound = self.host.channels.bound_sources().unwrap_or_else(|e| {
-            log::error!("wecom: cannot read the bindings: {e}");
-            Vec::new()
-        });
-        let mut rows = CHATS.of_bound::<ChatInfo>(&self.host.db, &bound, NAME);
-        rows.retain(|(_, i)| i.bot_id == bot_id);
-        rows
-    }
-
     /// Stores one run of a chat's robot messages of robot `bot_id`, in their order, on a
     /// blocking thread: the binding read once, each message handed to the outbox without
     /// waiting, then every commit awaited, so a burst shares its commits.
@@ -242,7 +216,7 @@ impl WeCom {
         let info = match bound {
             Ok(Some(info)) => info,
             Ok(None) => {
-                self.unbound.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                self.unbound.add(messages.len() as u64);
                 if chat_ok(chat) {
                     let kind = if last.group { "group" } else { "dm" };
                     self.host.unbound_seen(NAME, chat, kind);
@@ -329,17 +303,9 @@ impl WeCom {
     /// Waits for a prepared message's commit.
     fn finish(&self, source: &Source, h: Handled) {
         let Handled::Commit(ticket, msgid) = h else { return };
-        match ticket.wait() {
-            Ok(Enqueued::Accepted { .. } | Enqueued::Duplicate) => self.recent.stored(String::new(), msgid),
-            Ok(Enqueued::CapacityExceeded) => {
-                if let Some(more) = self.full_log.admit() {
-                    log::warn!(
-                        "wecom: {source}: queue full; a message was not stored (WeCom does not send it again){more}"
-                    );
-                }
-            }
-            // The store logs the outage once; one line per message would flood the log.
-            Err(e) => log::debug!("wecom: {source}: cannot store a message: {e}"),
+        let then = "a message was not stored (WeCom does not send it again)";
+        if self.host.committed(ticket, source, then) == Committed::Stored {
+            self.recent.stored(String::new(), msgid);
         }
     }
 
@@ -475,8 +441,83 @@ impl WeCom {
         Ok(req_id)
     }
 
+    /// A subscribe with `bot_id` and `secret`, answered 0.
+    fn check(&self, bot_id: &str, secret: &str) -> Result<(), Failure> {
+        match smol::block_on(api::subscribe(&self.settings.ws_url, bot_id, secret)) {
+            Ok(ws) => {
+                drop(ws);
+                Ok(())
+            }
+            Err(api::Refusal::Refused(_, why)) => Err(Failure::new(
+                code::CONNECTION_NOT_AUTHENTICATED,
+                format!("{why}: check the robot's Bot ID and Secret, and that it uses the long connection"),
+            )),
+            Err(api::Refusal::Failed(why)) => Err(Failure::temporary(
+                code::UPSTREAM_UNREACHABLE,
+                format!("cannot reach WeCom's long connection: {why}"),
+            )),
+        }
+    }
+
+    /// The links of the robots bound now (the binding being made joins at `bindings_changed`).
+    fn relink(&self) {
+        let bound = self.host.channels.bound_sources().unwrap_or_default();
+        self.sync_links(&CHATS.accounts::<ChatInfo>(&self.host.db, &bound));
+    }
+
+    /// One long connection for each of `robots`, and none for any other.
+    fn sync_links(&self, robots: &[String]) {
+        let quiet = self.settings.replace_quiet;
+        self.links.sync(robots, |line| {
+            link::start(&self.me, self.calls_of(line.account()), quiet, line)
+        });
+    }
+
+    /// Keeps a checked binding: the secret's file and the chat's row.
+    fn keep(&self, bot_id: &str, secret: &str, chat: &str) -> Result<Source, Failure> {
+        self.secret_files()
+            .store(bot_id, secret)
+            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the secret: {e}")))?;
+        let source = source_of(bot_id, chat);
+        let known = self.info(&source).map_err(Failure::storage)?;
+        let row = ChatInfo {
+            bot_id: bot_id.to_string(),
+            chat: chat.to_string(),
+            chat_type: known.map(|k| k.chat_type).unwrap_or_default(),
+        };
+        CHATS
+            .put(&self.host.db, source.as_str(), &row)
+            .map_err(Failure::storage)?;
+        Ok(source)
+    }
+}
+
+const DECLARATION: Declaration = Declaration {
+    name: NAME,
+    label: "WeCom",
+    description: "A WeCom (企业微信) intelligent robot in a group or a one-to-one chat, over the long connection.",
+    flows: &[FLOW],
+    tools: TOOLS,
+};
+
+const FLOW: Flow = Flow::form(
+    FLOW_ID,
+    "Bind a WeCom chat",
+    "Bind this channel to one WeCom group or one-to-one chat of an intelligent robot; messages arrive over its long connection.",
+    &[
+    Field::text("bot_id", "Bot ID", None, "The intelligent robot's Bot ID (its API settings: receive messages by long connection)."),
+    Field::secret("secret", "Secret", None, "The robot's Secret, shown beside its Bot ID."),
+    Field::text("chat_id", "Chat ID", None, "A group's chatid, or the user ID of a one-to-one chat: write to the robot once (in a group: @ it), then copy it from imgate's /status (unbound_recent)."),
+    ],
+);
+
+impl Provider for WeCom {
+    fn declaration(&self) -> &'static Declaration {
+        &DECLARATION
+    }
+
     /// Its form flow: the source the filled-in form names, checked.
-    fn bind_form(&self, input: &Object) -> Result<Source, Failure> {
+    fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let (bot_id, secret, chat) = (given("bot_id"), given("secret"), given("chat_id"));
         let invalid = |why: &str| Err(Failure::new(code::INVALID_ARGUMENTS, why.to_string()));
@@ -503,130 +544,6 @@ impl WeCom {
             .and_then(|()| self.keep(bot_id, secret, chat));
         self.relink();
         kept
-    }
-
-    /// A subscribe with `bot_id` and `secret`, answered 0.
-    fn check(&self, bot_id: &str, secret: &str) -> Result<(), Failure> {
-        match smol::block_on(api::subscribe(&self.settings.ws_url, bot_id, secret)) {
-            Ok(ws) => {
-                drop(ws);
-                Ok(())
-            }
-            Err(api::Refusal::Refused(_, why)) => Err(Failure::new(
-                code::CONNECTION_NOT_AUTHENTICATED,
-                format!("{why}: check the robot's Bot ID and Secret, and that it uses the long connection"),
-            )),
-            Err(api::Refusal::Failed(why)) => Err(Failure::temporary(
-                code::UPSTREAM_UNREACHABLE,
-                format!("cannot reach WeCom's long connection: {why}"),
-            )),
-        }
-    }
-
-    /// The links of the robots bound now (the binding being made joins at `bindings_changed`).
-    fn relink(&self) {
-        let bound = self.host.channels.bound_sources().unwrap_or_default();
-        self.sync_links(&self.bound_robots(&bound));
-    }
-
-    /// One long connection for each of `robots`, and none for any other.
-    fn sync_links(&self, robots: &[String]) {
-        let owner: Weak<dyn Owner> = self.me.clone();
-        let quiet = self.settings.replace_quiet;
-        self.links.sync(robots, Some(owner), |line| {
-            link::start(&self.me, self.calls_of(line.account()), quiet, line)
-        });
-    }
-
-    /// Keeps a checked binding: the secret's file and the chat's row.
-    fn keep(&self, bot_id: &str, secret: &str, chat: &str) -> Result<Source, Failure> {
-        self.secret_files()
-            .store(bot_id, secret)
-            .map_err(|e| Failure::new(code::TOOL_INVOKE_FAILED, format!("cannot store the secret: {e}")))?;
-        let source = source_of(bot_id, chat);
-        let known = self.info(&source).map_err(Failure::storage)?;
-        let row = ChatInfo {
-            bot_id: bot_id.to_string(),
-            chat: chat.to_string(),
-            chat_type: known.map(|k| k.chat_type).unwrap_or_default(),
-        };
-        CHATS
-            .put(&self.host.db, source.as_str(), &row)
-            .map_err(Failure::storage)?;
-        Ok(source)
-    }
-
-    /// The bound robots.
-    fn bound_robots(&self, bound: &[Source]) -> Vec<String> {
-        let rows = CHATS.of_bound::<ChatInfo>(&self.host.db, bound, NAME);
-        let mut robots: Vec<String> = rows.into_iter().map(|(_, i)| i.bot_id).collect();
-        robots.sort();
-        robots.dedup();
-        robots
-    }
-}
-
-const DECLARATION: Declaration = Declaration {
-    name: NAME,
-    label: "WeCom",
-    description: "A WeCom (企业微信) intelligent robot in a group or a one-to-one chat, over the long connection.",
-    flow_ids: &[FLOW],
-    tools: TOOLS,
-};
-
-fn flow() -> Value {
-    let fields = vec![
-        field(
-            "bot_id",
-            "Bot ID",
-            Input::Text,
-            true,
-            None,
-            "The intelligent robot's Bot ID (its API settings: receive messages by long connection).",
-        ),
-        field(
-            "secret",
-            "Secret",
-            Input::Secret,
-            true,
-            None,
-            "The robot's Secret, shown beside its Bot ID.",
-        ),
-        field(
-            "chat_id",
-            "Chat ID",
-            Input::Text,
-            true,
-            None,
-            "A group's chatid, or the user ID of a one-to-one chat: write to the robot once (in a group: @ it), then copy it from imgate's /status (unbound_recent).",
-        ),
-    ];
-    let description = "Bind this channel to one WeCom group or one-to-one chat of an intelligent robot; messages arrive over its long connection.";
-    super::flow(FLOW, "form", "Bind a WeCom chat", description, fields)
-}
-
-impl Owner for WeCom {
-    fn bound_through(&self, bot_id: &str) -> Vec<Source> {
-        self.chats_of(bot_id).into_iter().map(|(s, _)| s).collect()
-    }
-
-    fn host(&self) -> &Host {
-        &self.host
-    }
-}
-
-impl Provider for WeCom {
-    fn declaration(&self) -> &'static Declaration {
-        &DECLARATION
-    }
-
-    fn auth_flows(&self) -> Vec<Value> {
-        vec![flow()]
-    }
-
-    /// `wecom_bot_binding`: checks the robot's ID and secret (a subscribe answered 0).
-    fn auth_start(&self, _flow_id: &str, input: &Object) -> Result<AuthStep, Failure> {
-        self.bind_form(input).map(AuthStep::Bound)
     }
 
     fn describe(&self, source: &Source) -> Result<Description, StoreError> {
@@ -697,7 +614,7 @@ impl Provider for WeCom {
 
     /// One long connection per robot with a binding; secrets no binding uses are forgotten.
     fn bindings_changed(&self, bound: &[Source]) {
-        let robots = self.bound_robots(bound);
+        let robots = CHATS.accounts::<ChatInfo>(&self.host.db, bound);
         self.sync_links(&robots);
         self.secret_files().forget_unused(&robots, "wecom: secret of robot");
         let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
@@ -711,13 +628,7 @@ impl Provider for WeCom {
             "Long connections running, one per bound robot.",
             "Long connections subscribed now.",
         );
-        crate::metrics::single(
-            out,
-            "imgate_wecom_unbound_messages_total",
-            "counter",
-            "Robot messages of chats no channel is bound to.",
-            self.unbound.load(Ordering::Relaxed),
-        );
+        crate::metrics::counters(out, &[&self.unbound]);
     }
 
     fn stop(&self) {
