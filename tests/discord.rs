@@ -463,9 +463,9 @@ fn no_session_is_started_while_the_daily_budget_is_used_up() {
 }
 
 #[test]
-fn files_go_both_ways_and_rate_limits_are_honoured() {
+fn a_posted_attachment_arrives_in_the_file_cache() {
     let (d, w) = discord("dc-files", &[]);
-    let (mut x, cch) = bound(&d, &w);
+    let (mut x, _) = bound(&d, &w);
     let png = patterned(300_000, 7);
     let id = w.sim.post(
         &w.channel,
@@ -479,7 +479,13 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
     let (status, bytes) = download(&d, file);
     assert_eq!(status, 200);
     assert_same_bytes(&bytes, &png, "the Discord attachment");
+    assert_stops_cleanly(d);
+}
 
+#[test]
+fn a_sent_file_is_posted_with_its_caption() {
+    let (d, w) = discord("dc-upload", &[]);
+    let (mut x, cch) = bound(&d, &w);
     let (status, up) = upload_as(&d, &cch, "report.pdf", "application/pdf", b"%PDF-1.4 report");
     assert_eq!(status, 200, "{up}");
     let a = x.tool(
@@ -494,7 +500,13 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
     assert_eq!(last.files.len(), 1);
     assert_eq!(last.files[0].filename, "report.pdf");
     assert_eq!(last.files[0].bytes, b"%PDF-1.4 report");
+    assert_stops_cleanly(d);
+}
 
+#[test]
+fn a_rate_limited_send_waits_and_is_sent_once() {
+    let (d, w) = discord("dc-rate", &[]);
+    let (mut x, cch) = bound(&d, &w);
     // A rate limit within the tool's deadline: waited for, then sent once.
     w.sim.fault(
         "POST /channels/{id}/messages",
@@ -514,9 +526,15 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
         "one refused, one sent"
     );
     assert_eq!(w.sim.posted(&w.channel).len(), sent_before + 1, "sent once");
+    assert_stops_cleanly(d);
+}
 
-    // Created, but the answer lost on the way: the retry carries the same nonce, and Discord
-    // answers with the first message instead of a second.
+/// Created, but the answer lost on the way: the retry carries the same nonce, and Discord
+/// answers with the first message instead of a second.
+#[test]
+fn a_send_whose_answer_was_lost_is_retried_with_its_nonce_and_creates_one_message() {
+    let (d, w) = discord("dc-nonce", &[]);
+    let (mut x, cch) = bound(&d, &w);
     w.sim.fault("POST /channels/{id}/messages", 1, Fault::Lost(502));
     let a = x.tool(&cch, "imgate_message_send", json!({"text": "said once"}), "dc-r2");
     assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");

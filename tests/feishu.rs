@@ -394,7 +394,7 @@ fn the_long_connection_comes_back_after_the_server_drops_it() {
 }
 
 #[test]
-fn an_expired_token_is_renewed_within_a_tool_call_and_rate_limits_are_retried() {
+fn an_expired_token_is_renewed_within_a_tool_call() {
     let (d, sim) = feishu("fs-token", &[]);
     let (mut x, cch) = bound(&d, &sim);
     let a = x.tool(&cch, "imgate_message_send", json!({"text": "one"}), "t-1");
@@ -404,23 +404,33 @@ fn an_expired_token_is_renewed_within_a_tool_call_and_rate_limits_are_retried() 
     let a = x.tool(&cch, "imgate_message_send", json!({"text": "two"}), "t-2");
     assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
     assert_eq!(sim.tokens_issued(), issued + 1, "one new token, fetched on the refusal");
+    let sent = sim.calls("/open-apis/im/v1/messages?receive_id_type=chat_id");
+    assert_eq!(sent.len(), 3, "one, two (token refused, then sent)");
+    assert_no_secret(&d.log(), &[SECRET, "t-sim"], "the trace log");
+}
 
+#[test]
+fn rate_limits_and_server_errors_are_retried_as_the_same_send() {
+    let (d, sim) = feishu("fs-retry", &[]);
+    let (mut x, cch) = bound(&d, &sim);
     sim.fail_next("/open-apis/im/v1/messages", 429, 99991400, 1);
     sim.fail_next("/open-apis/im/v1/messages", 503, 0, 1);
     let a = x.tool(&cch, "imgate_message_send", json!({"text": "three"}), "t-3");
     assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
     let sent = sim.calls("/open-apis/im/v1/messages?receive_id_type=chat_id");
-    assert_eq!(
-        sent.len(),
-        6,
-        "one, two (token refused, then sent), three (429, 503, sent)"
-    );
-    let uuids: Vec<&str> = sent[3..].iter().map(|c| c["uuid"].as_str().unwrap()).collect();
+    assert_eq!(sent.len(), 3, "429, 503, sent");
+    let uuids: Vec<&str> = sent.iter().map(|c| c["uuid"].as_str().unwrap()).collect();
     assert!(
         uuids.iter().all(|u| *u == uuids[0]),
         "a retry is the same send to Feishu"
     );
+    assert_no_secret(&d.log(), &[SECRET, "t-sim"], "the trace log");
+}
 
+#[test]
+fn a_send_feishu_refuses_answers_upstream_rejected() {
+    let (d, sim) = feishu("fs-refused", &[]);
+    let (mut x, cch) = bound(&d, &sim);
     sim.fail_next("/open-apis/im/v1/messages", 400, 230002, 1);
     let a = x.tool(&cch, "imgate_message_send", json!({"text": "four"}), "t-4");
     assert_eq!(a["error"]["code"], "upstream_rejected", "{a}");

@@ -283,9 +283,9 @@ fn a_sigkill_between_an_event_and_its_commit_loses_nothing_and_stores_it_once() 
 }
 
 #[test]
-fn disconnects_open_the_next_socket_first_and_link_disabled_stops_and_says_so() {
+fn disconnects_open_the_next_socket_first_and_a_dropped_socket_comes_back() {
     let (d, sim) = slack("sl-disconnect", &[]);
-    let (mut x, cch) = bound(&d, &sim);
+    let (mut x, _) = bound(&d, &sim);
     sim.set_disconnect_grace(Duration::from_secs(30));
     sim.disconnect(APP, "warning");
     assert!(
@@ -305,7 +305,12 @@ fn disconnects_open_the_next_socket_first_and_link_disabled_stops_and_says_so() 
     let ts = sim.post(CHAN, ANN, "after the drop", None);
     let push = x.next_push(WAIT).expect("pushed");
     assert_eq!(push["payload"]["message_id"], format!("{CHAN}:{ts}"));
+}
 
+#[test]
+fn link_disabled_stops_the_bot_and_says_so_once() {
+    let (d, sim) = slack("sl-disabled", &[]);
+    let (mut x, cch) = bound(&d, &sim);
     sim.disconnect(APP, "link_disabled");
     let pushed = x.next_of("connection.descriptor.push", WAIT).expect("xAgent is told");
     assert_eq!(
@@ -507,9 +512,9 @@ fn a_sigkill_in_a_thread_catch_up_loses_no_reply() {
 }
 
 #[test]
-fn files_go_both_ways_and_rate_limits_are_honoured() {
+fn a_posted_file_arrives_in_the_file_cache_fetched_with_the_bot_token() {
     let (d, sim) = slack("sl-files", &[]);
-    let (mut x, cch) = bound(&d, &sim);
+    let (mut x, _) = bound(&d, &sim);
     let png = patterned(300_000, 7);
     let ts = sim.post_file(CHAN, ANN, "the plan", "plan.png", "image/png", &png);
     let push = x.next_push(WAIT).expect("the file message is pushed");
@@ -525,7 +530,12 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
         "{:?}",
         sim.downloads()
     );
+}
 
+#[test]
+fn a_sent_file_is_uploaded_to_the_channel_with_its_caption() {
+    let (d, sim) = slack("sl-upload", &[]);
+    let (mut x, cch) = bound(&d, &sim);
     let (status, up) = upload_as(&d, &cch, "report.pdf", "application/pdf", b"%PDF-1.4 report");
     assert_eq!(status, 200, "{up}");
     let a = x.tool(
@@ -541,7 +551,12 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
     assert_eq!(u["initial_comment"], "the report", "{u}");
     let file_id = u["file_id"].as_str().unwrap();
     assert_eq!(sim.uploaded_bytes(file_id), b"%PDF-1.4 report");
+}
 
+#[test]
+fn a_rate_limited_send_waits_and_is_sent_once() {
+    let (d, sim) = slack("sl-rate", &[]);
+    let (mut x, cch) = bound(&d, &sim);
     // A rate limit within the tool's deadline: waited for, then sent once.
     sim.rate_limit_next("chat.postMessage", 1, 1);
     let before = sim.calls("chat.postMessage").len();
@@ -549,8 +564,12 @@ fn files_go_both_ways_and_rate_limits_are_honoured() {
     assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
     assert_eq!(sim.calls("chat.postMessage").len(), before + 2, "one refused, one sent");
     assert_eq!(sim.posted(CHAN).last().unwrap()["text"], "after a pause");
+}
 
-    // A rate-limited reconnect waits as asked, then connects.
+#[test]
+fn a_rate_limited_reconnect_waits_as_asked_then_connects() {
+    let (d, sim) = slack("sl-reconnect", &[]);
+    let _bound = bound(&d, &sim);
     let opens = sim.calls("apps.connections.open").len();
     sim.rate_limit_next("apps.connections.open", 1, 2);
     sim.drop_connection(APP);
