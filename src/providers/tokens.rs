@@ -75,7 +75,7 @@ impl Tokens {
         let token = self.get(account, &fetch)?;
         match attempt(&token) {
             Err(e) if refused(&e) => {
-                if let Some(more) = REFUSED.admit(account) {
+                if let Some(more) = REFUSED.admit(&format!("{} {account}", self.what)) {
                     log::info!(
                         "{} {account}: its access token was refused ({e}); fetching a new one{more}",
                         self.what

@@ -386,14 +386,12 @@ const FLOW: Flow = Flow::form(
     ],
 );
 
-impl Webhooks {}
-
 impl Provider for Webhooks {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
     }
 
-    /// Its form flow: the source the filled-in form names, checked.
+    /// `webhook_binding`: the endpoint must exist and the secret must be that endpoint's.
     fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let endpoint = json::get_str(input, "endpoint").map(str::trim).unwrap_or_default();
         let secret = json::get_str(input, "secret").unwrap_or_default();

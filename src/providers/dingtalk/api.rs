@@ -25,7 +25,6 @@ use crate::upstream::{self, Kind, Platform};
 const MAX_ANSWER: u64 = 256 << 10;
 /// Characters of a server's message kept (it reaches logs and tool results, escaped).
 const MAX_MESSAGE: usize = 200;
-/// Apps whose token is kept (each bound app has one; a binding attempt may add one).
 /// A throttled call (`…QpsLimit…`) waits at least this long: DingTalk counts per second.
 const THROTTLE_WAIT: Duration = Duration::from_secs(1);
 /// The session webhook's `errcode` for a webhook past its life.

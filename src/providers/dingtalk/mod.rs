@@ -584,9 +584,24 @@ const FLOW: Flow = Flow::form(
     "Bind a DingTalk conversation",
     "Bind this channel to one DingTalk group or one-to-one chat of an app's robot; messages arrive over Stream mode.",
     &[
-    Field::text("client_id", "Client ID (AppKey)", Some("dingxxxxxxxxxxxxxxxx"), "The app's Client ID (Credentials & Basic Info in the developer console)."),
-    Field::secret("client_secret", "Client Secret (AppSecret)", None, "The app's Client Secret. Its robot must receive messages in Stream mode."),
-    Field::text("conversation_id", "Conversation ID", Some("cid..."), "Write to the robot once (in a group: @ it), then copy the conversation ID from imgate's /status (unbound_recent)."),
+        Field::text(
+            "client_id",
+            "Client ID (AppKey)",
+            Some("dingxxxxxxxxxxxxxxxx"),
+            "The app's Client ID (Credentials & Basic Info in the developer console).",
+        ),
+        Field::secret(
+            "client_secret",
+            "Client Secret (AppSecret)",
+            None,
+            "The app's Client Secret. Its robot must receive messages in Stream mode.",
+        ),
+        Field::text(
+            "conversation_id",
+            "Conversation ID",
+            Some("cid..."),
+            "Write to the robot once (in a group: @ it), then copy the conversation ID from imgate's /status (unbound_recent).",
+        ),
     ],
 );
 
@@ -606,7 +621,8 @@ impl Provider for DingTalk {
         &DECLARATION
     }
 
-    /// Its form flow: the source the filled-in form names, checked.
+    /// `dingtalk_robot_binding`: checks the credentials (an access token) and Stream mode (a
+    /// connection ticket).
     fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let (client_id, secret, conversation) = (given("client_id"), given("client_secret"), given("conversation_id"));

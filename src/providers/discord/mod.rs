@@ -452,7 +452,6 @@ impl Discord {
             .to_string())
     }
 
-    /// The bound bots.
     /// Shows the bot typing in the channel of `source`: best effort, on the pool, at most every
     /// `TYPING_EVERY` (Discord shows it for about 10 s). The throttle is checked first, so a
     /// burst of deliveries costs no thread, store read or call.
@@ -587,8 +586,18 @@ const FLOW: Flow = Flow::form(
     "Bind a Discord channel",
     "Bind this channel to one Discord text channel or DM of a bot; messages arrive over the Gateway.",
     &[
-    Field::secret("bot_token", "Bot token", None, "The bot's token (Developer Portal, your application, Bot, Reset Token); turn on the Message Content Intent there."),
-    Field::text("channel_id", "Channel ID", Some("1098765432109876543"), "Invite the bot to the server; with Developer Mode on, right-click the channel and Copy Channel ID."),
+        Field::secret(
+            "bot_token",
+            "Bot token",
+            None,
+            "The bot's token (Developer Portal, your application, Bot, Reset Token); turn on the Message Content Intent there.",
+        ),
+        Field::text(
+            "channel_id",
+            "Channel ID",
+            Some("1098765432109876543"),
+            "Invite the bot to the server; with Developer Mode on, right-click the channel and Copy Channel ID.",
+        ),
     ],
 );
 
@@ -606,14 +615,13 @@ fn token_shaped(token: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-impl Discord {}
-
 impl Provider for Discord {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
     }
 
-    /// Its form flow: the source the filled-in form names, checked.
+    /// `discord_bot_binding`: checks the token (`/users/@me`), the Message Content intent
+    /// (`/applications/@me`), the channel and its history.
     fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let token = given("bot_token");

@@ -498,7 +498,8 @@ impl Provider for Feishu {
         }
     }
 
-    /// Its form flow: the source the filled-in form names, checked.
+    /// `feishu_app_binding`: checks the credentials (a fresh token), that the app may open a
+    /// long connection (the endpoint request), and the chat (the bot must be in it).
     fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).filter(|v| !v.is_empty());
         let default_id = self.settings.app_id.as_deref();
@@ -546,21 +547,21 @@ impl Provider for Feishu {
             ),
         })?;
         let endpoint = self
-    .api
-    .endpoint(&creds, longconn::ENDPOINT_PATH, TOOL_DEADLINE)
-    .map_err(|e| Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the long connection: {e}")))
-    .and_then(|body| {
-        longconn::read_endpoint(&body, longconn::ClientConfig::default()).map_err(|e| match e {
-            longconn::EndpointError::Refused { code: c, msg } => Failure::new(
-                code::CONNECTION_NOT_AUTHENTICATED,
-                format!("Feishu refused the app a long connection (code {c}: {msg}): in the developer console, choose to receive events through the long connection and subscribe to im.message.receive_v1"),
-            ),
-            longconn::EndpointError::Retry(why) => Failure::temporary(
-                code::UPSTREAM_UNREACHABLE,
-                format!("cannot check the long connection: {why}"),
-            ),
-        })
-    });
+            .api
+            .endpoint(&creds, longconn::ENDPOINT_PATH, TOOL_DEADLINE)
+            .map_err(|e| Failure::temporary(code::UPSTREAM_UNREACHABLE, format!("cannot check the long connection: {e}")))
+            .and_then(|body| {
+                longconn::read_endpoint(&body, longconn::ClientConfig::default()).map_err(|e| match e {
+                    longconn::EndpointError::Refused { code: c, msg } => Failure::new(
+                        code::CONNECTION_NOT_AUTHENTICATED,
+                        format!("Feishu refused the app a long connection (code {c}: {msg}): in the developer console, choose to receive events through the long connection and subscribe to im.message.receive_v1"),
+                    ),
+                    longconn::EndpointError::Retry(why) => Failure::temporary(
+                        code::UPSTREAM_UNREACHABLE,
+                        format!("cannot check the long connection: {why}"),
+                    ),
+                })
+            });
         endpoint?;
         let chat = self
             .api

@@ -96,11 +96,8 @@ impl Links {
     /// Descriptors: they are told (on the caller's thread, a blocking one).
     pub fn forget(&self, account: &str) {
         self.running.forget(&account.to_string());
-        if let Some(tell) = self
-            .followers
-            .as_ref()
-            .filter(|_| self.shared.refusals().remove(account).is_some())
-        {
+        let cleared = self.shared.refusals().remove(account).is_some();
+        if let Some(tell) = self.followers.as_ref().filter(|_| cleared) {
             tell(account);
         }
     }
@@ -252,6 +249,14 @@ mod tests {
         smol::block_on(a.refused("the token is revoked".into(), "asking again in 10m"));
         links.sync(&["b".into()], |_| unreachable!("b runs already"));
         assert_eq!((links.count(), links.refused("a")), (1, None), "unbound: forgotten");
+        let mut b = lines.lock().unwrap().remove(0);
+        smol::block_on(b.refused("the secret is wrong".into(), "not again until bound again"));
+        links.forget("b");
+        assert_eq!(
+            (links.count(), links.refused("b")),
+            (0, None),
+            "bound again: asked anew"
+        );
         let up = a.counter();
         let counted = crate::providers::socket::Up::new(&up);
         assert_eq!(links.up(), 1);

@@ -665,14 +665,14 @@ fn token_shaped(token: &str, prefix: &str) -> bool {
     token.starts_with(prefix) && token.len() <= 512 && token.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
-impl Slack {}
-
 impl Provider for Slack {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
     }
 
-    /// Its form flow: the source the filled-in form names, checked.
+    /// `slack_app_binding`: checks the bot token (`auth.test`), the app token
+    /// (`apps.connections.open`), the channel (`conversations.info`: the bot is in it) and its
+    /// history (the catch-up reads it).
     fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let (bot_token, app_token, channel) = (given("bot_token"), given("app_token"), given("channel_id"));

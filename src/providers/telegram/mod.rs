@@ -473,14 +473,12 @@ const FLOW: Flow = Flow::form(
     ],
 );
 
-impl Telegram {}
-
 impl Provider for Telegram {
     fn declaration(&self) -> &'static Declaration {
         &DECLARATION
     }
 
-    /// Its form flow: the source the filled-in form names, checked.
+    /// `telegram_bot_binding`: checks the token (`getMe`) and the chat (`getChat`).
     fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = json::get_str(input, "bot_token")
             .map(str::trim)

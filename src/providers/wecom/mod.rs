@@ -505,9 +505,19 @@ const FLOW: Flow = Flow::form(
     "Bind a WeCom chat",
     "Bind this channel to one WeCom group or one-to-one chat of an intelligent robot; messages arrive over its long connection.",
     &[
-    Field::text("bot_id", "Bot ID", None, "The intelligent robot's Bot ID (its API settings: receive messages by long connection)."),
-    Field::secret("secret", "Secret", None, "The robot's Secret, shown beside its Bot ID."),
-    Field::text("chat_id", "Chat ID", None, "A group's chatid, or the user ID of a one-to-one chat: write to the robot once (in a group: @ it), then copy it from imgate's /status (unbound_recent)."),
+        Field::text(
+            "bot_id",
+            "Bot ID",
+            None,
+            "The intelligent robot's Bot ID (its API settings: receive messages by long connection).",
+        ),
+        Field::secret("secret", "Secret", None, "The robot's Secret, shown beside its Bot ID."),
+        Field::text(
+            "chat_id",
+            "Chat ID",
+            None,
+            "A group's chatid, or the user ID of a one-to-one chat: write to the robot once (in a group: @ it), then copy it from imgate's /status (unbound_recent).",
+        ),
     ],
 );
 
@@ -516,7 +526,7 @@ impl Provider for WeCom {
         &DECLARATION
     }
 
-    /// Its form flow: the source the filled-in form names, checked.
+    /// `wecom_bot_binding`: checks the robot's ID and secret (a subscribe answered 0).
     fn bind(&self, input: &Object) -> Result<Source, Failure> {
         let given = |k: &str| json::get_str(input, k).map(str::trim).unwrap_or_default();
         let (bot_id, secret, chat) = (given("bot_id"), given("secret"), given("chat_id"));
