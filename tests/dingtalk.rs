@@ -480,7 +480,7 @@ fn a_file_out_is_uploaded_and_sent_once_a_refused_token_is_renewed() {
         "dt-f1",
     );
     assert_eq!(a["payload"]["result"]["status"], "sent", "{a}");
-    assert!(sim.token_grants(APP) > grants, "a new token after the refusal");
+    assert_eq!(sim.token_grants(APP), grants + 1, "one new token after the refusal");
     let uploads = sim.uploads();
     let u = uploads.last().expect("the file was uploaded");
     assert_eq!(u["type"], "file", "{u}");

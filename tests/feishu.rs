@@ -197,9 +197,9 @@ fn text_and_rich_text_arrive_after_their_commit_and_replies_go_back() {
 }
 
 #[test]
-fn images_are_fetched_into_the_file_cache_and_files_go_out_uploaded() {
+fn an_image_is_fetched_into_the_file_cache() {
     let (d, sim) = feishu("fs-files", &[]);
-    let (mut x, cch) = bound(&d, &sim);
+    let (mut x, _) = bound(&d, &sim);
     let photo: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
     sim.add_resource("om_200", "img_v3_abc", &photo, "image/jpeg");
     let event = FeishuSim::message_event(APP, CHAT, "om_200", "image", json!({"image_key": "img_v3_abc"}));
@@ -212,7 +212,12 @@ fn images_are_fetched_into_the_file_cache_and_files_go_out_uploaded() {
     assert_eq!(download(&d, file).1, photo, "the cached bytes are served");
     let fetched = sim.calls("/open-apis/im/v1/messages/om_200/resources/img_v3_abc?type=image");
     assert_eq!(fetched.len(), 1);
+}
 
+#[test]
+fn files_out_are_uploaded_as_images_or_files_with_their_caption_first() {
+    let (d, sim) = feishu("fs-upload", &[]);
+    let (mut x, cch) = bound(&d, &sim);
     let (status, up) = upload_as(&d, &cch, "plan.png", "image/png", b"\x89PNG-bytes");
     assert_eq!(status, 200, "{up}");
     let file_ref = up["file_ref"].as_str().unwrap();

@@ -336,9 +336,9 @@ fn the_offset_survives_a_restart_and_old_or_foreign_updates_are_counted_not_push
 }
 
 #[test]
-fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() {
+fn a_photo_arrives_as_a_cached_file_served_by_its_ref_alone() {
     let (d, api) = telegram("tg-files", "");
-    let (mut x, cch) = bound(&d);
+    let (mut x, _) = bound(&d);
     let photo: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
     api.user_sends_photo(BOT, CHAT, &photo, "the front door");
     let push = x
@@ -372,8 +372,13 @@ fn photos_arrive_as_cached_files_and_uploaded_files_go_out_with_the_file_tool() 
         http_get(&d.url("/files/refs/file_0123456789abcdef0123456789abcdef"), &[]).0,
         404
     );
+}
 
-    // Upload for this channel, then send it.
+/// Upload for this channel, then send it: a photo, a document, never a forged ref.
+#[test]
+fn uploaded_files_go_out_with_the_file_tool() {
+    let (d, api) = telegram("tg-upload", "");
+    let (mut x, cch) = bound(&d);
     let png: &[u8] = b"\x89PNG-bytes";
     let wrong = upload(&d, &cch, "wrong", "plan.png", "image/png", png);
     assert_eq!(wrong.0, 401, "{wrong:?}");

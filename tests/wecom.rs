@@ -181,9 +181,9 @@ fn a_silent_link_and_a_deaf_one_are_both_replaced() {
 }
 
 #[test]
-fn files_go_both_ways_decrypted_in_and_uploaded_in_chunks_out() {
+fn images_and_files_in_are_decrypted_into_the_file_cache_with_their_names() {
     let (d, sim) = wecom("wc-files", "");
-    let (mut x, cch) = bound(&d, &sim, GROUP);
+    let (mut x, _) = bound(&d, &sim, GROUP);
     let group = Chat::group(GROUP, ANN);
     // An image (encrypted with the message's aeskey) is fetched and decrypted.
     let png = patterned(300_000, 7);
@@ -199,8 +199,16 @@ fn files_go_both_ways_decrypted_in_and_uploaded_in_chunks_out() {
     assert_eq!(push["payload"]["files"][0]["filename"], "minutes.pdf", "{push}");
     let (_, bytes) = download(&d, &push["payload"]["files"][0]);
     assert_eq!(bytes, b"%PDF-1.4 minutes");
+}
 
-    // A file out, past one chunk: init, chunks in order, finish, then a media message.
+/// A file out, past one chunk: init, chunks in order, finish, then a media message.
+#[test]
+fn a_file_out_is_uploaded_in_chunks_then_sent_as_a_media_message() {
+    let (d, sim) = wecom("wc-upload", "");
+    let (mut x, cch) = bound(&d, &sim, GROUP);
+    // WeCom sends only to a chat that talked to the robot.
+    sim.send_text(BOT, &Chat::group(GROUP, ANN), "@robot the report, please");
+    x.next_push(WAIT).expect("pushed");
     let report = patterned(1_200_000, 3);
     let (status, up) = upload_as(&d, &cch, "report.pdf", "application/pdf", &report);
     assert_eq!(status, 200, "{up}");
