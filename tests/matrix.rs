@@ -257,6 +257,9 @@ fn answers_past_the_cap_at_one_event_per_room_ask_for_the_bound_rooms_only() {
     sim.pad_sync_answers(1_200_000);
     sim.post_text(ROOM, ALICE, "wakes the poll");
     assert!(d.log_shows("asking for its bound rooms only", WAIT), "{}", d.log());
+    // The line is said before the narrowed /sync reaches the server.
+    let narrowed = |f: &Value| f["room"]["rooms"] == json!([ROOM]);
+    assert!(sim.wait_filter(WAIT, narrowed), "{:?}", sim.filters().last());
     let filter = sim.filters().last().cloned().expect("a filter");
     assert_eq!(filter["room"]["rooms"], json!([ROOM]), "{filter}");
     assert_eq!(filter["room"]["timeline"]["limit"], 1, "{filter}");

@@ -313,6 +313,11 @@ impl MatrixSim {
         self.with(|s| s.downloads.clone())
     }
 
+    /// Waits until the latest /sync's filter is one `wanted` takes.
+    pub fn wait_filter(&self, timeout: Duration, wanted: impl Fn(&Value) -> bool) -> bool {
+        self.wait(timeout, |s| s.filters.last().is_some_and(&wanted))
+    }
+
     pub fn wait_syncs(&self, n: usize, timeout: Duration) -> bool {
         self.wait(timeout, |s| s.syncs >= n)
     }
