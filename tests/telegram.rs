@@ -455,6 +455,23 @@ fn webhook_mode_takes_updates_with_the_right_secret_only_and_does_not_poll() {
     assert_eq!(set[0]["url"], format!("http://127.0.0.1:{port}/telegram/webhook"));
     assert_eq!(set[0]["secret_token"], "hook-secret-tg-1");
 
+    let (_, card) = http_get(&d.url("/connector-card.json"), &[]);
+    let card: Value = serde_json::from_str(&card).unwrap();
+    let token = &card["auth_flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["id"] == "telegram_bot_binding")
+        .expect("the Telegram flow")["fields"][0];
+    assert_eq!(
+        token["required"], false,
+        "the device's bot: the token may be left empty: {token}"
+    );
+    assert!(
+        token["help_text"].as_str().unwrap().starts_with("Leave empty"),
+        "{token}"
+    );
+
     let mut x = d.xagent();
     x.hello("");
     let (cch, _) = x.open(None);

@@ -510,3 +510,48 @@ pub trait Provider: Send + Sync {
     /// Shutdown: background work stops.
     fn stop(&self) {}
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::json;
+
+    #[test]
+    fn a_field_with_an_or_device_help_is_optional_only_when_the_device_has_its_account() {
+        const FLOW: Flow = Flow::form(
+            "test_binding",
+            "Bind",
+            "Bind a test chat.",
+            &[
+                Field::secret("token", "Token", None, "Enter the token.").or_device("Leave empty for the device's."),
+                Field::text("chat_id", "Chat", Some("123"), "The chat."),
+            ],
+        );
+        let fields = |device: bool| match json::get(json::as_object(&FLOW.card(device)).unwrap(), "fields") {
+            Some(Value::Array(f)) => f.clone(),
+            other => panic!("{other:?}"),
+        };
+        // A field's value as JSON text.
+        let shown = |f: &Value, k: &str| json::as_object(f).and_then(|o| json::get(o, k)).map(json::to_string);
+        let [token, chat] = &fields(false)[..] else {
+            panic!("two fields")
+        };
+        assert_eq!(shown(token, "required"), Some("true".to_string()));
+        assert_eq!(shown(token, "help_text"), Some(json::to_string(&s("Enter the token."))));
+        assert_eq!(shown(token, "input_type"), Some(json::to_string(&s("password"))));
+        assert_eq!(shown(chat, "placeholder"), Some(json::to_string(&s("123"))));
+        let [token, chat] = &fields(true)[..] else {
+            panic!("two fields")
+        };
+        assert_eq!(shown(token, "required"), Some("false".to_string()));
+        assert_eq!(
+            shown(token, "help_text"),
+            Some(json::to_string(&s("Leave empty for the device's.")))
+        );
+        assert_eq!(
+            shown(chat, "required"),
+            Some("true".to_string()),
+            "a field without one stays required"
+        );
+    }
+}

@@ -126,4 +126,21 @@ mod tests {
         tokens.forget("a");
         assert_eq!(tokens.get("a", fetch).unwrap(), "t4");
     }
+
+    #[test]
+    fn at_most_max_accounts_keep_a_token() {
+        let tokens = Tokens::new("test: app");
+        for i in 0..MAX + 10 {
+            let got = tokens.get(&format!("app{i}"), || Ok((format!("t{i}"), 7200)));
+            assert_eq!(got.unwrap(), format!("t{i}"));
+            assert!(tokens.lock().len() <= MAX, "{} kept", tokens.lock().len());
+        }
+        let refetched = std::cell::Cell::new(false);
+        let newest = tokens.get(&format!("app{}", MAX + 9), || {
+            refetched.set(true);
+            Ok(("new".into(), 7200))
+        });
+        assert_eq!(newest.unwrap(), format!("t{}", MAX + 9), "the newest is kept");
+        assert!(!refetched.get(), "not fetched again");
+    }
 }
