@@ -39,12 +39,17 @@ fn bound(d: &Daemon, sim: &WecomSim, chat: &str) -> (Sim, String) {
     let mut x = d.xagent();
     x.hello("");
     let (cch, _) = x.open(None);
+    let before = sim.subscribes(BOT);
     let a = bind(&mut x, &cch, BOT, SECRET, chat);
     assert_eq!(a["payload"]["status"], "authenticated", "{a}");
+    // The binding's check subscribes on a connection of its own; the robot's link then
+    // subscribes again, and is up once imgate heard the answer.
     assert!(
-        sim.wait_open_links(BOT, 1, WAIT),
+        sim.wait_subscribes(BOT, before + 2, WAIT),
         "the binding opens the robot's connection"
     );
+    metrics_once(d, "imgate_wecom_connections_up 1", WAIT);
+    assert!(sim.wait_open_links(BOT, 1, WAIT), "the check's connection is closed");
     (x, cch)
 }
 
@@ -118,11 +123,13 @@ fn a_reply_goes_on_the_messages_req_id_even_after_a_restart_and_a_send_is_proact
     let push = x.next_push(WAIT).expect("pushed");
     let reply_ref = push["payload"]["reply"]["reply_ref"].as_str().unwrap().to_string();
     drop(x);
+    let subscribed = sim.subscribes(BOT);
     let d = d.restart_env(&[]);
     assert!(
-        sim.wait_subscribes(BOT, 2, WAIT),
+        sim.wait_subscribes(BOT, subscribed + 1, WAIT),
         "the robot subscribes again after the restart"
     );
+    metrics_once(&d, "imgate_wecom_connections_up 1", WAIT);
     let mut x = d.xagent();
     x.hello(&d.connector_id());
     x.open(Some(&cch));
@@ -171,12 +178,19 @@ fn a_silent_link_and_a_deaf_one_are_both_replaced() {
     // Pings every 2 s (a quarter of `replace_quiet`): a silent link ends at the third.
     let (d, sim) = wecom("wc-silent", "replace_quiet = 8s\n");
     let (_x, _) = bound(&d, &sim, GROUP);
+    let subscribed = sim.subscribes(BOT);
     sim.go_silent(BOT);
-    assert!(sim.wait_subscribes(BOT, 2, WAIT), "a silent link is replaced");
+    assert!(
+        sim.wait_subscribes(BOT, subscribed + 1, WAIT),
+        "a silent link is replaced"
+    );
     assert!(d.log_shows("pings unanswered", WAIT));
     // Pings answered, nothing delivered: replaced once `replace_quiet` passed.
     sim.go_deaf(BOT);
-    assert!(sim.wait_subscribes(BOT, 3, WAIT), "a deaf link is replaced");
+    assert!(
+        sim.wait_subscribes(BOT, subscribed + 2, WAIT),
+        "a deaf link is replaced"
+    );
     assert!(d.log_shows("replaced in case it went deaf", WAIT));
 }
 
@@ -280,8 +294,12 @@ fn a_frame_past_the_cap_ends_its_connection_in_bounded_memory_and_the_next_one_w
     let before = hwm_kib(d.pid());
     let group = Chat::group(GROUP, ANN);
     // 8 MiB of text in one frame: past the 1 MiB cap, never read whole.
+    let subscribed = sim.subscribes(BOT);
     sim.send_huge_text(BOT, &group, 8 << 20);
-    assert!(sim.wait_subscribes(BOT, 3, WAIT), "the connection is replaced");
+    assert!(
+        sim.wait_subscribes(BOT, subscribed + 1, WAIT),
+        "the connection is replaced"
+    );
     let after = sim.send_text(BOT, &group, "small again");
     let push = x.next_push(WAIT).expect("the next message");
     assert_eq!(push["payload"]["message_id"], after.msgid.as_str());

@@ -106,7 +106,12 @@ impl Host {
             match (f.fetch)() {
                 Ok(item) => inbound.files = Some(vec![item]),
                 Err(why) => {
-                    log::warn!("{source}: {} not cached: {why}", f.kind);
+                    // A sender can send a file too large again and again: a line a minute per
+                    // provider, with the count of the others.
+                    static NOT_CACHED: Subjects = Subjects::new();
+                    if let Some(more) = NOT_CACHED.admit(source.provider()) {
+                        log::warn!("{source}: {} not cached: {why}{more}", f.kind);
+                    }
                     inbound.text = format!("{} [{} not available: {why}]", inbound.text, f.kind)
                         .trim()
                         .to_string();

@@ -62,11 +62,21 @@ pub struct RobotMessage {
 
 /// An image or a file of a message: its URL (valid a few minutes) and the key its bytes are
 /// encrypted with.
-#[derive(Debug, PartialEq, Clone)]
+#[derive(PartialEq, Clone)]
 pub struct Media {
     pub kind: &'static str,
     pub url: String,
     pub aeskey: String,
+}
+
+/// Without the key (and the URL, which reaches the encrypted bytes): a `{:?}` of a message
+/// never shows them.
+impl std::fmt::Debug for Media {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Media")
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Reads one text frame.
@@ -210,10 +220,15 @@ mod tests {
             (message.text.as_str(), message.created_ms),
             ("@bot hi", Some(1_790_000_000_000))
         );
-        let single = r#"{"cmd":"aibot_msg_callback","headers":{"req_id":"r2"},"body":{"msgid":"m2","chattype":"single","from":{"userid":"li"},"msgtype":"mixed","mixed":{"msg_item":[{"msgtype":"text","text":{"content":"look"}},{"msgtype":"image","image":{"url":"https://x/1","aeskey":"k"}}]}}}"#;
+        let single = r#"{"cmd":"aibot_msg_callback","headers":{"req_id":"r2"},"body":{"msgid":"m2","chattype":"single","from":{"userid":"li"},"msgtype":"mixed","mixed":{"msg_item":[{"msgtype":"text","text":{"content":"look"}},{"msgtype":"image","image":{"url":"https://x/1","aeskey":"the-media-key"}}]}}}"#;
         let Frame::Message { message, .. } = read_frame(single) else {
             panic!()
         };
+        let shown = format!("{message:?}");
+        assert!(
+            !shown.contains("the-media-key") && !shown.contains("https://x/1"),
+            "{shown}"
+        );
         assert_eq!((message.chat.as_str(), message.text.as_str()), ("li", "look"));
         assert_eq!(message.media.map(|m| m.url), Some("https://x/1".into()));
         let kicked = r#"{"cmd":"aibot_event_callback","headers":{"req_id":"e"},"body":{"msgtype":"event","event":{"eventtype":"disconnected_event"}}}"#;

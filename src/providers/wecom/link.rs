@@ -121,7 +121,10 @@ async fn live(robot: &Robot, conn: &mut Conn) -> Ended {
                 if missed >= MISSED_PINGS {
                     return Ended::down(format!("{MISSED_PINGS} pings unanswered"), conn.heard());
                 }
-                if last_message.elapsed() >= robot.deaf {
+                // Deaf is a link that answers pings and delivers nothing: one whose pings go
+                // unanswered is told by the rule above, so the reason given never depends on
+                // which of the two a tick meets first.
+                if missed == 0 && last_message.elapsed() >= robot.deaf {
                     let quiet = crate::config::fmt_duration(robot.deaf);
                     return Ended::down(format!("no message for {quiet}: replaced in case it went deaf"), true);
                 }
