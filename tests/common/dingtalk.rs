@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::kit::{self, base64, multipart, now_ms, socket_loop, url_decode, Heard, Out};
+use super::kit::{self, base64, hex, multipart, now_ms, socket_loop, url_decode, Heard, Out};
 use tungstenite::Message;
 
 /// The topic of robot messages (developerpedia protocol.md, the SDKs' `ChatbotMessage.TOPIC`).
@@ -806,10 +806,6 @@ fn frame_id(s: &mut State) -> String {
         now_ms(),
         s.next_id
     )
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn app<'a>(s: &'a State, client_id: &str) -> &'a App {

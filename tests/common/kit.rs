@@ -319,6 +319,11 @@ pub fn url_decode(s: &str) -> String {
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
+/// Lower-case hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Standard base64 (RFC 4648 section 4), padded.
 pub fn base64(bytes: &[u8]) -> String {
     let mut out = String::new();

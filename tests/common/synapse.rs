@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::kit::base64_unpadded;
+use super::kit::{base64_unpadded, hex};
 
 /// The homeserver's name: user IDs are `@alice:localhost`, aliases `#a:localhost`.
 pub const SERVER_NAME: &str = "localhost";
@@ -675,10 +675,6 @@ fn write_signing_key(path: &Path) {
         .expect("the OS gives random bytes");
     std::fs::write(path, format!("ed25519 a_test {}\n", base64_unpadded(&seed)))
         .expect("the scratch dir takes the signing key");
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Percent-encodes everything but RFC 3986's unreserved characters: room IDs (`!a:b`),

@@ -29,7 +29,7 @@ use aes::cipher::{BlockEncrypt, KeyInit};
 use aes::Aes256;
 use serde_json::{json, Value};
 
-use super::kit::{self, base64_decode, base64_unpadded, now_ms, socket_loop, Heard, Out};
+use super::kit::{self, base64_decode, base64_unpadded, hex, now_ms, socket_loop, Heard, Out};
 
 // ---------- commands (node SDK src/types/api.ts `WsCmd`) ----------
 
@@ -1317,10 +1317,6 @@ fn rand_bytes(s: &mut State, n: usize) -> Vec<u8> {
         })
         .take(n)
         .collect()
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 // ---------- self-checks: a tiny client of tungstenite + ureq speaking as the SDK does ----------

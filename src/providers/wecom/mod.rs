@@ -209,7 +209,8 @@ impl WeCom {
     pub fn accept(&self, bot_id: &str, chat: &str, messages: Vec<(RobotMessage, String)>) {
         let Some((last, _)) = messages.last() else { return };
         let source = source_of(bot_id, chat);
-        let bound = match chat_ok(chat) {
+        let usable = chat_ok(chat);
+        let bound = match usable {
             true => CHATS.while_bound::<ChatInfo>(&self.host.channels, &self.host.db, source.as_str()),
             false => Ok(None),
         };
@@ -217,7 +218,7 @@ impl WeCom {
             Ok(Some(info)) => info,
             Ok(None) => {
                 self.unbound.add(messages.len() as u64);
-                if chat_ok(chat) {
+                if usable {
                     let kind = if last.group { "group" } else { "dm" };
                     self.host.unbound_seen(NAME, chat, kind);
                 }
