@@ -50,6 +50,7 @@ impl App {
             max_bytes_total: q.max_bytes_total,
             overflow: q.overflow,
             log_file_bytes: q.log_file_size.unwrap_or(crate::outbox::wal::LOG_BYTES),
+            max_delivered_ids: crate::outbox::MAX_DELIVERED_IDS,
         };
         let host = Arc::new(Host {
             channels: Channels::open(db.clone())?,

@@ -62,8 +62,13 @@ pub fn main() -> ExitCode {
                     let fitted =
                         crate::fit::measure(&cfg.server.state_dir).and_then(|room| crate::fit::fit(&mut cfg, room));
                     print!("{}", cfg.summary());
+                    let memory = crate::memory::Allowed::of(cfg.queue.max_bytes_total);
+                    println!("memory:            {}", memory.line());
                     print!("{}", crate::probe::report(cfg.server.listen, &cfg.server.state_dir));
                     if let Some(w) = fitted {
+                        eprintln!("imgate: warning: {w}");
+                    }
+                    if let Some(w) = memory.warning() {
                         eprintln!("imgate: warning: {w}");
                     }
                     if let Some(w) = service::volatile_state_warning(&cfg.server.state_dir) {
@@ -320,6 +325,11 @@ fn run(mut cfg: config::Config) -> ExitCode {
             "state_dir {}: cannot measure its file system; the caps are used as configured",
             state_dir.display()
         ),
+    }
+    let memory = crate::memory::Allowed::of(cfg.queue.max_bytes_total);
+    match memory.warning() {
+        Some(w) => log::warn!("{w}"),
+        None => log::info!("memory: {}", memory.line()),
     }
     // The port first: a start that cannot serve writes nothing to the state dir.
     let listener = match std::net::TcpListener::bind(cfg.server.listen) {

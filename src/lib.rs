@@ -36,6 +36,7 @@ mod hub;
 mod ids;
 mod json;
 mod maintenance;
+mod memory;
 mod metrics;
 mod outbox;
 mod peer_wait;

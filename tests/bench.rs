@@ -753,6 +753,73 @@ fn restarted(d: Daemon, sock: &std::os::unix::net::UnixDatagram) -> (Daemon, Dur
     (d, ready, replayed)
 }
 
+/// Memory with a backlog, side by side with `IMGATE_BENCH_BASELINE` when set: one webhook
+/// channel, no xAgent, filled to 50,000, 200,000 and 500,000 pending messages (caps raised;
+/// `IMGATE_BENCH_BACKLOG=N` sets the last level): at each, RSS three seconds after the fill and
+/// the peak so far; the accept rate of the fill; then the same state in a new process (the
+/// index loaded at start), idle. The dedupe index's own bytes come from `/metrics` where the
+/// build has them.
+#[test]
+#[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
+fn bench_backlog_memory() {
+    let last: u64 = std::env::var("IMGATE_BENCH_BACKLOG")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(500_000);
+    let levels = [0, 50_000, 200_000, last];
+    let builds = builds();
+    let mut rows: Vec<(String, Vec<String>)> = Vec::new();
+    for (i, (_, program)) in builds.iter().enumerate() {
+        let live = Live::start(program, &temp_dir(&format!("bench-backlog{i}")), false, "");
+        let mut cells = Vec::new();
+        let (mut sent, started) = (0u64, Instant::now());
+        for level in levels {
+            // Rounds of 16 senders × 500, the last one cut to the level.
+            while sent < level {
+                let per = ((level - sent) / 16).clamp(1, 500) as usize;
+                post_load(&live.d, 16, per, "hello", &format!("b{sent}"));
+                sent += 16 * per as u64;
+            }
+            std::thread::sleep(Duration::from_secs(3));
+            let pid = live.d.pid();
+            let [index] = metrics(&live.d, ["imgate_outbox_index_bytes"]);
+            cells.push((
+                format!("pending {level:>7}: RSS KiB now / peak"),
+                format!(
+                    "{} / {} (index {} KiB)",
+                    proc_field(pid, "status", "VmRSS:"),
+                    hwm_kib(pid),
+                    index / 1024
+                ),
+            ));
+        }
+        let rate = sent as f64 / started.elapsed().as_secs_f64();
+        cells.push(("accepted/s while filling (16 senders)".into(), format!("{rate:.0}")));
+        let Live { d, .. } = live;
+        let d = d.restart();
+        assert_eq!(pending(&d), sent, "every message is still pending after the restart");
+        std::thread::sleep(Duration::from_secs(3));
+        cells.push((
+            format!("restarted with {sent} pending: RSS KiB now / peak"),
+            format!("{} / {}", proc_field(d.pid(), "status", "VmRSS:"), hwm_kib(d.pid())),
+        ));
+        for (n, (name, cell)) in cells.into_iter().enumerate() {
+            match rows.get_mut(n) {
+                Some((_, r)) => r.push(cell),
+                None => rows.push((name, vec![cell])),
+            }
+        }
+    }
+    println!(
+        "{:<52} {}",
+        "",
+        builds.iter().map(|b| b.0.clone()).collect::<Vec<_>>().join("  |  ")
+    );
+    for (name, cells) in rows {
+        println!("{name:<52} {}", cells.join("  |  "));
+    }
+}
+
 /// The SD card at an appliance's pace, side by side with `IMGATE_BENCH_BASELINE` when set:
 /// bytes the block device wrote per message accepted and delivered (ext4 on a loop device,
 /// needs root; each phase ends with SIGTERM and a syncfs), webhook ingest against the

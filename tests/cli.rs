@@ -83,6 +83,37 @@ fn check_prints_the_effective_policy_for_a_valid_file() {
 }
 
 #[test]
+fn check_states_the_memory_the_queue_caps_allow_and_warns_past_the_budget() {
+    let dir = temp_dir("check-memory");
+    let conf = dir.join("imgate.conf");
+    let state = format!("[server]\nstate_dir = {}\n", dir.join("state").display());
+    std::fs::write(&conf, &state).unwrap();
+    let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
+    let (text, errors) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        text.contains("memory:            up to 13.2 MiB at the caps (budget 16.0 MiB)"),
+        "{text}"
+    );
+    assert!(!errors.contains("memory"), "the defaults keep within it: {errors}");
+
+    std::fs::write(
+        &conf,
+        format!("{state}[queue]\nmax_bytes_total = 200MiB\nmax_bytes_per_channel = 200MiB\n"),
+    )
+    .unwrap();
+    let out = imgate(&["check", "--config", conf.to_str().unwrap()]);
+    assert!(out.status.success(), "a warning, not an error");
+    let errors = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        errors.contains("imgate: warning: [queue] max_bytes_total lets a backlog of small messages take 19.6 MiB of memory, past the 16.0 MiB budget; 123MiB or less keeps within it"),
+        "{errors}"
+    );
+}
+
+#[test]
 fn check_reports_every_bad_line_as_file_line_message_and_exits_2() {
     let dir = temp_dir("check-bad");
     let conf = dir.join("bad.conf");

@@ -333,6 +333,7 @@ fn stored_metrics(app: &App, out: &mut String) -> Result<(), StoreError> {
     let q = &app.config.queue;
     let (commits, grouped) = app.outbox.commit_stats();
     let log = app.outbox.log_report();
+    let (ids, index_bytes, id_reads) = app.outbox.index_report();
     crate::metrics::singles(
         out,
         &[
@@ -389,6 +390,25 @@ fn stored_metrics(app: &App, out: &mut String) -> Result<(), StoreError> {
                 "gauge",
                 "Bytes of log records not checkpointed yet.",
                 log.held_bytes,
+            ),
+            (
+                "imgate_outbox_known_ids",
+                "gauge",
+                "Message IDs the dedupe index knows (pending and delivered).",
+                ids,
+            ),
+            (
+                "imgate_outbox_index_bytes",
+                "gauge",
+                "Bytes of memory the dedupe index takes.",
+                index_bytes,
+            ),
+            (
+                "imgate_outbox_id_reads_total",
+                "counter",
+                "Stored message IDs read to confirm a candidate of the dedupe index (a duplicate's, \
+                 or another ID's that shares its bits).",
+                id_reads,
             ),
             (
                 "imgate_store_commits_total",

@@ -249,7 +249,11 @@ impl Shared {
                 load_index(&Reader::new(&Base::under(txn, writing), &st.overlay))
             });
             match fresh {
-                Ok(fresh) => st.index = fresh,
+                Ok(fresh) => {
+                    let id_reads = st.index.id_reads;
+                    st.index = fresh;
+                    st.index.id_reads = id_reads;
+                }
                 // Rebuilt on the next failure; the outage itself is logged once.
                 Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
             }
@@ -704,8 +708,7 @@ pub(super) fn load_index(read: &Reader) -> Result<Index> {
         match record::header(value) {
             Some(h) => {
                 let hash = idx.hash(&h.message_id);
-                idx.source(src)
-                    .add_pending(seq, hash, h.expires_at, record::bytes(src, value));
+                idx.source(src).add_pending(seq, hash, record::bytes(src, value));
             }
             None => log::error!("outbox: unreadable record {src}/{seq} left in place"),
         }

@@ -6,12 +6,13 @@
 //! writes one sequential B-tree entry instead of also a dedupe entry at a random key: one
 //! 4 KiB page per group commit instead of one per message on the SD card.
 //!
-//! IDs are kept as 64-bit keyed hashes (24 bytes an entry, whatever the ID's length); a hit is
-//! confirmed against the stored ID before a message is called a duplicate, so a collision can
-//! never drop a message. Size is bounded: pending IDs by the queue caps, delivered IDs by
-//! `Policy::delivered_cap` per source and by their TTL.
+//! A known ID costs one 8-byte slot, whatever the ID's length (`Known`): 24 bits of its keyed
+//! hash and where its message is. A hit is only a candidate: the stored ID and its expiry are
+//! read and compared before a message is called a duplicate, so two IDs that share the 24 bits
+//! cost one more read and never drop a message. Nothing else grows with the backlog: the
+//! delivered log's order and expiries are read from the disk when it is trimmed, oldest first.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 
 use crate::quiet::Quiet;
@@ -23,30 +24,217 @@ pub enum Place {
     Delivered(u64),
 }
 
-/// A known ID: until when it counts, and where its message is, packed into 16 bytes (a seq
-/// fits in 63 bits; the top bit says delivered), so the table holds 24 bytes an entry.
-#[derive(Clone, Copy)]
-struct Known {
-    expires_at: u64,
-    place: u64,
+/// A slot holds the hash's top 24 bits (never 0, so 0 is an empty slot), a delivered bit and
+/// the seq's low 39 bits; the seq is made whole again from the source's next seq (every known
+/// seq is below it and, with 2^39 seqs, within reach of it for as long as an entry lives).
+const SEQ_BITS: u32 = 39;
+const SEQ_MASK: u64 = (1 << SEQ_BITS) - 1;
+const DELIVERED_BIT: u64 = 1 << SEQ_BITS;
+const TAG_SHIFT: u32 = 40;
+const TAG_BITS: u32 = 24;
+/// A table never has fewer slots (unless empty, when it has none).
+const MIN_SLOTS: usize = 16;
+
+/// Bytes of index an ID costs at most: a table is resized to 70% full and grows again at
+/// 87.5%, shrinks below 35%; so its slots are at most 10/7 of the most IDs it held since its
+/// last resize. What `imgate check` states for the caps.
+pub const BYTES_PER_ID: u64 = 8 * 10 / 7 + 1;
+
+fn tag(hash: u64) -> u64 {
+    (hash >> TAG_SHIFT).max(1)
 }
 
-const DELIVERED_BIT: u64 = 1 << 63;
+fn slot(hash: u64, place: Place) -> u64 {
+    let (seq, delivered) = match place {
+        Place::Pending(seq) => (seq, 0),
+        Place::Delivered(seq) => (seq, DELIVERED_BIT),
+    };
+    tag(hash) << TAG_SHIFT | delivered | seq & SEQ_MASK
+}
+
+/// The known IDs of one source, in 16 tables by the tag's top 4 bits: a resize copies one
+/// sixteenth of them, so the two tables alive during the copy add a sixteenth, not the whole.
+#[derive(Default)]
+pub struct Known {
+    tables: Vec<Table>,
+}
+
+const TABLES: usize = 16;
+/// The tag's bits below the table's: where in its table a tag's run starts.
+const RUN_BITS: u32 = TAG_BITS - 4;
 
 impl Known {
-    fn new(expires_at: u64, place: Place) -> Known {
-        let place = match place {
-            Place::Pending(seq) => seq & !DELIVERED_BIT,
-            Place::Delivered(seq) => seq | DELIVERED_BIT,
-        };
-        Known { expires_at, place }
+    fn table(&self, hash: u64) -> Option<&Table> {
+        self.tables.get((tag(hash) >> RUN_BITS) as usize)
     }
 
-    fn place(&self) -> Place {
-        match self.place & DELIVERED_BIT {
-            0 => Place::Pending(self.place),
-            _ => Place::Delivered(self.place & !DELIVERED_BIT),
+    fn table_mut(&mut self, hash: u64) -> &mut Table {
+        if self.tables.is_empty() {
+            self.tables.resize_with(TABLES, Table::default);
         }
+        &mut self.tables[(tag(hash) >> RUN_BITS) as usize % TABLES]
+    }
+
+    /// Every entry whose tag is this hash's, as places (seqs made whole below `next_seq`).
+    pub fn candidates(&self, hash: u64, next_seq: u64) -> impl Iterator<Item = Place> + '_ {
+        self.table(hash)
+            .into_iter()
+            .flat_map(move |t| t.candidates(hash, next_seq))
+    }
+
+    pub fn insert(&mut self, hash: u64, place: Place) {
+        self.table_mut(hash).insert(hash, place);
+    }
+
+    /// Forgets one entry; false when it was not there.
+    pub fn remove(&mut self, hash: u64, place: Place) -> bool {
+        let removed = self.table_mut(hash).remove(hash, place);
+        if self.len() == 0 {
+            self.tables = Vec::new();
+        }
+        removed
+    }
+
+    /// Moves an entry to another place of the same ID (its slot, as the tag is the same).
+    pub fn replace(&mut self, hash: u64, from: Place, to: Place) -> bool {
+        self.table_mut(hash).replace(hash, from, to)
+    }
+
+    pub fn len(&self) -> usize {
+        self.tables.iter().map(|t| t.len).sum()
+    }
+
+    /// Bytes the tables hold.
+    pub fn bytes(&self) -> usize {
+        self.tables.iter().map(|t| t.slots.capacity() * 8).sum()
+    }
+}
+
+/// One table: open addressing with linear probing over 8-byte slots, removal by backward
+/// shift (no tombstones, so a long-lived table does not slow down).
+#[derive(Default)]
+struct Table {
+    slots: Vec<u64>,
+    len: usize,
+}
+
+impl Table {
+    /// Where a tag's run starts: its low bits scaled to the table (any size, not only powers
+    /// of two, so a resize can aim at a load instead of doubling).
+    fn home(&self, tag: u64) -> usize {
+        (((tag & ((1 << RUN_BITS) - 1)) * self.slots.len() as u64) >> RUN_BITS) as usize
+    }
+
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.slots.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// The slots of the run a hash's entries are in, from its home to the first empty slot.
+    fn run(&self, hash: u64) -> impl Iterator<Item = usize> + '_ {
+        let mut i = (!self.slots.is_empty()).then(|| self.home(tag(hash)));
+        std::iter::from_fn(move || {
+            let at = i.filter(|&at| self.slots[at] != 0)?;
+            i = Some(self.next(at));
+            Some(at)
+        })
+    }
+
+    fn candidates(&self, hash: u64, next_seq: u64) -> impl Iterator<Item = Place> + '_ {
+        let tag = tag(hash);
+        self.run(hash)
+            .map(|i| self.slots[i])
+            .filter(move |s| s >> TAG_SHIFT == tag)
+            .map(move |s| {
+                let seq = whole_seq(s & SEQ_MASK, next_seq);
+                match s & DELIVERED_BIT {
+                    0 => Place::Pending(seq),
+                    _ => Place::Delivered(seq),
+                }
+            })
+    }
+
+    fn insert(&mut self, hash: u64, place: Place) {
+        if (self.len + 1) * 8 > self.slots.len() * 7 {
+            self.resize(self.len + 1);
+        }
+        let mut i = self.home(tag(hash));
+        while self.slots[i] != 0 {
+            i = self.next(i);
+        }
+        self.slots[i] = slot(hash, place);
+        self.len += 1;
+    }
+
+    fn find(&self, hash: u64, place: Place) -> Option<usize> {
+        let s = slot(hash, place);
+        self.run(hash).find(|&i| self.slots[i] == s)
+    }
+
+    fn remove(&mut self, hash: u64, place: Place) -> bool {
+        let Some(mut hole) = self.find(hash, place) else {
+            return false;
+        };
+        // Backward shift: each later entry of the run moves into the hole when that is still
+        // at or after its home, so every run stays unbroken.
+        let n = self.slots.len();
+        let mut j = hole;
+        loop {
+            j = self.next(j);
+            let s = self.slots[j];
+            if s == 0 {
+                break;
+            }
+            let home = self.home(s >> TAG_SHIFT);
+            if (hole + n - home) % n < (j + n - home) % n {
+                self.slots[hole] = s;
+                hole = j;
+            }
+        }
+        self.slots[hole] = 0;
+        self.len -= 1;
+        if self.len == 0 {
+            self.slots = Vec::new();
+        } else if self.slots.len() > MIN_SLOTS && self.len * 20 < self.slots.len() * 7 {
+            self.resize(self.len);
+        }
+        true
+    }
+
+    fn replace(&mut self, hash: u64, from: Place, to: Place) -> bool {
+        match self.find(hash, from) {
+            Some(i) => {
+                self.slots[i] = slot(hash, to);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A table 70% full with `len` entries.
+    fn resize(&mut self, len: usize) {
+        let old = std::mem::take(&mut self.slots);
+        self.slots = vec![0; (len * 10 / 7 + 1).max(MIN_SLOTS)];
+        for s in old.into_iter().filter(|&s| s != 0) {
+            let mut i = self.home(s >> TAG_SHIFT);
+            while self.slots[i] != 0 {
+                i = self.next(i);
+            }
+            self.slots[i] = s;
+        }
+    }
+}
+
+/// The seq whose low bits are `low`, the latest below `next_seq`.
+fn whole_seq(low: u64, next_seq: u64) -> u64 {
+    let seq = next_seq & !SEQ_MASK | low;
+    if seq < next_seq {
+        seq
+    } else {
+        seq.checked_sub(1 << SEQ_BITS).unwrap_or(seq)
     }
 }
 
@@ -54,16 +242,25 @@ impl Known {
 pub struct Index {
     pub sources: HashMap<String, SourceIndex>,
     hasher: RandomState,
+    /// Stored IDs read to confirm a candidate since start (a duplicate's, or another ID's
+    /// that shares the bits).
+    pub id_reads: u64,
 }
 
 #[derive(Default)]
 pub struct SourceIndex {
     pub pending: u64,
     pub pending_bytes: u64,
-    /// hash(ID) → where its message is and until when it counts.
-    ids: HashMap<u64, Known>,
-    /// Delivered entries in delivery order, oldest first: `(seq, hash, expires_at)`.
-    delivered: VecDeque<(u64, u64, u64)>,
+    /// Where the messages of known IDs are.
+    pub known: Known,
+    /// Entries in the delivered log.
+    pub delivered: u64,
+    /// Every delivered-log entry of this source below this seq is gone: trims read from here.
+    pub delivered_from: u64,
+    /// The expiry of the oldest delivered-log entry as last read (0: read it again). Entries
+    /// are delivered in order with one TTL, so none expires sooner (the sweep covers a TTL
+    /// that was lowered, as for the queue's head).
+    pub delivered_head_expires: u64,
     /// The next `seq` to assign.
     pub next_seq: u64,
     /// Every message of this source below this seq has left the queue: reads of the queue
@@ -96,19 +293,35 @@ impl Index {
     pub fn total_bytes(&self) -> u64 {
         self.sources.values().map(|s| s.pending_bytes).sum()
     }
+
+    /// Delivered-log entries over all sources.
+    pub fn total_delivered(&self) -> u64 {
+        self.sources.values().map(|s| s.delivered).sum()
+    }
+
+    /// The source with the most delivered-log entries (of two, the later name).
+    pub fn most_delivered(&self) -> Option<&str> {
+        let (src, _) = self.sources.iter().max_by_key(|(src, s)| (s.delivered, *src))?;
+        Some(src)
+    }
+
+    /// Bytes the known IDs take over all sources.
+    pub fn known_bytes(&self) -> usize {
+        self.sources.values().map(|s| s.known.bytes()).sum()
+    }
 }
 
 impl SourceIndex {
-    /// Where the message with this ID hash is, if it was accepted and has not expired at `now`.
-    /// The caller confirms the ID itself there.
-    pub fn lookup(&self, hash: u64, now: u64) -> Option<Place> {
-        self.ids.get(&hash).filter(|k| k.expires_at > now).map(|k| k.place())
+    /// Where messages with this ID hash may be: every place is confirmed against the stored
+    /// ID and expiry by the caller.
+    pub fn candidates(&self, hash: u64) -> impl Iterator<Item = Place> + '_ {
+        self.known.candidates(hash, self.next_seq)
     }
 
-    pub fn add_pending(&mut self, seq: u64, hash: u64, expires_at: u64, bytes: u64) {
+    pub fn add_pending(&mut self, seq: u64, hash: u64, bytes: u64) {
         self.pending += 1;
         self.pending_bytes += bytes;
-        self.ids.insert(hash, Known::new(expires_at, Place::Pending(seq)));
+        self.known.insert(hash, Place::Pending(seq));
         self.next_seq = self.next_seq.max(seq + 1);
     }
 
@@ -116,47 +329,41 @@ impl SourceIndex {
     pub fn drop_pending(&mut self, seq: u64, hash: u64, bytes: u64) {
         self.pending = self.pending.saturating_sub(1);
         self.pending_bytes = self.pending_bytes.saturating_sub(bytes);
-        if self.ids.get(&hash).is_some_and(|k| k.place() == Place::Pending(seq)) {
-            self.ids.remove(&hash);
-        }
+        self.known.remove(hash, Place::Pending(seq));
     }
 
     /// A pending message was delivered: its ID stays known, now in the delivered log.
-    pub fn deliver(&mut self, seq: u64, hash: u64, expires_at: u64, bytes: u64) {
+    pub fn deliver(&mut self, seq: u64, hash: u64, bytes: u64) {
         self.pending = self.pending.saturating_sub(1);
         self.pending_bytes = self.pending_bytes.saturating_sub(bytes);
-        self.load_delivered(seq, hash, expires_at);
+        if !self.known.replace(hash, Place::Pending(seq), Place::Delivered(seq)) {
+            self.known.insert(hash, Place::Delivered(seq));
+        }
+        self.delivered += 1;
     }
 
-    /// Records a delivered-log entry (at delivery, and at startup).
+    /// Records a delivered-log entry at startup (read in order, oldest first).
     pub fn load_delivered(&mut self, seq: u64, hash: u64, expires_at: u64) {
-        self.ids.insert(hash, Known::new(expires_at, Place::Delivered(seq)));
-        self.delivered.push_back((seq, hash, expires_at));
+        if self.delivered == 0 {
+            self.delivered_from = seq;
+            self.delivered_head_expires = expires_at;
+        }
+        self.known.insert(hash, Place::Delivered(seq));
+        self.delivered += 1;
         self.next_seq = self.next_seq.max(seq + 1);
+    }
+
+    /// The oldest delivered-log entry, at `seq`, was removed.
+    pub fn forget_delivered(&mut self, seq: u64, hash: u64) {
+        self.known.remove(hash, Place::Delivered(seq));
+        self.delivered = self.delivered.saturating_sub(1);
+        self.delivered_from = seq + 1;
+        self.delivered_head_expires = 0;
     }
 
     /// Pending bytes change when a record is rewritten (attempt counts).
     pub fn adjust_bytes(&mut self, delta: i64) {
         self.pending_bytes = self.pending_bytes.saturating_add_signed(delta);
-    }
-
-    pub fn delivered_len(&self) -> usize {
-        self.delivered.len()
-    }
-
-    /// Removes the oldest delivered entry; returns its `seq` (to delete it from disk too).
-    pub fn pop_delivered(&mut self) -> Option<u64> {
-        let (seq, hash, _) = self.delivered.pop_front()?;
-        // The same ID may have been accepted again after this entry expired; keep that one.
-        if self.ids.get(&hash).is_some_and(|k| k.place() == Place::Delivered(seq)) {
-            self.ids.remove(&hash);
-        }
-        Some(seq)
-    }
-
-    /// The oldest delivered entry's expiry.
-    pub fn oldest_delivered_expiry(&self) -> Option<u64> {
-        self.delivered.front().map(|(_, _, exp)| *exp)
     }
 }
 
@@ -165,15 +372,79 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_known_id_keeps_its_place_in_16_bytes() {
-        assert_eq!(std::mem::size_of::<Known>(), 16);
-        for place in [
+    fn a_known_id_keeps_its_place_in_8_bytes() {
+        let mut k = Known::default();
+        for (n, place) in [
             Place::Pending(0),
-            Place::Pending(u64::MAX >> 1),
+            Place::Pending(SEQ_MASK + 5),
             Place::Delivered(7),
-            Place::Delivered(u64::MAX >> 1),
-        ] {
-            assert_eq!(Known::new(5, place).place(), place);
+            Place::Delivered(u64::MAX >> 2),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let hash = (n as u64 + 1) << 60;
+            k.insert(hash, place);
+            let next = match place {
+                Place::Pending(s) | Place::Delivered(s) => s + 1,
+            };
+            assert_eq!(k.candidates(hash, next).collect::<Vec<_>>(), vec![place]);
         }
+        assert_eq!(k.bytes(), 4 * MIN_SLOTS * 8, "four tables in use, at their least");
+    }
+
+    /// A model: every entry is found under its hash after any mix of inserts and removals,
+    /// through resizes both ways, and the table keeps to its bytes an ID.
+    #[test]
+    fn entries_survive_removals_and_resizes_and_the_table_keeps_its_size() {
+        let mut k = Known::default();
+        let mut model: Vec<(u64, Place)> = Vec::new();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut most = 0;
+        for round in 0..60_000u64 {
+            // Grow for a while, then shrink, then grow again.
+            let grow = (round / 20_000) % 2 == 0;
+            if grow || model.is_empty() || next() % 4 == 0 {
+                // 5,000 tags spread over the 24 bits, so that tags are shared and runs cross.
+                let hash = (next() % 5_000 * 3_355 + 1) << TAG_SHIFT | next() & 0xff;
+                let place = Place::Pending(round);
+                k.insert(hash, place);
+                model.push((hash, place));
+            } else {
+                let (hash, place) = model.swap_remove((next() % model.len() as u64) as usize);
+                assert!(k.remove(hash, place));
+            }
+            most = most.max(model.len());
+            if round % 997 == 0 {
+                for &(hash, place) in &model {
+                    assert!(k.candidates(hash, round + 1).any(|p| p == place), "{place:?} found");
+                }
+                assert_eq!(k.len(), model.len());
+                let least = (TABLES * MIN_SLOTS * 8) as u64;
+                assert!(k.bytes() as u64 <= (BYTES_PER_ID * most as u64).max(least));
+            }
+        }
+        for (hash, place) in model.drain(..) {
+            assert!(k.remove(hash, place));
+        }
+        assert_eq!(k.bytes(), 0, "an empty table holds nothing");
+    }
+
+    #[test]
+    fn a_seq_is_made_whole_below_the_next() {
+        assert_eq!(whole_seq(5, 6), 5);
+        assert_eq!(whole_seq(SEQ_MASK, (1 << SEQ_BITS) + 3), SEQ_MASK);
+        assert_eq!(whole_seq(2, (1 << SEQ_BITS) + 3), (1 << SEQ_BITS) + 2);
+        assert_eq!(
+            whole_seq(9, 3),
+            9,
+            "no entry can be there: the read that confirms finds none"
+        );
     }
 }

@@ -23,9 +23,10 @@
 //!   holds its lock across its transaction and changes both together; a failed commit rebuilds
 //!   it from disk. Bytes are stored record sizes (key + value).
 //! - Dedupe: an ID is answered `duplicate` while its message is pending and, once delivered,
-//!   until its `expires_at`, for at most `Policy::delivered_cap` delivered IDs per source. The
-//!   delivered IDs are kept in `DELIVERED`, written in sequence at delivery, so the state is
-//!   bounded on disk and in memory and survives restarts.
+//!   until its `expires_at`, for at most `Policy::delivered_cap` delivered IDs per source and
+//!   `MAX_DELIVERED_IDS` over all. The delivered IDs are kept in `DELIVERED`, written in
+//!   sequence at delivery, so the state is bounded on disk and in memory and survives restarts.
+//!   In memory an ID costs at most `index::BYTES_PER_ID`.
 
 mod committer;
 mod durable;
@@ -46,6 +47,7 @@ use miniserde::{Deserialize, Serialize};
 
 pub use self::durable::LogReport;
 use self::durable::Shared;
+pub use self::index::BYTES_PER_ID;
 use self::index::{Index, Place};
 pub use self::outcomes::Outcome;
 use self::outcomes::Outcomes;
@@ -94,6 +96,8 @@ pub struct Policy {
     pub overflow: Overflow,
     /// The size of each of the two log files (`[queue] log_file_size`, or fitted).
     pub log_file_bytes: u64,
+    /// Delivered IDs remembered over all sources (`MAX_DELIVERED_IDS`).
+    pub max_delivered_ids: u64,
 }
 
 impl Policy {
@@ -103,11 +107,15 @@ impl Policy {
         (self.log_file_bytes / 8) as usize
     }
 
-    /// Delivered IDs remembered per source for dedupe.
-    pub fn delivered_cap(&self) -> usize {
-        (self.max_messages_per_channel.saturating_mul(4)).clamp(1000, 100_000) as usize
+    /// Delivered IDs remembered per source for dedupe (and `MAX_DELIVERED_IDS` over all).
+    pub fn delivered_cap(&self) -> u64 {
+        (self.max_messages_per_channel.saturating_mul(4)).clamp(1000, 100_000)
     }
 }
+
+/// Delivered IDs remembered over all sources: what bounds the delivered log's share of the
+/// index (the queue's caps bound the pending share), whatever the number of channels.
+pub const MAX_DELIVERED_IDS: u64 = 100_000;
 
 /// What an enqueue did.
 #[derive(Debug, PartialEq)]
@@ -238,6 +246,14 @@ impl Outbox {
         self.shared.needs_recovery()
     }
 
+    /// The dedupe index: IDs known now, the bytes they take, stored IDs read since start to
+    /// confirm a candidate.
+    pub fn index_report(&self) -> (u64, u64, u64) {
+        let st = self.shared.lock();
+        let ids = st.index.sources.values().map(|s| s.known.len() as u64).sum();
+        (ids, st.index.known_bytes() as u64, st.index.id_reads)
+    }
+
     /// `(group commits, messages carried)` since start.
     pub fn commit_stats(&self) -> (u64, u64) {
         self.stats.commits()
@@ -341,7 +357,7 @@ impl Outbox {
     }
 
     fn finish(&self, source: &str, seqs: &[u64], failure: Option<(&str, &str)>) -> Result<u64> {
-        let cap = self.shared.policy.delivered_cap();
+        let (cap, max_delivered_ids) = (self.shared.policy.delivered_cap(), self.shared.policy.max_delivered_ids);
         self.shared.write(false, |tx, idx| {
             let (mut n, mut last_id) = (0, String::new());
             for &seq in seqs {
@@ -356,15 +372,22 @@ impl Outbox {
                     &record::delivered_entry(h.expires_at, h.reply_ref.as_deref(), &h.message_id),
                 )?;
                 let hash = idx.hash(&h.message_id);
-                idx.source(source)
-                    .deliver(seq, hash, h.expires_at, record::bytes(source, &value));
+                idx.source(source).deliver(seq, hash, record::bytes(source, &value));
                 n += 1;
             }
-            let si = idx.source(source);
-            while si.delivered_len() > cap {
-                if let Some(seq) = si.pop_delivered() {
-                    forget_delivered(tx, source, seq)?;
+            let over = idx.source(source).delivered.saturating_sub(cap);
+            trim_delivered(tx, idx, source, |_| false, over)?;
+            // The delivered log over all sources: the source that holds most gives way.
+            let mut over = idx.total_delivered().saturating_sub(max_delivered_ids);
+            while over > 0 {
+                let Some(most) = idx.most_delivered().map(str::to_string) else {
+                    break;
+                };
+                let gone = trim_delivered(tx, idx, &most, |_| false, over)?;
+                if gone == 0 {
+                    break;
                 }
+                over -= gone;
             }
             tally(tx, source, |t| match failure {
                 None => t.delivered += n,
@@ -413,11 +436,10 @@ impl Outbox {
             for src in &sources {
                 n += expire_head(tx, idx, src, now)?;
             }
-            for (src, si) in idx.sources.iter_mut() {
-                while si.oldest_delivered_expiry().is_some_and(|exp| exp <= now) {
-                    if let Some(seq) = si.pop_delivered() {
-                        forget_delivered(tx, src, seq)?;
-                    }
+            for src in &sources {
+                let si = idx.source(src);
+                if si.delivered > 0 && si.delivered_head_expires <= now {
+                    trim_delivered(tx, idx, src, |exp| exp <= now, 0)?;
                 }
             }
             Ok(n)
@@ -503,6 +525,19 @@ impl Outbox {
     }
 }
 
+/// Bytes the smallest record with this payload takes in the queue, as the caps count them:
+/// an ID of one byte, times of 13 digits (milliseconds from 2001 to 2286), no source name.
+pub fn smallest_record(payload: &str) -> u64 {
+    let header = Header {
+        message_id: "x".into(),
+        accepted_at: 1_000_000_000_000,
+        expires_at: 1_000_000_000_000,
+        attempts: 0,
+        reply_ref: None,
+    };
+    record::bytes("", &record::encode(&header, payload))
+}
+
 /// Reads the bytes of an outbox log as a replay does, applying nothing: what the scan found,
 /// and how many of its records hold changes that parse (the fuzz target's entry point).
 pub fn read_log(bytes: &[u8]) -> (wal::Scanned, u64) {
@@ -555,14 +590,13 @@ fn caps_warning(idx: &mut Index, src: &str, line: impl FnOnce() -> String) {
 fn enqueue_message(tx: &mut Tx, idx: &mut Index, m: &NewMessage, policy: Policy) -> Result<Enqueued> {
     let (src, now) = (m.source.as_str(), m.accepted_at);
     let hash = idx.hash(&m.message_id);
-    if let Some(place) = idx.source(src).lookup(hash, now) {
-        if stored_id(tx, src, place)?.as_deref() == Some(m.message_id.as_str()) {
+    // Usually none; one for a duplicate; a second only where two IDs share the index's bits.
+    let candidates: Vec<Place> = idx.source(src).candidates(hash).collect();
+    for place in candidates {
+        idx.id_reads += 1;
+        if stored_id(tx, src, place, now)?.as_deref() == Some(m.message_id.as_str()) {
             return Ok(Enqueued::Duplicate);
         }
-        log::warn!(
-            "outbox: {src}: message {} shares an ID hash with another; accepted",
-            m.message_id
-        );
     }
     // Expiry at enqueue: this source's expired head goes first (FIFO with one TTL means the
     // expired messages are the oldest ones).
@@ -644,7 +678,7 @@ fn enqueue_message(tx: &mut Tx, idx: &mut Index, m: &NewMessage, policy: Policy)
     if let Some((token, r)) = &m.reply_ref {
         tx.put_reply_ref(token, &miniserde::json::to_string(r))?;
     }
-    si.add_pending(seq, hash, m.expires_at, size);
+    si.add_pending(seq, hash, size);
     Ok(Enqueued::Accepted {
         expires_at: m.expires_at,
         evicted,
@@ -663,31 +697,65 @@ fn remove_message(tx: &mut Tx, idx: &mut Index, src: &str, seq: u64, value: &str
     Ok(())
 }
 
-/// Removes a delivered-log entry and the reply reference it carried: both end together, so
-/// reply references are bounded like the log.
-fn forget_delivered(tx: &mut Tx, src: &str, seq: u64) -> Result<()> {
-    let entry = tx.remove_delivered(src, seq)?;
-    if let Some(token) = entry
-        .as_deref()
-        .and_then(record::parse_delivered)
-        .and_then(|(_, t, _)| t)
-    {
-        tx.remove_reply_ref(token)?;
+/// Removes a source's oldest delivered-log entries: `at_least` of them, then those `expired`
+/// answers true for (by expiry); each with the reply reference it carried, so reply
+/// references are bounded like the log. Returns how many went.
+fn trim_delivered(
+    tx: &mut Tx,
+    idx: &mut Index,
+    src: &str,
+    expired: impl Fn(u64) -> bool,
+    at_least: u64,
+) -> Result<u64> {
+    let mut gone = Vec::new();
+    let mut head = None;
+    tx.read()
+        .source_delivered(src, idx.source(src).delivered_from, |seq, v| {
+            // An entry that does not parse can confirm nothing: it goes.
+            let exp = record::parse_delivered(v).map_or(0, |(exp, _, _)| exp);
+            if (gone.len() as u64) < at_least || expired(exp) {
+                gone.push((seq, v.to_string()));
+                true
+            } else {
+                head = Some((seq, exp));
+                false
+            }
+        })?;
+    for (seq, value) in &gone {
+        tx.remove_delivered(src, *seq)?;
+        let entry = record::parse_delivered(value);
+        if let Some(token) = entry.and_then(|(_, t, _)| t) {
+            tx.remove_reply_ref(token)?;
+        }
+        let hash = idx.hash(entry.map_or("", |(_, _, id)| id));
+        idx.source(src).forget_delivered(*seq, hash);
     }
-    Ok(())
+    let si = idx.source(src);
+    match head {
+        Some((seq, exp)) => {
+            si.delivered_from = seq;
+            si.delivered_head_expires = exp;
+        }
+        // The log holds no more of this source, whatever the count said.
+        None => si.delivered = 0,
+    }
+    Ok(gone.len() as u64)
 }
 
-/// The message ID stored at `place`, to confirm an index hit.
-fn stored_id(tx: &Tx, src: &str, place: Place) -> Result<Option<String>> {
+/// The message ID stored at `place` if it has not expired at `now`, to confirm an index hit.
+fn stored_id(tx: &Tx, src: &str, place: Place, now: u64) -> Result<Option<String>> {
     let read = tx.read();
     Ok(match place {
         Place::Pending(seq) => read
             .message(src, seq)?
             .and_then(|v| record::header(&v))
+            .filter(|h| h.expires_at > now)
             .map(|h| h.message_id),
-        Place::Delivered(seq) => read
-            .delivered(src, seq)?
-            .and_then(|v| record::parse_delivered(&v).map(|(_, _, id)| id.to_string())),
+        Place::Delivered(seq) => read.delivered(src, seq)?.and_then(|v| {
+            record::parse_delivered(&v)
+                .filter(|(exp, _, _)| *exp > now)
+                .map(|(_, _, id)| id.to_string())
+        }),
     })
 }
 

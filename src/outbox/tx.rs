@@ -127,9 +127,14 @@ impl<'t> Base<'t> {
         Ok(self.redb_name(which, key)?.is_some())
     }
 
-    /// One source's rows of `messages` from `from` on, in key order.
-    fn messages_from<'s>(&'s self, src: &'s str, from: u64) -> Result<impl Iterator<Item = Row<'s, u64>> + 's> {
-        let rows = self.seq_table(Which::Messages)?.range((src, from)..=(src, u64::MAX))?;
+    /// One source's rows of `messages` or `delivered` from `from` on, in key order.
+    fn rows_from<'s>(
+        &'s self,
+        which: Which,
+        src: &'s str,
+        from: u64,
+    ) -> Result<impl Iterator<Item = Row<'s, u64>> + 's> {
+        let rows = self.seq_table(which)?.range((src, from)..=(src, u64::MAX))?;
         let rows = rows.map(|row| {
             let (k, v) = row?;
             Ok((k.value().1, Cow::Owned(v.value().to_string())))
@@ -138,7 +143,7 @@ impl<'t> Base<'t> {
         let writing = self
             .writing
             .into_iter()
-            .flat_map(move |w| w.messages.range(range.clone()));
+            .flat_map(move |w| w.seq_layer(which).range(range.clone()));
         Ok(layered(rows, writing.map(|((_, seq), slot)| (*seq, slot))))
     }
 
@@ -228,11 +233,24 @@ impl<'a> Reader<'a> {
 
     /// One source's messages from `from` on (a seq below which all have left: see
     /// `SourceIndex::first_seq`), in acceptance order, while `each` answers true.
-    pub fn source_messages(&self, src: &str, from: u64, mut each: impl FnMut(u64, &str) -> bool) -> Result<()> {
+    pub fn source_messages(&self, src: &str, from: u64, each: impl FnMut(u64, &str) -> bool) -> Result<()> {
+        self.source_rows(Which::Messages, src, from, each)
+    }
+
+    /// One source's entries of the delivered log from `from` on, oldest first, while `each`
+    /// answers true.
+    pub fn source_delivered(&self, src: &str, from: u64, each: impl FnMut(u64, &str) -> bool) -> Result<()> {
+        self.source_rows(Which::Delivered, src, from, each)
+    }
+
+    fn source_rows(&self, which: Which, src: &str, from: u64, mut each: impl FnMut(u64, &str) -> bool) -> Result<()> {
         let range = (src.to_string(), from)..=(src.to_string(), u64::MAX);
         merge(
-            self.base.messages_from(src, from)?,
-            self.ov.messages.range(range).map(|((_, seq), slot)| (*seq, slot)),
+            self.base.rows_from(which, src, from)?,
+            self.ov
+                .seq_layer(which)
+                .range(range)
+                .map(|((_, seq), slot)| (*seq, slot)),
             |seq, v| each(seq, v),
         )
     }
