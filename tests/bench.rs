@@ -509,10 +509,11 @@ struct Live {
 }
 
 impl Live {
-    fn start(program: &str, dir: &std::path::Path, deliver: bool, config_extra: &str) -> Live {
+    /// With `queue` as the `[queue]` section, or `ROOMY_QUEUE` when empty.
+    fn start(program: &str, dir: &std::path::Path, deliver: bool, queue: &str) -> Live {
         std::fs::create_dir_all(dir).unwrap();
-        let config = config_text(free_port(), dir, None, &format!("{ROOMY_QUEUE}{config_extra}"))
-            .replace("log_level = debug", "max_connections = 256");
+        let queue = if queue.is_empty() { ROOMY_QUEUE } else { queue };
+        let config = config_text(free_port(), dir, None, queue).replace("log_level = debug", "max_connections = 256");
         let d = Daemon::start_program(program, dir, &config, "warn", &[]);
         let mut x = d.xagent();
         x.hello("");
@@ -757,8 +758,8 @@ fn restarted(d: Daemon, sock: &std::os::unix::net::UnixDatagram) -> (Daemon, Dur
 /// channel, no xAgent, filled to 50,000, 200,000 and 500,000 pending messages (caps raised;
 /// `IMGATE_BENCH_BACKLOG=N` sets the last level): at each, RSS three seconds after the fill and
 /// the peak so far; the accept rate of the fill; then the same state in a new process (the
-/// index loaded at start), idle. The dedupe index's own bytes come from `/metrics` where the
-/// build has them.
+/// index loaded at start), idle; and the accept rate at a full 8 MiB queue, where every accept
+/// evicts. The dedupe index's own bytes come from `/metrics` where the build has them.
 #[test]
 #[ignore = "benchmark: cargo test --release --test bench -- --ignored --nocapture --test-threads=1"]
 fn bench_backlog_memory() {
@@ -766,14 +767,15 @@ fn bench_backlog_memory() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(500_000);
-    let levels = [0, 50_000, 200_000, last];
+    let mut levels: Vec<u64> = [0, 50_000, 200_000].into_iter().filter(|l| *l < last).collect();
+    levels.push(last);
     let builds = builds();
     let mut rows: Vec<(String, Vec<String>)> = Vec::new();
     for (i, (_, program)) in builds.iter().enumerate() {
         let live = Live::start(program, &temp_dir(&format!("bench-backlog{i}")), false, "");
         let mut cells = Vec::new();
         let (mut sent, started) = (0u64, Instant::now());
-        for level in levels {
+        for &level in &levels {
             // Rounds of 16 senders × 500, the last one cut to the level.
             while sent < level {
                 let per = ((level - sent) / 16).clamp(1, 500) as usize;
@@ -802,6 +804,26 @@ fn bench_backlog_memory() {
         cells.push((
             format!("restarted with {sent} pending: RSS KiB now / peak"),
             format!("{} / {}", proc_field(d.pid(), "status", "VmRSS:"), hwm_kib(d.pid())),
+        ));
+        drop(d);
+        // At the total cap every accept evicts the oldest message (8 MiB, about 30,000).
+        let capped =
+            "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 8MiB\nmax_bytes_total = 8MiB\n";
+        let live = Live::start(program, &temp_dir(&format!("bench-capped{i}")), false, capped);
+        let evicted = |d: &Daemon| {
+            get_json(&d.url("/status"))["channels"][0]["evicted"]
+                .as_u64()
+                .unwrap_or(0)
+        };
+        let mut round = 0;
+        while evicted(&live.d) == 0 {
+            post_load(&live.d, 16, 50, "hello", &format!("fill{round}"));
+            round += 1;
+        }
+        let rate = post_load(&live.d, 16, 150, "hello", "evicting");
+        cells.push((
+            "accepted/s at the total cap, each evicting".into(),
+            format!("{rate:.0}"),
         ));
         for (n, (name, cell)) in cells.into_iter().enumerate() {
             match rows.get_mut(n) {

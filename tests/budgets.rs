@@ -165,6 +165,55 @@ fn edge_budgets() {
     term(child);
 }
 
+/// The largest backlog the default `max_bytes_total` (64 MiB) allows: one channel (its own
+/// caps raised to the total) fed webhook messages with no text, the smallest a sender can make,
+/// until the oldest are evicted; peak RSS and the index, then the same state idle in a new
+/// process (the index loaded at start).
+#[test]
+#[ignore = "budgets: cross/budgets.sh"]
+fn largest_backlog_at_the_default_total_cap() {
+    let dir = temp_dir("budgets-largest");
+    let queue = "[queue]\nmax_messages_per_channel = 10000000\nmax_bytes_per_channel = 64MiB\n";
+    let d = Daemon::start_env(&dir, &config_text(free_port(), &dir, None, queue), "warn", &[]);
+    let mut x = d.xagent();
+    x.hello("");
+    let (cch, _) = x.open(None);
+    x.bind_webhook(&cch, "alerts", HOOK_SECRET);
+    x.close();
+    let evicted = |d: &Daemon| {
+        get_json(&d.url("/status"))["channels"][0]["evicted"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let mut round = 0;
+    // Until the cap evicts, and a round more at the cap.
+    while evicted(&d) == 0 || round % 8 != 0 {
+        post_load(&d, 16, 1000, "", &format!("l{round}"));
+        round += 1;
+    }
+    let status = get_json(&d.url("/status"));
+    let pending = status["channels"][0]["pending"].as_u64().unwrap_or(0);
+    let (_, metrics) = http_get(&d.url("/metrics"), &[("Authorization", &format!("Bearer {API_KEY}"))]);
+    let index = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("imgate_outbox_index_bytes "))
+        .unwrap_or("?")
+        .to_string();
+    println!(
+        "{:<52} {} KiB (budget 16384), index {index} B",
+        format!("peak RSS at the default caps' largest backlog ({pending} pending)"),
+        hwm_kib(d.pid())
+    );
+    let d = d.restart();
+    std::thread::sleep(Duration::from_secs(3));
+    println!(
+        "{:<52} {} KiB now, {} KiB at the peak",
+        "  the same state in a new process, idle",
+        proc_field(d.pid(), "status", "VmRSS:"),
+        hwm_kib(d.pid())
+    );
+}
+
 /// Idle cost of one bound channel and how fast it takes 2,000 messages, for a webhook channel
 /// and a Feishu chat (its long connection to the simulator) side by side.
 #[test]

@@ -301,6 +301,24 @@ fn reject_new_refuses_at_each_cap_and_stores_nothing() {
     assert_accounting(&s);
 }
 
+/// At the caps every accept evicts: each eviction reads the queue from where the last one
+/// ended, not from a head that every row evicted since the checkpoint lies behind.
+#[test]
+fn at_the_caps_each_eviction_starts_where_the_last_one_ended() {
+    let s = store_with(Policy {
+        max_messages_per_channel: 3,
+        ..ROOMY
+    });
+    for i in 0..10 {
+        assert!(accepted(s.enqueue(msg(&format!("m{i}"), 1000, 60_000))));
+    }
+    let first = s.shared.lock().index.source("hook:a").first_seq;
+    let head = s.pending("hook:a", 1, 1000).unwrap()[0].seq;
+    assert_eq!(first, head, "the next eviction starts at the head");
+    assert_eq!(ids_of(&s, "hook:a", 1000), ["m7", "m8", "m9"]);
+    assert_accounting(&s);
+}
+
 #[test]
 fn the_total_cap_reclaims_expired_messages_before_it_refuses() {
     let one = {
