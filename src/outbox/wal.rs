@@ -472,11 +472,59 @@ const CRC32C_TABLE: [u32; 256] = {
     table
 };
 
-fn crc32c_update(mut crc: u32, data: &[u8]) -> u32 {
+/// With the CPU's own CRC32C instruction where it has one (x86_64 with SSE4.2, aarch64 with
+/// its CRC extension: every 64-bit board imgate is built for), a table otherwise. The one
+/// function of imgate's own that stood out in a profile of webhook ingest (7% of its user time
+/// with the table).
+fn crc32c_update(crc: u32, data: &[u8]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("sse4.2") {
+        // SAFETY: the CPU has SSE4.2, as just asked.
+        return unsafe { crc32c_x86_64(crc, data) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("crc") {
+        // SAFETY: the CPU has the CRC extension, as just asked.
+        return unsafe { crc32c_aarch64(crc, data) };
+    }
+    crc32c_table(crc, data)
+}
+
+fn crc32c_table(mut crc: u32, data: &[u8]) -> u32 {
     for &b in data {
         crc = CRC32C_TABLE[((crc ^ u32::from(b)) & 0xff) as usize] ^ (crc >> 8);
     }
     crc
+}
+
+fn word(chunk: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(chunk);
+    u64::from_le_bytes(w)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+fn crc32c_x86_64(crc: u32, data: &[u8]) -> u32 {
+    use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
+    let mut words = data.chunks_exact(8);
+    let mut c = u64::from(crc);
+    for chunk in &mut words {
+        c = _mm_crc32_u64(c, word(chunk));
+    }
+    words.remainder().iter().fold(c as u32, |c, &b| _mm_crc32_u8(c, b))
+}
+
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "crc")]
+fn crc32c_aarch64(crc: u32, data: &[u8]) -> u32 {
+    use std::arch::aarch64::{__crc32cb, __crc32cd};
+    let mut words = data.chunks_exact(8);
+    let mut c = crc;
+    for chunk in &mut words {
+        c = __crc32cd(c, word(chunk));
+    }
+    words.remainder().iter().fold(c, |c, &b| __crc32cb(c, b))
 }
 
 #[cfg(test)]
@@ -506,6 +554,17 @@ mod tests {
     fn crc32c_matches_the_published_check_value() {
         // RFC 3720 B.4 / the CRC catalogue: CRC-32C("123456789") = 0xE3069283.
         assert_eq!(!crc32c_update(!0, b"123456789"), 0xE306_9283);
+        assert_eq!(!crc32c_table(!0, b"123456789"), 0xE306_9283);
+        // The CPU's instruction and the table agree at every length and alignment.
+        let bytes: Vec<u8> = (0..300u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for start in 0..9 {
+            for end in start..bytes.len() {
+                let part = &bytes[start..end];
+                assert_eq!(crc32c_update(0x1234_5678, part), crc32c_table(0x1234_5678, part));
+            }
+        }
     }
 
     #[test]
