@@ -627,9 +627,11 @@ fn disk_written_fs(disk: &common::ext4::Ext4) -> u64 {
     disk.device_written()
 }
 
-/// Webhook ingest at 16 connections with wrk, and the peak RSS: `(req/s, VmHWM KiB)`.
-fn ingest(program: &str, deliver: bool) -> (f64, u64) {
+/// Webhook ingest at 16 connections with wrk, the peak RSS and imgate's CPU (user and system)
+/// per request meanwhile, what a busy machine moves least: `(req/s, VmHWM KiB, µs)`.
+fn ingest(program: &str, deliver: bool) -> (f64, u64, f64) {
     let live = Live::start(program, &temp_dir("bench-ingest"), deliver, "");
+    let ticks = cpu_ticks(live.d.pid());
     let load = wrk(
         &live.d.url("/hooks/alerts"),
         16,
@@ -637,6 +639,7 @@ fn ingest(program: &str, deliver: bool) -> (f64, u64) {
         None,
     )
     .expect("wrk runs");
+    let cpu = (cpu_ticks(live.d.pid()) - ticks) as f64 * 10_000.0 / load.requests.max(1) as f64;
     let hwm = hwm_kib(live.d.pid());
     if std::env::var("IMGATE_BENCH_MEMORY").is_ok() {
         let status = std::fs::read_to_string(format!("/proc/{}/status", live.d.pid())).unwrap_or_default();
@@ -648,7 +651,7 @@ fn ingest(program: &str, deliver: bool) -> (f64, u64) {
         }
     }
     live.stop();
-    (load.rate, hwm)
+    (load.rate, hwm, cpu)
 }
 
 /// Time from a start to READY=1 (sd_notify), and what the start replayed: once after a clean
@@ -968,23 +971,26 @@ fn bench_sd_card() {
             ceilings.push(rate);
             rate
         };
-        let (mut alone, mut live, mut rss) = (
+        let (mut alone, mut live, mut rss, mut cpu) = (
             vec![Vec::new(); builds.len()],
             vec![Vec::new(); builds.len()],
             vec![0; builds.len()],
+            vec![(Vec::new(), Vec::new()); builds.len()],
         );
         for _ in 0..rounds {
             let mut before = ceiling();
             for (i, (_, p)) in builds.iter().enumerate() {
-                let (rate, _) = ingest(p, false);
+                let (rate, _, alone_cpu) = ingest(p, false);
                 let after = ceiling();
                 alone[i].push((rate, rate / ((before + after) / 2.0)));
                 before = after;
-                let (rate, hwm) = ingest(p, true);
+                let (rate, hwm, live_cpu) = ingest(p, true);
                 let after = ceiling();
                 live[i].push((rate, rate / ((before + after) / 2.0)));
                 before = after;
                 rss[i] = rss[i].max(hwm);
+                cpu[i].0.push(alone_cpu);
+                cpu[i].1.push(live_cpu);
             }
         }
         let median = |v: &mut Vec<f64>| {
@@ -1022,6 +1028,12 @@ fn bench_sd_card() {
         row(
             "ingest, 16 connections, delivering live",
             live.iter().map(summary).collect(),
+        );
+        row(
+            "imgate's CPU a request (µs, median): no xAgent / live",
+            cpu.iter_mut()
+                .map(|(a, l)| format!("{:.1} / {:.1}", median(a), median(l)))
+                .collect(),
         );
         row(
             "peak RSS (VmHWM) while delivering live",
