@@ -5,7 +5,7 @@
 //! delivered ones by `MAX_DELIVERED_IDS`.
 
 use crate::config::{approx_size as approx, fmt_size};
-use crate::outbox::{self, BYTES_PER_ID, MAX_DELIVERED_IDS};
+use crate::outbox::{self, BYTES_PER_ID, BYTES_PER_SOURCE, MAX_DELIVERED_IDS};
 use crate::providers::inbound::Inbound;
 
 /// The memory budget of an edge appliance: a router with 64 or 128 MiB runs other things too.
@@ -60,13 +60,15 @@ impl Allowed {
     pub fn line(&self) -> String {
         format!(
             "up to {} at the caps (budget {}): a dedupe index of up to {} ({} messages pending at \
-             {} B the smallest, {} delivered IDs), {} for the rest of imgate at its busiest",
+             {} B the smallest, {} delivered IDs; and {} a channel), {} for the rest of imgate at \
+             its busiest",
             approx(self.total()),
             approx(BUDGET),
             approx(self.index_bytes()),
             self.pending_ids,
             self.smallest_message,
             self.delivered_ids,
+            approx(BYTES_PER_SOURCE),
             approx(BESIDES_INDEX)
         )
     }

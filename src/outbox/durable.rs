@@ -249,11 +249,7 @@ impl Shared {
                 load_index(&Reader::new(&Base::under(txn, writing), &st.overlay))
             });
             match fresh {
-                Ok(fresh) => {
-                    let id_reads = st.index.id_reads;
-                    st.index = fresh;
-                    st.index.id_reads = id_reads;
-                }
+                Ok(fresh) => st.index.reload(fresh),
                 // Rebuilt on the next failure; the outage itself is logged once.
                 Err(e) => log::debug!("outbox: cannot reload the index: {e}"),
             }
@@ -680,9 +676,10 @@ impl Shared {
                 st.spare.close();
             }
         }
-        st.index = self
+        let fresh = self
             .db
             .read(|txn| load_index(&Reader::new(&Base::new(txn), &st.overlay)))?;
+        st.index.reload(fresh);
         self.publish(st);
         Ok(())
     }

@@ -33,12 +33,16 @@ const DELIVERED_BIT: u64 = 1 << SEQ_BITS;
 const TAG_SHIFT: u32 = 40;
 const TAG_BITS: u32 = 24;
 /// A table never has fewer slots (unless empty, when it has none).
-const MIN_SLOTS: usize = 16;
+const MIN_SLOTS: usize = 4;
 
-/// Bytes of index an ID costs at most: a table is resized to 70% full and grows again at
-/// 87.5%, shrinks below 35%; so its slots are at most 10/7 of the most IDs it held since its
-/// last resize. What `imgate check` states for the caps.
-pub const BYTES_PER_ID: u64 = 8 * 10 / 7 + 1;
+/// Bytes of index an ID costs at most: a table is resized to 70% full, grows again past 87.5%
+/// and shrinks below 50%, so a table of more than `MIN_SLOTS` is always at least half full.
+/// A source adds at most `BYTES_PER_SOURCE` (its 16 tables' headers, and tables of one ID at
+/// their least). What `imgate check` states for the caps.
+pub const BYTES_PER_ID: u64 = 16;
+pub const BYTES_PER_SOURCE: u64 = (TABLES * (std::mem::size_of::<Table>() + MIN_SLOTS * 8)) as u64;
+// What the docs say a channel costs at most.
+const _: () = assert!(BYTES_PER_SOURCE <= 1024);
 
 fn tag(hash: u64) -> u64 {
     (hash >> TAG_SHIFT).max(1)
@@ -198,7 +202,7 @@ impl Table {
         self.len -= 1;
         if self.len == 0 {
             self.slots = Vec::new();
-        } else if self.slots.len() > MIN_SLOTS && self.len * 20 < self.slots.len() * 7 {
+        } else if self.slots.len() > MIN_SLOTS && self.len * 2 < self.slots.len() {
             self.resize(self.len);
         }
         true
@@ -290,6 +294,13 @@ impl Index {
         self.sources.get_mut(src).expect("inserted above")
     }
 
+    /// Takes an index read from the disk again, keeping the reads counted since start.
+    pub fn reload(&mut self, fresh: Index) {
+        let id_reads = self.id_reads;
+        *self = fresh;
+        self.id_reads = id_reads;
+    }
+
     pub fn total_bytes(&self) -> u64 {
         self.sources.values().map(|s| s.pending_bytes).sum()
     }
@@ -338,6 +349,12 @@ impl SourceIndex {
         self.pending_bytes = self.pending_bytes.saturating_sub(bytes);
         if !self.known.replace(hash, Place::Pending(seq), Place::Delivered(seq)) {
             self.known.insert(hash, Place::Delivered(seq));
+        }
+        // A message delivered after a later one (a v2 batch answered out of order) lies below
+        // where the trims started: they start at it now, and read the head's expiry again.
+        if self.delivered == 0 || seq < self.delivered_from {
+            self.delivered_from = self.delivered_from.min(seq);
+            self.delivered_head_expires = 0;
         }
         self.delivered += 1;
     }
@@ -394,7 +411,7 @@ mod tests {
     }
 
     /// A model: every entry is found under its hash after any mix of inserts and removals,
-    /// through resizes both ways, and the table keeps to its bytes an ID.
+    /// through resizes both ways, and the tables keep to their bytes an ID at every moment.
     #[test]
     fn entries_survive_removals_and_resizes_and_the_table_keeps_its_size() {
         let mut k = Known::default();
@@ -406,11 +423,15 @@ mod tests {
             rng ^= rng << 17;
             rng
         };
-        let mut most = 0;
+        let (mut at_peak, mut shrunk) = (0, usize::MAX);
         for round in 0..60_000u64 {
-            // Grow for a while, then shrink, then grow again.
-            let grow = (round / 20_000) % 2 == 0;
-            if grow || model.is_empty() || next() % 4 == 0 {
+            // Grow to 20,000, shrink to a few hundred, grow again.
+            let grow = match round {
+                0..20_000 => true,
+                20_000..40_000 => model.len() < 300,
+                _ => next() % 4 != 0,
+            };
+            if grow || model.is_empty() {
                 // 5,000 tags spread over the 24 bits, so that tags are shared and runs cross.
                 let hash = (next() % 5_000 * 3_355 + 1) << TAG_SHIFT | next() & 0xff;
                 let place = Place::Pending(round);
@@ -420,20 +441,26 @@ mod tests {
                 let (hash, place) = model.swap_remove((next() % model.len() as u64) as usize);
                 assert!(k.remove(hash, place));
             }
-            most = most.max(model.len());
+            let bound = BYTES_PER_ID * model.len() as u64 + BYTES_PER_SOURCE;
+            assert!(k.bytes() as u64 <= bound, "{} bytes for {} IDs", k.bytes(), model.len());
+            if round == 19_999 {
+                at_peak = k.bytes();
+            }
+            if round == 39_999 {
+                shrunk = k.bytes();
+            }
             if round % 997 == 0 {
                 for &(hash, place) in &model {
                     assert!(k.candidates(hash, round + 1).any(|p| p == place), "{place:?} found");
                 }
                 assert_eq!(k.len(), model.len());
-                let least = (TABLES * MIN_SLOTS * 8) as u64;
-                assert!(k.bytes() as u64 <= (BYTES_PER_ID * most as u64).max(least));
             }
         }
+        assert!(shrunk * 20 < at_peak, "the tables shrank: {shrunk} of {at_peak} bytes");
         for (hash, place) in model.drain(..) {
             assert!(k.remove(hash, place));
         }
-        assert_eq!(k.bytes(), 0, "an empty table holds nothing");
+        assert_eq!(k.bytes(), 0, "an empty index holds nothing");
     }
 
     #[test]

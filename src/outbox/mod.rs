@@ -26,7 +26,7 @@
 //!   until its `expires_at`, for at most `Policy::delivered_cap` delivered IDs per source and
 //!   `MAX_DELIVERED_IDS` over all. The delivered IDs are kept in `DELIVERED`, written in
 //!   sequence at delivery, so the state is bounded on disk and in memory and survives restarts.
-//!   In memory an ID costs at most `index::BYTES_PER_ID`.
+//!   In memory an ID costs at most `index::BYTES_PER_ID` (and a source `BYTES_PER_SOURCE`).
 
 mod committer;
 mod durable;
@@ -47,8 +47,8 @@ use miniserde::{Deserialize, Serialize};
 
 pub use self::durable::LogReport;
 use self::durable::Shared;
-pub use self::index::BYTES_PER_ID;
 use self::index::{Index, Place};
+pub use self::index::{BYTES_PER_ID, BYTES_PER_SOURCE};
 pub use self::outcomes::Outcome;
 use self::outcomes::Outcomes;
 use self::overlay::Which;
@@ -376,7 +376,9 @@ impl Outbox {
                 n += 1;
             }
             let over = idx.source(source).delivered.saturating_sub(cap);
-            trim_delivered(tx, idx, source, |_| false, over)?;
+            if over > 0 {
+                trim_delivered(tx, idx, source, |_| false, over)?;
+            }
             // The delivered log over all sources: the source that holds most gives way.
             let mut over = idx.total_delivered().saturating_sub(max_delivered_ids);
             while over > 0 {

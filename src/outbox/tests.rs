@@ -480,6 +480,24 @@ fn the_delivered_log_is_bounded_over_all_sources_and_the_source_holding_most_giv
     assert_eq!(ids, 1500 + 2, "the index holds the kept entries and the two pending");
 }
 
+/// A v2 batch may be answered out of order: the later message delivered first, the earlier
+/// after it. Both delivered-log entries still leave at their expiry, with their reply refs.
+#[test]
+fn delivered_entries_written_out_of_order_still_expire() {
+    let s = store();
+    s.enqueue(msg("first", 1000, 60_000)).unwrap();
+    s.enqueue(msg("second", 1000, 60_000)).unwrap();
+    let p = s.pending("hook:a", 10, 1000).unwrap();
+    s.mark_delivered("hook:a", &[p[1].seq]).unwrap();
+    s.sweep_expired(2000).unwrap();
+    s.mark_failed("hook:a", p[0].seq, "rejected", "no").unwrap();
+    assert_eq!(delivered_kept(&s, "hook:a"), ["first", "second"]);
+    s.sweep_expired(61_000).unwrap();
+    assert!(delivered_kept(&s, "hook:a").is_empty(), "both expired and went");
+    assert!(s.reply_ref("rr_first").unwrap().is_none());
+    assert_eq!(s.index_report().0, 0, "nothing known");
+}
+
 /// Two IDs whose keyed hashes share the index's 24 bits (about one pair in 2^24; found by
 /// trying): both are stored, each is still recognised, and a read of the stored ID tells them
 /// apart, pending and delivered.

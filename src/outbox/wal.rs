@@ -503,28 +503,44 @@ fn word(chunk: &[u8]) -> u64 {
     u64::from_le_bytes(w)
 }
 
+// `unsafe fn` and the blocks inside keep the crate building with its `rust-version` (1.85),
+// where these intrinsics are unsafe to call; later compilers call them safe in a function with
+// the feature, hence `unused_unsafe` allowed.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2")]
-fn crc32c_x86_64(crc: u32, data: &[u8]) -> u32 {
+#[allow(unused_unsafe)]
+unsafe fn crc32c_x86_64(crc: u32, data: &[u8]) -> u32 {
     use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
     let mut words = data.chunks_exact(8);
     let mut c = u64::from(crc);
     for chunk in &mut words {
-        c = _mm_crc32_u64(c, word(chunk));
+        // SAFETY: the caller checked that the CPU has SSE4.2.
+        c = unsafe { _mm_crc32_u64(c, word(chunk)) };
     }
-    words.remainder().iter().fold(c as u32, |c, &b| _mm_crc32_u8(c, b))
+    let mut c = c as u32;
+    for &b in words.remainder() {
+        // SAFETY: as above.
+        c = unsafe { _mm_crc32_u8(c, b) };
+    }
+    c
 }
 
 #[cfg(target_arch = "aarch64")]
 #[target_feature(enable = "crc")]
-fn crc32c_aarch64(crc: u32, data: &[u8]) -> u32 {
+#[allow(unused_unsafe)]
+unsafe fn crc32c_aarch64(crc: u32, data: &[u8]) -> u32 {
     use std::arch::aarch64::{__crc32cb, __crc32cd};
     let mut words = data.chunks_exact(8);
     let mut c = crc;
     for chunk in &mut words {
-        c = __crc32cd(c, word(chunk));
+        // SAFETY: the caller checked that the CPU has the CRC extension.
+        c = unsafe { __crc32cd(c, word(chunk)) };
     }
-    words.remainder().iter().fold(c, |c, &b| __crc32cb(c, b))
+    for &b in words.remainder() {
+        // SAFETY: as above.
+        c = unsafe { __crc32cb(c, b) };
+    }
+    c
 }
 
 #[cfg(test)]
