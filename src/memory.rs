@@ -17,7 +17,7 @@ pub const BESIDES_INDEX: u64 = 9 << 20;
 /// What the caps allow.
 #[derive(Debug, PartialEq)]
 pub struct Allowed {
-    /// The smallest record a message takes in the queue: its ID of one byte, no text.
+    /// The smallest record a message takes in the queue: its ID of one byte, nothing else.
     pub smallest_message: u64,
     pub pending_ids: u64,
     pub delivered_ids: u64,
@@ -28,7 +28,7 @@ impl Allowed {
     pub fn of(max_bytes_total: u64) -> Allowed {
         let empty = Inbound {
             message_id: "x".into(),
-            sender_id: "x".into(),
+            sender_id: String::new(),
             sender_name: None,
             chat_id: None,
             chat_type: String::new(),

@@ -108,7 +108,7 @@ fn check_states_the_memory_the_queue_caps_allow_and_warns_past_the_budget() {
     assert!(out.status.success(), "a warning, not an error");
     let errors = String::from_utf8_lossy(&out.stderr);
     assert!(
-        errors.contains("imgate: warning: [queue] max_bytes_total lets a backlog of small messages take 23.1 MiB of memory, past the 16.0 MiB budget; 86MiB or less keeps within it"),
+        errors.contains("imgate: warning: [queue] max_bytes_total lets a backlog of small messages take 23.2 MiB of memory, past the 16.0 MiB budget; 86MiB or less keeps within it"),
         "{errors}"
     );
 }

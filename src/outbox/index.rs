@@ -72,11 +72,9 @@ impl Known {
         self.tables.get((tag(hash) >> RUN_BITS) as usize)
     }
 
-    fn table_mut(&mut self, hash: u64) -> &mut Table {
-        if self.tables.is_empty() {
-            self.tables.resize_with(TABLES, Table::default);
-        }
-        &mut self.tables[(tag(hash) >> RUN_BITS) as usize % TABLES]
+    /// The hash's table, if this source has its tables yet.
+    fn table_mut(&mut self, hash: u64) -> Option<&mut Table> {
+        self.tables.get_mut((tag(hash) >> RUN_BITS) as usize)
     }
 
     /// Every entry whose tag is this hash's, as places (seqs made whole below `next_seq`).
@@ -87,13 +85,18 @@ impl Known {
     }
 
     pub fn insert(&mut self, hash: u64, place: Place) {
-        self.table_mut(hash).insert(hash, place);
+        if self.tables.is_empty() {
+            self.tables.resize_with(TABLES, Table::default);
+        }
+        if let Some(t) = self.table_mut(hash) {
+            t.insert(hash, place);
+        }
     }
 
     /// Forgets one entry; false when it was not there.
     pub fn remove(&mut self, hash: u64, place: Place) -> bool {
-        let removed = self.table_mut(hash).remove(hash, place);
-        if self.len() == 0 {
+        let removed = self.table_mut(hash).is_some_and(|t| t.remove(hash, place));
+        if removed && self.len() == 0 {
             self.tables = Vec::new();
         }
         removed
@@ -101,7 +104,7 @@ impl Known {
 
     /// Moves an entry to another place of the same ID (its slot, as the tag is the same).
     pub fn replace(&mut self, hash: u64, from: Place, to: Place) -> bool {
-        self.table_mut(hash).replace(hash, from, to)
+        self.table_mut(hash).is_some_and(|t| t.replace(hash, from, to))
     }
 
     pub fn len(&self) -> usize {
