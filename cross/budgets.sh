@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Prints the edge budgets (binary size, peak RSS idle and with a 50 MiB backlog, cold start to
-# READY) of the x86_64 musl build; docs/benchmarks.md shows the latest figures.
+# Prints the edge budgets (binary size, peak RSS idle, with a 50 MiB backlog and at the largest
+# backlog the default caps allow, cold start to READY) of the x86_64 musl build;
+# docs/benchmarks.md shows the latest figures.
 #
 #   cross/budgets.sh [--install]
 set -euo pipefail

@@ -1,5 +1,6 @@
-//! Edge budgets of a (cross-)built binary: size, peak RSS idle and with a 50 MiB backlog, cold
-//! start to READY=1. Prints figures; asserts nothing about them.
+//! Edge budgets of a (cross-)built binary: size, peak RSS idle, with a 50 MiB backlog and at the
+//! largest backlog the default caps allow, cold start to READY=1. Prints figures; asserts
+//! nothing about them.
 //!
 //!     cross/budgets.sh     (builds x86_64-unknown-linux-musl, then runs this with IMGATE_BIN)
 
