@@ -373,12 +373,21 @@ impl SourceIndex {
         self.next_seq = self.next_seq.max(seq + 1);
     }
 
-    /// The oldest delivered-log entry, at `seq`, was removed.
-    pub fn forget_delivered(&mut self, seq: u64, hash: u64) {
-        self.known.remove(hash, Place::Delivered(seq));
-        self.delivered = self.delivered.saturating_sub(1);
+    /// The oldest delivered-log entry, at `seq`, was removed; `hash` is its ID's, unless the
+    /// entry was unreadable (then it was neither counted nor known).
+    pub fn forget_delivered(&mut self, seq: u64, hash: Option<u64>) {
+        if let Some(hash) = hash {
+            self.known.remove(hash, Place::Delivered(seq));
+            self.delivered = self.delivered.saturating_sub(1);
+        }
         self.delivered_from = seq + 1;
         self.delivered_head_expires = 0;
+    }
+
+    /// Whether the head of the queue may have expired at `now` (see `head_expires`), so that
+    /// expiry has to read it.
+    pub fn head_may_expire(&self, now: u64) -> bool {
+        self.pending > 0 && now >= self.head_expires
     }
 
     /// Pending bytes change when a record is rewritten (attempt counts).

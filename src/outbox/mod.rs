@@ -716,21 +716,22 @@ fn trim_delivered(
             // An entry that does not parse can confirm nothing: it goes.
             let exp = record::parse_delivered(v).map_or(0, |(exp, _, _)| exp);
             if (gone.len() as u64) < at_least || expired(exp) {
-                gone.push((seq, v.to_string()));
+                gone.push(seq);
                 true
             } else {
                 head = Some((seq, exp));
                 false
             }
         })?;
-    for (seq, value) in &gone {
-        tx.remove_delivered(src, *seq)?;
-        let entry = record::parse_delivered(value);
+    for seq in gone.iter().copied() {
+        // The remove hands back the entry it read: its reply reference and ID.
+        let value = tx.remove_delivered(src, seq)?;
+        let entry = value.as_deref().and_then(record::parse_delivered);
         if let Some(token) = entry.and_then(|(_, t, _)| t) {
             tx.remove_reply_ref(token)?;
         }
-        let hash = idx.hash(entry.map_or("", |(_, _, id)| id));
-        idx.source(src).forget_delivered(*seq, hash);
+        let hash = entry.map(|(_, _, id)| idx.hash(id));
+        idx.source(src).forget_delivered(seq, hash);
     }
     let si = idx.source(src);
     match head {
@@ -764,7 +765,7 @@ fn stored_id(tx: &Tx, src: &str, place: Place, now: u64) -> Result<Option<String
 /// Removes the expired messages at the head of one source.
 fn expire_head(tx: &mut Tx, idx: &mut Index, src: &str, now: u64) -> Result<u64> {
     let si = idx.source(src);
-    if si.pending == 0 || now < si.head_expires {
+    if !si.head_may_expire(now) {
         return Ok(0);
     }
     let mut gone = Vec::new();
@@ -789,11 +790,16 @@ fn expire_head(tx: &mut Tx, idx: &mut Index, src: &str, now: u64) -> Result<u64>
     remove_expired(tx, idx, gone)
 }
 
-/// Removes the expired messages of every source: each source's are at its head, and a head
-/// read since its expiry passed is not read again (so at the total cap, where every accept
-/// comes here, an accept reads no more than it would below it).
+/// Removes the expired messages of every source: each source's are at its head, and a head is
+/// read only once the expiry last seen there has passed (so at the total cap, where every
+/// accept comes here, an accept reads and copies no more than it would below it).
 fn expire_all(tx: &mut Tx, idx: &mut Index, now: u64) -> Result<u64> {
-    let sources: Vec<String> = idx.sources.keys().cloned().collect();
+    let sources: Vec<String> = idx
+        .sources
+        .iter()
+        .filter(|(_, si)| si.head_may_expire(now))
+        .map(|(src, _)| src.clone())
+        .collect();
     let mut n = 0;
     for src in &sources {
         n += expire_head(tx, idx, src, now)?;

@@ -497,6 +497,7 @@ fn crc32c_table(mut crc: u32, data: &[u8]) -> u32 {
     crc
 }
 
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 fn word(chunk: &[u8]) -> u64 {
     let mut w = [0u8; 8];
     w.copy_from_slice(chunk);
